@@ -1,0 +1,44 @@
+"""Plain-torch paged attention: the ground truth in tests and the CPU path.
+
+Causal attention with grouped-query heads, reading every key and value from the paged cache.
+"""
+from __future__ import annotations
+
+import torch
+
+from backend.attention.metadata import AttentionMetadata
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their cache slots."""
+    num_blocks, block_size = k_cache.shape[:2]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query [T, heads, head_dim] -> output [T, heads, head_dim]."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(query)
+    start = 0
+    for b, (q_len, ctx_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        num_blocks = (ctx_len + block_size - 1) // block_size
+        blocks = meta.block_tables[b, :num_blocks].long()
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+        q = query[start:start + q_len].float()                        # [q, H, D]
+        k = keys.float().repeat_interleave(group, dim=1)              # [ctx, H, D]
+        v = values.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
+        k_pos = torch.arange(ctx_len, device=query.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+        start += q_len
+    return out

@@ -1,0 +1,49 @@
+"""Engine configuration: one dataclass, names as in TensorRT-LLM where one exists."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class EngineConfig:
+    model_path: str = "default"           # "default", a HF directory, a .gguf file or a preset name
+    tokenizer_dir: str | None = None      # defaults to the model directory
+    device: str = "auto"                  # "auto" = cuda when available, else cpu
+    dtype: str = "auto"                   # "auto" = bfloat16 on GPU, float32 on CPU
+    max_batch_size: int = 64              # running-request cap
+    max_num_tokens: int = 2048            # token budget per step
+    max_seq_len: int | None = None        # prompt + generated; None = the model's limit
+    tokens_per_block: int | None = None   # None = 32 on GPU, 16 on CPU
+    max_tokens_in_paged_kv_cache: int | None = None
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    enable_kv_cache_reuse: bool = True
+    enable_chunked_context: bool = True
+    batch_scheduler_policy: str = "guaranteed_no_evict"
+    max_queue_size: int = 0               # 0 = unbounded
+    attention_backend: str = "auto"       # "auto" = triton on GPU, torch on CPU
+    cuda_graphs: bool = True              # decode-only steps on GPU
+    seed: int = 0                         # engine-wide generator for unseeded sampling
+
+    def validate(self) -> None:
+        for name in ("max_batch_size", "max_num_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_seq_len", "tokens_per_block", "max_tokens_in_paged_kv_cache"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or unset, got {value!r}")
+        if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
+            raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1], "
+                             f"got {self.kv_cache_free_gpu_mem_fraction}")
+        if self.batch_scheduler_policy not in SCHEDULER_POLICIES:
+            raise ValueError(f"batch_scheduler_policy must be one of {SCHEDULER_POLICIES}, "
+                             f"got {self.batch_scheduler_policy!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+        if not isinstance(self.max_queue_size, int) or self.max_queue_size < 0:
+            raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size!r}")

@@ -1,0 +1,88 @@
+"""A request as the engine sees it: its state while it is served, and what it emits."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from backend.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted and requeued
+    RUNNING = "running"      # holds KV blocks, scheduled every step until it finishes
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"        # max_tokens (or max_seq_len) reached
+    STOP = "stop"            # a stop token sequence matched
+    END_ID = "end_id"        # the end id was sampled
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass
+class Request:
+    """Engine-side state of one request. Only the executor thread mutates it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # KV state: physical block ids, and how many tokens of `all_ids` are already in the cache.
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0    # prompt tokens served from reused blocks (first admission)
+    num_reused_blocks: int = 0
+    num_new_blocks: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    arrival_time: float = field(default_factory=time.time)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.sampling.max_tokens
+
+
+@dataclass
+class RequestOutput:
+    """What the engine delivers through the callback, once per step per request."""
+
+    request_id: str
+    new_token_ids: list[int]              # tokens produced since the last output
+    new_logprobs: list[float]             # their log-probs (empty unless return_log_probs)
+    num_output_tokens: int                # generated so far, including new_token_ids
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_reused_blocks: int = 0
+    num_new_blocks: int = 0
+    cum_logprob: float = 0.0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
