@@ -1,0 +1,163 @@
+"""Batched token selection with per-request parameters.
+
+Processing order for each row (one request per row):
+
+1. logits processors (`backend.logits_processors`): embedding bias -> bad words ban ->
+   min-tokens end-id ban -> repetition penalty -> presence / frequency penalties
+2. greedy requests (temperature 0 or top_k 1): exact argmax of the processed logits, ties to the
+   first index like `torch.argmax`, so with no processors it equals argmax of the raw logits
+3. sampled requests: temperature -> top-k -> top-p -> min-p -> draw
+
+top-p and min-p look at the distribution left by the previous steps (top-p renormalises after
+top-k; min-p compares against the largest remaining probability), as in Hugging Face.
+
+Draws use the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) selects i with probability
+p_i. It turns sampling into noise generation plus an argmax, so every row is drawn in the same
+batched operation while each seeded request still fills its noise from its own generator. A
+seeded row consumes exactly V exponentials per step from its generator, so its tokens do not
+depend on its neighbours or its position in the batch.
+
+Log-probs are those of the chosen tokens under the raw model distribution (log_softmax of the
+unprocessed logits), which is what clients compare against other engines.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.logits_processors import apply_logits_processors, has_processors
+from backend.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Log-prob of each chosen token under the raw model distribution; None when no request in
+    # the batch asked for them (then they are not computed at all).
+    logprobs: list[float] | None
+
+
+class Sampler:
+    def __init__(
+        self,
+        vocab_size: int,
+        default_end_ids: list[int],
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ):
+        self.vocab_size = vocab_size
+        self.default_end_ids = list(default_end_ids)
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        """Drop per-request state when a request ends (a later request may reuse the id)."""
+        self._request_generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Choose one token per row of `logits` [B, V]; row i belongs to requests[i]."""
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(f"logits must be [{len(requests)}, V], got {tuple(logits.shape)}")
+        logits = logits.float()
+        processed = any(has_processors(r, self.default_end_ids) for r in requests)
+        if not processed and all(r.sampling.greedy for r in requests):
+            tokens = logits.argmax(dim=-1)  # fast path: nothing to copy or edit
+        else:
+            work = logits.clone()
+            if processed:
+                apply_logits_processors(work, requests, self.default_end_ids)
+            tokens = self._choose(work, requests)
+
+        logprobs = None
+        if any(r.sampling.return_log_probs for r in requests):
+            chosen = logits.gather(1, tokens[:, None]).squeeze(1)
+            logprobs = (chosen - torch.logsumexp(logits, dim=-1)).tolist()
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Argmax for greedy rows, a filtered draw for the others. `logits` is processed."""
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(requests) if not r.sampling.greedy]
+        if not sampled:
+            return tokens
+        params = [requests[i].sampling for i in sampled]
+        # One host-to-device copy for all per-row scalars (top_k < 2**24 is exact in float32).
+        table = torch.tensor(
+            [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params],
+            dtype=torch.float32, device=logits.device,
+        )
+        rows = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+        scaled = logits[rows] / table[:, 0:1]
+        filtered = filter_logits(
+            scaled,
+            top_k=table[:, 1].long() if any(p.top_k > 0 for p in params) else None,
+            top_p=table[:, 2] if any(p.top_p < 1.0 for p in params) else None,
+            min_p=table[:, 3] if any(p.min_p > 0.0 for p in params) else None,
+        )
+        probs = torch.softmax(filtered, dim=-1)
+        noise = self._exponential_noise([requests[i] for i in sampled], probs.shape)
+        tokens[rows] = (probs / noise).argmax(dim=-1)
+        return tokens
+
+    def _exponential_noise(self, requests: list[Request], shape: torch.Size) -> torch.Tensor:
+        """Exp(1) noise; seeded rows from their own generator, the rest from the shared one."""
+        noise = torch.empty(shape, dtype=torch.float32, device=self.device)
+        unseeded = [j for j, r in enumerate(requests) if r.sampling.seed is None]
+        if len(unseeded) == len(requests):
+            noise.exponential_(generator=self.generator)
+        elif unseeded:
+            block = torch.empty((len(unseeded), shape[1]), dtype=torch.float32, device=self.device)
+            noise[torch.tensor(unseeded, device=self.device)] = block.exponential_(
+                generator=self.generator
+            )
+        for j, r in enumerate(requests):
+            if r.sampling.seed is not None:
+                noise[j].exponential_(generator=self._generator_for(r))
+        # Exp(1) can round to 0; a zero would turn a zero-probability token into 0/0.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _generator_for(self, request: Request) -> torch.Generator:
+        generator = self._request_generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(request.sampling.seed)
+            self._request_generators[request.request_id] = generator
+        return generator
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Set logits outside each row's top-k / top-p / min-p support to -inf.
+
+    Per-row parameters are [R] tensors (top_k 0 = off, top_p 1 = off, min_p 0 = off); None
+    means off for every row. The most likely token always survives. Top-k and top-p share one
+    sort of the row; min-p needs no sort.
+    """
+    neg_inf = float("-inf")
+    if top_k is not None or top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+        vocab = logits.shape[1]
+        if top_k is not None:
+            k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+            position = torch.arange(vocab, device=logits.device)
+            sorted_logits.masked_fill_(position[None, :] >= k[:, None], neg_inf)
+        if top_p is not None:
+            probs = torch.softmax(sorted_logits, dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            # Keep the smallest prefix whose mass reaches p; rows with p = 1 keep everything
+            # (float cumsum may reach 1.0 before the tail does).
+            drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+            sorted_logits.masked_fill_(drop, neg_inf)
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, neg_inf)
+    return logits
