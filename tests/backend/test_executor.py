@@ -1,0 +1,181 @@
+"""Executor behaviour on a tiny random model: validation, cancellation, stop sequences, queue limits,
+failure isolation, and the offline command."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from backend import generate
+from backend.config import EngineConfig
+from backend.executor import Executor, QueueFullError
+from backend.model_runner import ModelRunner
+from backend.request import FinishReason
+from backend.sampling_params import SamplingParams
+from tests.tiny_models import make_tiny_model, random_prompts
+
+POISON = 7  # prompts containing this token make the faulty runner below raise
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model("llama", path)
+    return path
+
+
+@pytest.fixture
+def executor(tiny_dir):
+    ex = Executor(EngineConfig(model_path=str(tiny_dir), max_seq_len=256, tokens_per_block=8, max_batch_size=8))
+    yield ex
+    ex.shutdown()
+
+
+class Collector:
+    def __init__(self):
+        self.outputs = []
+        self.done = threading.Event()
+
+    def __call__(self, out):
+        self.outputs.append(out)
+        if out.finished:
+            self.done.set()
+
+    @property
+    def tokens(self):
+        return [t for o in self.outputs for t in o.new_token_ids]
+
+    @property
+    def final(self):
+        assert self.done.wait(60)
+        return self.outputs[-1]
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], SamplingParams(max_tokens=4), "prompt must not be empty"),
+    ([5] * 300, SamplingParams(max_tokens=4), "max_seq_len"),
+    ([5, 6], SamplingParams(max_tokens=0), "max_tokens must be >= 1"),
+    ([5, 6], SamplingParams(max_tokens=-3), "max_tokens must be >= 1"),
+    ([5, 6], SamplingParams(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+    ([5, 6], SamplingParams(temperature=-1.0), "temperature must be >= 0"),
+    ([5, 600], SamplingParams(), "prompt token ids must be integers in [0, 512)"),
+    ([5, 6], SamplingParams(stop_token_ids=[[]]), "stop_token_ids"),
+    ([5, 6], SamplingParams(bad_token_ids=[[9999]]), "bad_token_ids"),
+])
+def test_bad_input_is_rejected_and_neighbours_are_served(executor, prompt, params, message):
+    good = Collector()
+    executor.submit("good", [3, 4, 5], SamplingParams(max_tokens=6, ignore_end_id=True), good)
+    with pytest.raises(ValueError) as err:
+        executor.submit("bad", prompt, params, Collector())
+    assert message in str(err.value)
+    assert good.final.finish_reason == FinishReason.LENGTH
+    assert len(good.tokens) == 6
+
+
+def test_cancel_frees_blocks_and_sends_final(executor):
+    collector = Collector()
+    executor.submit("long", [3, 4, 5, 6], SamplingParams(max_tokens=200, ignore_end_id=True), collector)
+    while not collector.outputs:
+        pass
+    assert executor.cancel("long")
+    final = collector.final
+    assert final.finished and final.finish_reason == FinishReason.CANCELLED
+    assert len(collector.tokens) < 200
+    stats = executor.stats()
+    assert stats.kv.free_blocks == stats.kv.max_blocks and stats.num_cancelled == 1
+    assert not executor.cancel("long")  # already gone
+
+
+def test_stop_sequence_ends_where_the_stop_starts(executor):
+    prompt = [11, 12, 13, 14]
+    free = executor.generate([prompt], SamplingParams(max_tokens=20, ignore_end_id=True))[0]["token_ids"]
+    stop = free[5:8]
+    collector = Collector()
+    executor.submit("stop", prompt, SamplingParams(max_tokens=20, ignore_end_id=True, stop_token_ids=[stop]), collector)
+    assert collector.final.finish_reason == FinishReason.STOP
+    # The first occurrence of the stop sequence ends generation; nothing of it is delivered.
+    first = next(i for i in range(len(free)) if free[i:i + len(stop)] == stop)
+    assert collector.tokens == free[:first]
+
+
+def test_end_id_finishes_and_is_not_delivered(executor):
+    prompt = [21, 22, 23]
+    free = executor.generate([prompt], SamplingParams(max_tokens=10, ignore_end_id=True))[0]
+    end = free["token_ids"][4]
+    result = executor.generate([prompt], SamplingParams(max_tokens=10, end_id=end))[0]
+    first = free["token_ids"].index(end)
+    assert result["finish_reason"] == FinishReason.END_ID
+    assert result["token_ids"] == free["token_ids"][:first]
+
+
+def test_queue_full_is_refused_explicitly(tiny_dir):
+    ex = Executor(EngineConfig(model_path=str(tiny_dir), max_batch_size=1, max_queue_size=1, tokens_per_block=8))
+    try:
+        first, second = Collector(), Collector()
+        ex.submit("a", [3, 4], SamplingParams(max_tokens=100, ignore_end_id=True), first)
+        while not first.outputs:
+            pass
+        ex.submit("b", [3, 4], SamplingParams(max_tokens=2), second)
+        with pytest.raises(QueueFullError, match="max_queue_size=1"):
+            ex.submit("c", [3, 4], SamplingParams(max_tokens=2), Collector())
+        assert first.final.finish_reason == FinishReason.LENGTH
+        assert second.final.finish_reason in (FinishReason.LENGTH, FinishReason.END_ID)
+    finally:
+        ex.shutdown()
+
+
+class PoisonedRunner(ModelRunner):
+    """The real runner, failing whenever a poison token is in the step (fault injection)."""
+
+    def execute(self, chunks):
+        if any(POISON in c.token_ids for c in chunks):
+            raise RuntimeError("poisoned step")
+        return super().execute(chunks)
+
+
+def test_a_failing_request_fails_alone(tiny_dir):
+    config = EngineConfig(model_path=str(tiny_dir), tokens_per_block=8)
+    clean = Executor(config)
+    prompts = random_prompts(6, 512, seed=3)
+    prompts = [[t for t in p if t != POISON] for p in prompts]
+    expected = clean.generate(prompts, SamplingParams(max_tokens=8, ignore_end_id=True))
+    clean.shutdown()
+
+    ex = Executor(config, runner=PoisonedRunner(config))
+    try:
+        bad = Collector()
+        ex.submit("poisoned", [3, POISON, 4], SamplingParams(max_tokens=8), bad)
+        results = ex.generate(prompts, SamplingParams(max_tokens=8, ignore_end_id=True))
+        assert bad.final.finish_reason == FinishReason.ERROR and bad.final.error
+        assert [r["token_ids"] for r in results] == [r["token_ids"] for r in expected]
+    finally:
+        ex.shutdown()
+
+
+def test_a_failing_callback_fails_alone(executor):
+    def explode(out):
+        raise RuntimeError("client went away")
+
+    executor.submit("exploding", [3, 4, 5], SamplingParams(max_tokens=50, ignore_end_id=True), explode)
+    result = executor.generate([[3, 4, 5]], SamplingParams(max_tokens=5, ignore_end_id=True))[0]
+    assert len(result["token_ids"]) == 5
+    stats = executor.stats()
+    assert stats.num_failed == 1
+
+
+def test_offline_command_unknown_model(tiny_dir, capsys):
+    code = generate.main(["--model", str(tiny_dir / "missing"), "--prompt", "hi"])
+    assert code == 2
+    assert "expected" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_offline_command_default_model(capsys):
+    code = generate.main(["--prompt", "The capital of France is", "--prompt", "Say hi", "--chat",
+                          "--max-tokens", "8", "--json"])
+    assert code == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == ["The capital of France is", "Say hi"]
+    for line in lines:
+        assert 0 < len(line["token_ids"]) <= 8 and isinstance(line["text"], str) and line["text"]

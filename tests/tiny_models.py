@@ -1,0 +1,37 @@
+"""Tiny random-weight Llama-family checkpoints saved as Hugging Face directories."""
+from __future__ import annotations
+
+import random
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
+    "llama3-rope": lambda: LlamaConfig(**TINY, tie_word_embeddings=True, rope_theta=500000.0,
+                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 64}),
+    "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
+}
+
+
+def make_tiny_model(kind: str, path) -> AutoModelForCausalLM:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[kind]())
+    with torch.no_grad():  # random weights large enough that greedy paths differ per prompt
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def random_prompts(n: int, vocab: int, seed: int = 0, low: int = 1, high: int = 90) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
+
+
