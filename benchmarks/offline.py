@@ -1,0 +1,139 @@
+"""Offline throughput: N requests with random prompts, input/output lengths drawn uniformly from
+ranges, fixed output lengths (the end id is ignored). All requests are submitted at once and the
+executor batches them in flight. With `--baseline hf`, transformers `generate` serves the same
+requests in static batches in the same run (optionally a stated subset, to bound its time).
+
+    python -m benchmarks.offline --model llama-3.2-1b --num-requests 256 --isl 100:1024 \
+        --osl 100:1024 --seed 0 --baseline hf --json benchmarks/results/offline_llama1b_h100.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from backend.config import EngineConfig
+from backend.executor import Executor
+from backend.sampling_params import SamplingParams
+from benchmarks.provenance import provenance
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    return int(low), int(high or low)
+
+
+def make_requests(num: int, isl: tuple[int, int], osl: tuple[int, int], vocab: int, seed: int):
+    rng = random.Random(seed)
+    prompts, lengths = [], []
+    for _ in range(num):
+        prompts.append([rng.randrange(100, vocab - 100) for _ in range(rng.randint(*isl))])
+        lengths.append(rng.randint(*osl))
+    return prompts, lengths
+
+
+def run_engine(executor: Executor, prompts, lengths) -> float:
+    params = [SamplingParams(max_tokens=n, ignore_end_id=True) for n in lengths]
+    start = time.perf_counter()
+    results = executor.generate(prompts, params)
+    _sync(executor.runner.device)
+    wall = time.perf_counter() - start
+    produced = [len(r["token_ids"]) for r in results]
+    assert produced == lengths, "the engine must produce exactly the requested output lengths"
+    return wall
+
+
+@torch.inference_mode()
+def run_hf(model_dir: str, device, dtype, prompts, lengths, batch_size: int) -> float:
+    """transformers generate, static batches (left padding), exact lengths via min/max_new_tokens.
+    Tokens beyond a request's own length are generated but not counted."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from backend.presets import random_weights_spec
+
+    if random_weights_spec(model_dir) is not None:  # a preset: random weights, speed is what counts
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    model.eval()
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less padding: fairer to HF
+    start = time.perf_counter()
+    for b in range(0, len(order), batch_size):
+        idx = order[b:b + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(idx):
+            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]):] = 1
+        new = max(lengths[i] for i in idx)
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                       min_new_tokens=new, do_sample=False, pad_token_id=0)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.offline", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default", help="'default', a preset (llama-3.2-1b, llama-3.1-8b), a HF dir")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--isl", type=parse_range, default=(100, 1024), help="input lengths A:B (uniform)")
+    p.add_argument("--osl", type=parse_range, default=(100, 1024), help="output lengths A:B (uniform)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--hf-requests", type=int, default=None, help="serve only the first K requests with HF")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--json", default=None, help="write the result here")
+    args = p.parse_args(argv)
+
+    max_seq = args.isl[1] + args.osl[1] + 1
+    config = EngineConfig(model_path=args.model, device=args.device, dtype=args.dtype,
+                          max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+                          max_seq_len=max_seq)
+    executor = Executor(config)
+    prompts, lengths = make_requests(args.num_requests, args.isl, args.osl, executor.vocab_size, args.seed)
+    run_engine(executor, prompts[:4], [4] * 4)  # warm-up (kernels compile, graphs capture)
+    wall = run_engine(executor, prompts, lengths)
+    result = {
+        "benchmark": "offline", **provenance(executor.runner.device), "model": args.model,
+        "dtype": str(executor.runner.dtype).replace("torch.", ""),
+        "num_requests": args.num_requests, "isl": list(args.isl), "osl": list(args.osl), "seed": args.seed,
+        "total_input_tokens": sum(map(len, prompts)), "total_output_tokens": sum(lengths),
+        "wall_s": round(wall, 3), "output_tokens_per_s": round(sum(lengths) / wall, 1),
+        "engine": {"max_batch_size": args.max_batch_size, "max_num_tokens": args.max_num_tokens,
+                   "kv_blocks": executor.runner.num_kv_blocks, "tokens_per_block": executor.runner.tokens_per_block,
+                   "preemptions": executor.stats().num_preemptions},
+    }
+    device, dtype, model_dir = executor.runner.device, executor.runner.dtype, executor.model_dir
+    executor.shutdown()
+    del executor
+    if args.baseline == "hf":
+        k = min(args.hf_requests or args.num_requests, args.num_requests)
+        hf_wall = run_hf(model_dir, device, dtype, prompts[:k], lengths[:k], args.hf_batch_size)
+        result.update(hf_requests=k, hf_batch_size=args.hf_batch_size, hf_wall_s=round(hf_wall, 3),
+                      hf_output_tokens_per_s=round(sum(lengths[:k]) / hf_wall, 1))
+        result["speedup_vs_hf"] = round(result["output_tokens_per_s"] / result["hf_output_tokens_per_s"], 2)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

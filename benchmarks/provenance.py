@@ -1,0 +1,38 @@
+"""Where and when a benchmark ran: device kind, date, commit. Every committed result carries it."""
+from __future__ import annotations
+
+import datetime
+import platform
+import subprocess
+
+import torch
+
+
+def device_name(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"CPU: {cpu} ({torch.get_num_threads()} threads)"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def provenance(device) -> dict:
+    return {
+        "device": device_name(device),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+    }
