@@ -1,0 +1,101 @@
+"""Convert a GGUF file into a Hugging Face directory once, and cache it.
+
+transformers reads GGUF (`gguf_file=`) by dequantizing every tensor, which takes ~20 s for the
+default model on two cores; doing that at every start would dominate start-up. We do it once and
+save config.json + model.safetensors (float32, the exact dequantized values) + the tokenizer with
+its chat template under `<cache root>/<file stem>-<fingerprint>/`.
+
+The cache is written into a temporary directory beside it and renamed into place, so a cache
+directory with a config.json is always complete: an interrupted or failed conversion leaves nothing
+that is ever read back, and two processes converting at once both end up with one good copy.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+GGUF_MAGIC = b"GGUF"
+_FINGERPRINT_BYTES = 1 << 20
+
+
+def gguf_cache_dir(gguf_path: str, cache_root: str) -> str:
+    """Where the conversion of `gguf_path` lives: keyed by file size and its first MiB."""
+    digest = hashlib.sha256(str(os.path.getsize(gguf_path)).encode())
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(_FINGERPRINT_BYTES))
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    return os.path.join(cache_root, f"{stem}-{digest.hexdigest()[:12]}")
+
+
+def is_complete(model_dir: str) -> bool:
+    return os.path.isfile(os.path.join(model_dir, "config.json"))
+
+
+def convert_gguf(gguf_path: str, cache_root: str) -> str:
+    """Return a Hugging Face directory with the contents of `gguf_path`, converting on first use.
+
+    Raises ValueError("could not read GGUF file ...") when the file is not a readable GGUF.
+    """
+    gguf_path = os.path.abspath(gguf_path)
+    with open(gguf_path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"could not read GGUF file {gguf_path}: not a GGUF file "
+                         f"(starts with {magic!r}, expected {GGUF_MAGIC!r})")
+    out_dir = gguf_cache_dir(gguf_path, cache_root)
+    if is_complete(out_dir):
+        return out_dir
+    os.makedirs(cache_root, exist_ok=True)
+    print(f"Converting {gguf_path} to a Hugging Face directory at {out_dir} "
+          "(once; later starts reuse it)", file=sys.stderr, flush=True)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=cache_root)
+    os.chmod(tmp_dir, 0o755)
+    try:
+        try:
+            _convert(gguf_path, tmp_dir)
+        except Exception as e:
+            raise ValueError(f"could not read GGUF file {gguf_path}: {type(e).__name__}: {e}") from e
+        try:
+            os.rename(tmp_dir, out_dir)
+        except OSError:
+            if not is_complete(out_dir):    # nobody else finished it either
+                raise
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
+
+
+def _convert(gguf_path: str, out_dir: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src_dir, name = os.path.split(gguf_path)
+    steps = tqdm(total=4, desc="GGUF -> Hugging Face", unit="step", file=sys.stderr)
+    with steps:
+        steps.set_postfix_str("tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+        steps.update()
+        steps.set_postfix_str("dequantize weights")
+        model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+        steps.update()
+        steps.set_postfix_str("write safetensors")
+        tied = bool(model.config.tie_word_embeddings)
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+                 if not (tied and k == "lm_head.weight")}
+        save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        steps.update()
+        steps.set_postfix_str("write config and tokenizer")
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(model).__name__]
+        tokenizer.save_pretrained(out_dir)
+        model.generation_config.save_pretrained(out_dir)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:   # last: marks completion
+            json.dump(config, f, indent=2, sort_keys=True)
+        steps.update()

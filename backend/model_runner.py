@@ -1,0 +1,232 @@
+"""The model runner: loads the model, owns the paged KV cache, runs one packed step.
+
+The executor hands it the chunks scheduled this step (prefill chunks and decodes together); the
+runner packs them into one batch (token ids, positions, cache slots, block tables), runs the model
+and returns logits for the chunks that end at a request's last known token.
+
+KV cache: one tensor kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V).
+Sizing: `max_tokens_in_paged_kv_cache` when set; on CUDA otherwise
+`kv_cache_free_gpu_mem_fraction` of the memory left free after a warm-up step of
+`max_num_tokens` tokens (peak activations are set aside); on CPU enough for `max_batch_size`
+sequences of `max_seq_len` tokens, at most 4 GiB.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from backend.attention import AttentionMetadata, get_attention_backend
+from backend.config import EngineConfig
+from backend.model_config import ModelConfig
+from backend.model_loader import load_model, resolve_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_MAX_SEQ_LEN = 8192
+CPU_KV_CACHE_CAP_BYTES = 4 << 30
+
+
+@dataclass
+class SequenceChunk:
+    token_ids: list[int]   # new tokens to compute this step
+    start_pos: int         # position of token_ids[0] (== tokens already in the cache)
+    block_ids: list[int]   # the request's block table, covers start_pos + len(token_ids) tokens
+    needs_logits: bool     # True when this chunk ends at the request's last known token
+
+
+@dataclass
+class StepInputs:
+    """One packed step, on the model device."""
+    input_ids: torch.Tensor       # [T] int64
+    positions: torch.Tensor       # [T] int64
+    attn_meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [N] int64, rows of the last token of each needs_logits chunk
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.model_dir = resolve_model(config.model_path)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.max_seq_len = self._pick_max_seq_len()
+        self.tokens_per_block = config.tokens_per_block or (32 if self.device.type == "cuda" else 16)
+        self.attention = get_attention_backend(config.attention_backend, self.device)
+        self.model = load_model(self.model_dir, self.device, self.dtype, self.attention,
+                                self.max_seq_len, self.model_config)
+        self.num_kv_blocks = self._pick_num_kv_blocks()
+        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        log.info("model %s on %s (%s): %d KV blocks x %d tokens, max_seq_len %d, attention %s",
+                 self.model_dir, self.device, self.dtype, self.num_kv_blocks,
+                 self.tokens_per_block, self.max_seq_len, self.attention.name)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.model_config.eos_token_ids
+
+    # ---- one step ----------------------------------------------------------------------------
+    def execute(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        """float32 logits [number of chunks with needs_logits, vocab], in chunk order."""
+        inputs = self.prepare(chunks)
+        with torch.inference_mode():
+            hidden = self._run_model(inputs)
+            return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def _run_model(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass: the seam where CUDA-graph replay of decode-only steps plugs in."""
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_meta)
+
+    def prepare(self, chunks: list[SequenceChunk]) -> StepInputs:
+        if not chunks:
+            raise ValueError("execute() needs at least one chunk")
+        bs = self.tokens_per_block
+        query_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
+        starts = np.array([c.start_pos for c in chunks], dtype=np.int64)
+        seq_lens = starts + query_lens
+        if query_lens.min() < 1:
+            raise ValueError("every chunk needs at least one token")
+        if seq_lens.max() > self.max_seq_len:
+            raise ValueError(f"sequence of {seq_lens.max()} tokens exceeds max_seq_len "
+                             f"{self.max_seq_len}")
+        query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_blocks = -(-seq_lens // bs)
+        block_tables = np.zeros((len(chunks), num_blocks.max()), dtype=np.int64)
+        for i, (chunk, n) in enumerate(zip(chunks, num_blocks)):
+            if len(chunk.block_ids) < n:
+                raise ValueError(f"chunk {i} covers {seq_lens[i]} tokens but has only "
+                                 f"{len(chunk.block_ids)} blocks of {bs}")
+            block_tables[i, :n] = chunk.block_ids[:n]
+        # Per token: which chunk it belongs to, its position and its cache slot.
+        seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
+        total = int(query_start_loc[-1])
+        positions = starts[seq_of_token] + np.arange(total) - query_start_loc[seq_of_token]
+        slots = block_tables[seq_of_token, positions // bs] * bs + positions % bs
+        input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64,
+                                count=total)
+        wants_logits = np.array([c.needs_logits for c in chunks], dtype=bool)
+        logits_indices = (query_start_loc[1:] - 1)[wants_logits]
+
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slots),
+            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            block_tables=self._to_device(block_tables.astype(np.int32)),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return StepInputs(self._to_device(input_ids), self._to_device(positions), meta,
+                          self._to_device(logits_indices))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    # ---- sizing ------------------------------------------------------------------------------
+    def _pick_max_seq_len(self) -> int:
+        mc = self.model_config
+        limit = mc.max_context
+        requested = self.config.max_seq_len
+        if requested is None:
+            return min(limit, DEFAULT_MAX_SEQ_LEN)
+        if requested > mc.max_position_embeddings:
+            raise ValueError(f"max_seq_len {requested} exceeds the model's "
+                             f"max_position_embeddings {mc.max_position_embeddings}")
+        if requested > limit:
+            log.warning("max_seq_len %d capped at the sliding window %d (the engine runs full "
+                        "attention, exact only within the window)", requested, limit)
+        return min(requested, limit)
+
+    def kv_block_bytes(self) -> int:
+        mc = self.model_config
+        return (mc.num_layers * 2 * self.tokens_per_block * mc.num_kv_heads * mc.head_dim
+                * torch.empty(0, dtype=self.dtype).element_size())
+
+    def _pick_num_kv_blocks(self) -> int:
+        bs = self.tokens_per_block
+        per_seq = -(-self.max_seq_len // bs)
+        if self.config.max_tokens_in_paged_kv_cache is not None:
+            blocks = -(-self.config.max_tokens_in_paged_kv_cache // bs)
+        elif self.device.type == "cuda":
+            blocks = self._blocks_from_free_memory()
+        else:
+            cap = CPU_KV_CACHE_CAP_BYTES // self.kv_block_bytes()
+            blocks = min(self.config.max_batch_size * per_seq, cap)
+        if blocks < per_seq:
+            log.warning("the KV cache (%d blocks) cannot hold one sequence of max_seq_len %d",
+                        blocks, self.max_seq_len)
+        if blocks < 1:
+            raise ValueError("no memory left for the KV cache")
+        return int(blocks)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        mc = self.model_config
+        shape = (mc.num_layers, 2, num_blocks, self.tokens_per_block, mc.num_kv_heads, mc.head_dim)
+        if self.device.type == "cuda":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # On the host, untouched pages of an empty tensor cost no memory; attention only reads
+        # slots that were written.
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _blocks_from_free_memory(self) -> int:
+        """Warm up at max_num_tokens with a temporary cache, then size the real one."""
+        bs = self.tokens_per_block
+        total = min(self.config.max_num_tokens, self.config.max_batch_size * self.max_seq_len)
+        lengths = [self.max_seq_len] * (total // self.max_seq_len)
+        if total % self.max_seq_len:
+            lengths.append(total % self.max_seq_len)
+        chunks, next_block = [], 0
+        for n in lengths:
+            blocks = -(-n // bs)
+            chunks.append(SequenceChunk([0] * n, 0, list(range(next_block, next_block + blocks)),
+                                        True))
+            next_block += blocks
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self.kv_cache = self._allocate_kv_cache(next_block)
+        warmup_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        self.execute(chunks)
+        rows = min(self.config.max_batch_size, total)
+        with torch.inference_mode():      # logits of a full decode batch
+            self.model.compute_logits(torch.zeros(rows, self.model_config.hidden_size,
+                                                  dtype=self.dtype, device=self.device))
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - base - warmup_cache_bytes
+        del self.kv_cache
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = (free - activations) * self.config.kv_cache_free_gpu_mem_fraction
+        log.info("warm-up: %.2f GiB peak activations, %.2f GiB free, %.2f GiB for the KV cache",
+                 activations / 2**30, free / 2**30, budget / 2**30)
+        return int(budget // self.kv_block_bytes())

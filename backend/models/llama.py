@@ -1,0 +1,201 @@
+"""The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2) in plain PyTorch.
+
+All scheduled tokens of a step are packed along one axis (T tokens, no batch dimension); attention
+reads and writes the paged KV cache through the chosen attention backend.
+
+Engine interface: the runner uses only these three methods, so another engine (e.g. a TensorRT
+engine, where TensorRT is available) can stand in for this class:
+    forward(input_ids [T], positions [T], kv_cache, attn_meta) -> hidden [T, hidden_size]
+    compute_logits(hidden [N, hidden_size]) -> float32 logits [N, vocab_size]
+    load_weights(weights: iterable of (Hugging Face tensor name, tensor))
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from backend.model_config import ModelConfig
+from backend.models.rotary import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as transformers does; optionally adds the
+    residual first and returns the new residual (x + residual) alongside."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+class FusedLinear(nn.Linear):
+    """One matmul for several projections of the same input (q|k|v, gate|up).
+
+    `shards` maps each Hugging Face projection name to its rows of the fused weight.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shards, start = {}, 0
+        for name, size in shard_sizes.items():
+            self.shards[name] = (start, size)
+            start += size
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = FusedLinear(
+            config.hidden_size,
+            {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.attention = attention
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, cos, sin)
+        self.attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.attention.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size},
+                                        bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend):
+        super().__init__()
+        self.self_attn = Attention(config, attention)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, residual, cos, sin, k_cache, v_cache, meta):
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, k_cache, v_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, attention)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim,
+                                      config.max_position_embeddings, max_positions)
+
+    def forward(self, input_ids, positions, kv_cache, meta):
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, hidden.dtype)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i, 0], kv_cache[i, 1],
+                                     meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """See the module docstring for the engine interface.
+
+    `max_positions` sizes the RoPE cache (the longest sequence served). After building on the
+    meta device and materialising, call `model.model.rotary.build_cache(device)`.
+    """
+
+    def __init__(self, config: ModelConfig, attention: AttentionBackend | None = None,
+                 max_positions: int | None = None):
+        super().__init__()
+        self.config = config
+        attention = attention or get_attention_backend("torch")
+        self.model = LlamaModel(config, attention, max_positions or config.max_position_embeddings)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                attn_meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_cache, attn_meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into our (partly fused) parameters, casting dtype and
+        device. Raises ValueError on an unknown name, a wrong shape or a missing tensor."""
+        params = dict(self.named_parameters())        # a tied lm_head appears only as embedding
+        shard_of = {}   # "model.layers.0.self_attn.q_proj" -> ("...self_attn.qkv_proj", rows)
+        expected = set()                               # (parameter name, rows or None)
+        for module_name, module in self.named_modules():
+            parent = module_name.rpartition(".")[0]
+            shards = module.shards if isinstance(module, FusedLinear) else {}
+            for proj, rows in shards.items():
+                shard_of[f"{parent}.{proj}"] = (module_name, rows)
+            for kind, _ in module.named_parameters(recurse=False):
+                name = f"{module_name}.{kind}" if module_name else kind
+                if name in params:
+                    expected.update((name, rows) for rows in (shards.values() or [None]))
+        loaded = set()
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue
+            if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            module_name, _, kind = hf_name.rpartition(".")      # kind: weight | bias
+            name, rows = hf_name, None
+            if module_name in shard_of:
+                fused_name, rows = shard_of[module_name]
+                name = f"{fused_name}.{kind}"
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for this model")
+            dst = params[name].data if rows is None else params[name].data.narrow(0, *rows)
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add((name, rows))
+        missing = sorted(f"{n}{list(r) if r else ''}" for n, r in expected - loaded)
+        if missing:
+            raise ValueError(f"missing weights: {', '.join(missing[:8])}"
+                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
