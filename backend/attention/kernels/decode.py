@@ -1,0 +1,200 @@
+"""Paged decode attention with split-K (flash-decoding).
+
+Every request has one query token. With few requests, one program per (request, kv head) would
+leave most SMs idle while each walks a long context, so the context is also split:
+
+    grid = (num_seqs, num_kv_heads, num_splits)
+
+A program takes the GQA group of query heads that share its kv head (padded to 16 rows for the
+tensor-core dot), so each K/V tile is read once per group. Its split is a contiguous range of key
+tiles of BLOCK_N tokens: the request's `cdiv(seq_len, BLOCK_N)` tiles are divided evenly among the
+splits in the kernel, from the request's own seq_len, so any context length works for any
+`num_splits` (a CUDA graph captured with a fixed split count stays valid). It runs the online
+softmax over its tiles in fp32 and writes a normalised partial output and its log-sum-exp;
+splits with no tiles write lse = -inf.
+
+The reduce kernel (grid = (num_seqs, num_heads)) merges the splits:
+    out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max).
+With one split the first kernel writes the final output itself and no reduce runs.
+
+`choose_num_splits` adds splits only while (requests x kv heads x splits) is short of about two
+programs per SM, and keeps at least MIN_TOKENS_PER_SPLIT context tokens per split; the count is
+rounded down to a power of two so only a few kernel variants are compiled.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from backend.attention.kernels.tile import attend_key_tile
+
+LOG2_E = 1.4426950408889634
+MIN_TOKENS_PER_SPLIT = 128
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 2
+CPU_NOMINAL_SMS = 8      # interpreter runs: keep the heuristic meaningful
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_NOMINAL_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
+    """Splits per (request, kv head): enough programs to fill the GPU, enough work per split."""
+    programs = num_seqs * num_kv_heads
+    target = PROGRAMS_PER_SM * sm_count
+    if programs >= target:
+        return 1
+    splits = min(triton.cdiv(target, programs), max(1, max_seq_len // MIN_TOKENS_PER_SPLIT), MAX_SPLITS)
+    return 1 << (splits.bit_length() - 1)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, num_splits,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_kc_block, stride_kc_offset, stride_kc_head,
+    stride_vc_block, stride_vc_offset, stride_vc_head,
+    stride_bt,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    row = tl.load(query_start_ptr + seq).to(tl.int64)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    group_rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + group_rows
+    head_ok = group_rows < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + row * stride_q_t + heads[:, None] * stride_q_h + dims[None, :],
+                mask=head_ok[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        m_i, l_i, acc = attend_key_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+            tile * BLOCK_N, seq_len, 0, qk_scale,
+            stride_kc_block, stride_kc_offset, stride_kc_head,
+            stride_vc_block, stride_vc_offset, stride_vc_head,
+            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+            MASK_KEYS=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
+
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if SINGLE_SPLIT:
+        o_ptrs = out_ptr + row * stride_o_t + heads[:, None] * stride_o_h + dims[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        part = (seq * NUM_HEADS + heads) * num_splits + split            # [GROUP_PAD]
+        tl.store(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], out,
+                 mask=head_ok[:, None])
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=head_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, query_start_ptr,
+    num_splits, stride_o_t, stride_o_h,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < num_splits
+    dims = tl.arange(0, HEAD_DIM)
+    base = (seq * NUM_HEADS + head).to(tl.int64) * num_splits
+
+    lse = tl.load(part_lse_ptr + base + splits, mask=split_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp2(lse - lse_max)
+    total = tl.sum(weight, 0)
+    parts = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+                    mask=split_ok[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+
+    row = tl.load(query_start_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + row * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def _decode_launch_config(head_dim: int) -> dict:
+    """Key tile and launch shape (tuned for H100 bf16; see benchmarks/attention_kernels.py)."""
+    return dict(BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     query_start_loc: torch.Tensor, max_seq_len: int, scale: float,
+                     num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per request: query [T, heads, head_dim] -> [T, heads, head_dim].
+
+    Request b's query row is query_start_loc[b]; its context is seq_lens[b] tokens (0 = padding
+    row, whose output is zeros). `num_splits` overrides the heuristic (fix it for CUDA graphs).
+    """
+    num_heads, head_dim = query.shape[1:]
+    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+    num_seqs = seq_lens.shape[0]
+    assert num_heads % num_kv_heads == 0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16
+    assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device))
+    single = num_splits == 1
+    if single:
+        part_out = part_lse = out          # unused
+    else:
+        part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
+                               device=query.device)
+        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
+                               device=query.device)
+    config = _decode_launch_config(head_dim)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        out, part_out, part_lse,
+        scale * LOG2_E, num_splits,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config["BLOCK_N"],
+        SINGLE_SPLIT=single, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    if not single:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, query_start_loc,
+            num_splits, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+    return out

@@ -1,0 +1,151 @@
+"""Causal attention for packed variable-length query chunks over a paged context.
+
+Request b owns query rows query_start_loc[b]:query_start_loc[b+1] (q_len of them); they are the
+last q_len positions of its context of seq_len tokens, all of which (an earlier chunk, a reused
+prefix, the tokens just written) are read from the paged cache. Query i of the request sits at
+absolute position seq_len - q_len + i and sees keys 0..that position.
+
+Grid = (query tiles, num_kv_heads). A program takes BLOCK_Q consecutive query tokens of one request
+together with all GROUP query heads that share its kv head, packed as BLOCK_M = BLOCK_Q * GROUP
+(rounded up to a power of two) rows: row r is token r // GROUP, head r % GROUP. Each K/V tile is
+thus read once for the whole group, and a decode row (q_len 1) in a mixed batch still fills GROUP
+rows. The query tiles of all requests are numbered without a host sync: request b's tiles start at
+query_start_loc[b] // BLOCK_Q + b, which leaves room for its cdiv(q_len, BLOCK_Q) tiles, so
+T // BLOCK_Q + num_seqs programs cover any batch; a program finds its request by binary search
+over query_start_loc and exits if its tile is past the request's end.
+
+Keys are walked in tiles of BLOCK_N tokens gathered through the block table, with an fp32 online
+softmax (see tile.py). Key tiles below the first query's position need no mask; the last few,
+up to the tile's last query position, get the causal mask; tiles fully above the diagonal are
+never visited.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from backend.attention.kernels.tile import attend_key_tile
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _find_request(query_start_ptr, tile_id, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest b with query_start_loc[b] // BLOCK_Q + b <= tile_id (binary search)."""
+    lo = tl.zeros([], tl.int32)
+    hi = tl.zeros([], tl.int32) + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first_tile = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile_id:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    qk_scale, num_seqs,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_kc_block, stride_kc_offset, stride_kc_head,
+    stride_vc_block, stride_vc_offset, stride_vc_head,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_request(query_start_ptr, tile_id, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    q_tile = tile_id - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_start = seq_len - q_len               # absolute position of the request's first query
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP      # query index within the request
+    heads = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = context_start + q_idx
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims[None, :],
+                mask=row_ok[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    first_pos = context_start + q_tile * BLOCK_Q  # every row of the tile sees keys < first_pos
+    key_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
+    unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
+    for start in range(0, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = attend_key_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+            start, key_end, q_pos, qk_scale,
+            stride_kc_block, stride_kc_offset, stride_kc_head,
+            stride_vc_block, stride_vc_offset, stride_vc_head,
+            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+            MASK_KEYS=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
+    for start in range(unmasked_end, key_end, BLOCK_N):
+        m_i, l_i, acc = attend_key_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+            start, key_end, q_pos, qk_scale,
+            stride_kc_block, stride_kc_offset, stride_kc_head,
+            stride_vc_block, stride_vc_offset, stride_vc_head,
+            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+            MASK_KEYS=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION)
+
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _prefill_launch_config(group: int, head_dim: int) -> dict:
+    """Tile shape (tuned for H100 bf16; see benchmarks/attention_kernels.py)."""
+    block_m = 64 if head_dim >= 128 else 128
+    block_m = max(block_m, triton.next_power_of_2(group))
+    return dict(BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 64 else 32, num_warps=4, num_stages=2)
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      query_start_loc: torch.Tensor, scale: float,
+                      out: torch.Tensor | None = None,
+                      block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """query [T, heads, head_dim] -> [T, heads, head_dim]; any mix of query lengths (>= 0)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    assert num_heads % num_kv_heads == 0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16
+    assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    config = _prefill_launch_config(group, head_dim)
+    block_m = block_m or config["BLOCK_M"]
+    block_n = block_n or config["BLOCK_N"]
+    block_q = block_m // group
+    num_tiles = num_tokens // block_q + num_seqs
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * LOG2_E, num_seqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    return out

@@ -1,0 +1,68 @@
+"""The inner step shared by the decode and prefill kernels: one key tile of online softmax.
+
+A program holds a tile of query rows `q` [M, head_dim] that all read the same kv head, and the
+running state of the online (streaming) softmax, in fp32 and in base 2:
+    m_i  [M]            running max of the scaled scores,
+    l_i  [M]            running sum of exp2(score - m_i),
+    acc  [M, head_dim]  running sum of exp2(score - m_i) * value.
+`attend_key_tile` gathers BLOCK_N consecutive context tokens from the paged cache (token j lives in
+physical block `block_table[j // BLOCK_SIZE]` at offset `j % BLOCK_SIZE`, so a tile may span several
+pages), scores them, rescales the state to the new max and adds the tile's contribution.
+The caller divides acc by l_i at the end (or keeps m_i + log2(l_i) as the log-sum-exp of a split).
+
+MASK_KEYS masks tokens at or past `key_end` (loads return 0 so stale cache rows, even NaN, never
+reach the sums); CAUSAL additionally hides keys above each row's absolute position `q_pos`.
+Tiles that need neither run without masks.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_key_tile(
+    q, m_i, l_i, acc,
+    k_cache_ptr, v_cache_ptr, block_table_row, kv_head, tile_start, key_end, q_pos, qk_scale,
+    stride_kc_block, stride_kc_offset, stride_kc_head,
+    stride_vc_block, stride_vc_offset, stride_vc_head,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tokens = tile_start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    if MASK_KEYS:
+        key_ok = tokens < key_end
+        page = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(block_table_row + tokens // BLOCK_SIZE).to(tl.int64)
+    in_page = tokens % BLOCK_SIZE
+    k_ptrs = (k_cache_ptr + page[:, None] * stride_kc_block + in_page[:, None] * stride_kc_offset
+              + kv_head * stride_kc_head + dims[None, :])
+    v_ptrs = (v_cache_ptr + page[:, None] * stride_vc_block + in_page[:, None] * stride_vc_offset
+              + kv_head * stride_vc_head + dims[None, :])
+    if MASK_KEYS:
+        k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [M, BLOCK_N]
+    if CAUSAL:
+        visible = tokens[None, :] <= q_pos[:, None]
+        if MASK_KEYS:
+            visible = visible & key_ok[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    elif MASK_KEYS:
+        scores = tl.where(key_ok[None, :], scores, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    if MASK_KEYS:
+        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

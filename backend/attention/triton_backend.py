@@ -1,0 +1,30 @@
+"""Triton-language paged attention: the GPU twin of `backend.attention.reference`.
+
+Same two functions, same tensors:
+    write_kv(key, value, k_cache, v_cache, slot_mapping)
+    paged_attention(query, k_cache, v_cache, meta, scale) -> out
+`paged_attention` sends decode-only batches (every request has one query token) to the split-K
+decode kernel and every other batch (prefill chunks, possibly mixed with decodes) to the prefill
+kernel. Only the ints meta.max_query_len / meta.max_seq_len are read on the host, to pick the
+kernel and size the grid; everything else stays on the device.
+"""
+from __future__ import annotations
+
+import torch
+
+from backend.attention.kernels.decode import decode_attention
+from backend.attention.kernels.kv_write import write_kv
+from backend.attention.kernels.prefill import prefill_attention
+from backend.attention.metadata import AttentionMetadata
+
+__all__ = ["write_kv", "paged_attention"]
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query [T, heads, head_dim] -> output [T, heads, head_dim] (causal, GQA, paged K/V)."""
+    if meta.max_query_len == 1:
+        return decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, meta.max_seq_len, scale)
+    return prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                             meta.query_start_loc, scale)

@@ -1,0 +1,234 @@
+"""Triton attention kernels against the torch reference.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is
+imported), so shapes stay small; with a GPU the same tests run the compiled kernels.
+Caches start filled with NaN and only real context tokens are written, so any read of a stale
+slot (past a partial last block, or through a padded block-table entry) shows up as NaN.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from backend.attention import reference  # noqa: E402
+from backend.attention import triton_backend  # noqa: E402
+from backend.attention.kernels.decode import choose_num_splits, decode_attention  # noqa: E402
+from backend.attention.kernels.prefill import prefill_attention  # noqa: E402
+from backend.attention.metadata import AttentionMetadata  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter itself trips a numpy deprecation on every scalar it indexes with.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+ATOL = 1e-4
+
+
+def make_batch(query_lens, seq_lens, *, num_kv_heads, head_dim, block_size, dtype=torch.float32,
+               seed=0):
+    """A paged cache holding every request's full context, and the step's metadata.
+
+    Physical blocks are handed out in shuffled order; slots that hold no token stay NaN.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3                      # a few blocks nobody owns
+    physical = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_seq + [1])
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    new_slots = []
+    for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        table = [physical.pop() for _ in range(blocks_per_seq[b])]
+        block_tables[b, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size
+                              for p in range(s_len)], dtype=torch.int64)
+        keys = torch.randn(s_len, num_kv_heads, head_dim, generator=gen)
+        values = torch.randn(s_len, num_kv_heads, head_dim, generator=gen)
+        reference.write_kv(keys, values, k_cache, v_cache, slots)
+        new_slots.append(slots[s_len - q_len:])
+    query_start = [0]
+    for q_len in query_lens:
+        query_start.append(query_start[-1] + q_len)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(new_slots).to(DEVICE),
+        query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables.to(DEVICE),
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), meta
+
+
+def random_query(num_tokens, num_heads, head_dim, dtype=torch.float32, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(DEVICE, dtype)
+
+
+def assert_matches_reference(out, query, k_cache, v_cache, meta, scale, atol=ATOL):
+    expected = reference.paged_attention(query.cpu().float(), k_cache.cpu().float(),
+                                         v_cache.cpu().float(), meta_on_cpu(meta), scale)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.cpu().float(), expected, atol=atol, rtol=0)
+
+
+def meta_on_cpu(meta):
+    return AttentionMetadata(meta.slot_mapping.cpu(), meta.query_start_loc.cpu(),
+                             meta.seq_lens.cpu(), meta.block_tables.cpu(), meta.max_query_len,
+                             meta.max_seq_len, meta.query_lens_cpu, meta.seq_lens_cpu)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV write
+
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(2, 32, 16), (3, 64, 32), (8, 32, 16)])
+def test_write_kv_matches_reference_and_skips_padding(num_kv_heads, head_dim, block_size):
+    torch.manual_seed(0)
+    num_blocks, num_tokens = 6, 11
+    # key/value as strided views of one packed tensor, the way they come out of a fused QKV.
+    packed = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, device=DEVICE)
+    key, value = packed[:, :num_kv_heads], packed[:, num_kv_heads:2 * num_kv_heads]
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens].to(DEVICE)
+    slots[[2, 7]] = -1
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    reference.write_kv(key[keep], value[keep], k_expected, v_expected, slots[keep])
+
+    triton_backend.write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+
+
+def test_write_kv_converts_to_cache_dtype():
+    key = torch.randn(5, 2, 32, device=DEVICE)
+    value = torch.randn(5, 2, 32, device=DEVICE)
+    k_cache = torch.zeros(2, 16, 2, 32, dtype=torch.float16, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([3, 17, -1, 0, 31], device=DEVICE)
+    triton_backend.write_kv(key, value, k_cache, v_cache, slots)
+    flat_k = k_cache.view(-1, 2, 32)
+    assert torch.equal(flat_k[slots[[0, 1, 3, 4]]], key[[0, 1, 3, 4]].half())
+    assert torch.equal(v_cache.view(-1, 2, 32)[17], value[1].half())
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode (one query token per request)
+
+DECODE_SEQ_LENS = [1, 16, 23, 70]   # one token, exactly one block, partial blocks, several blocks
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_reference(num_heads, num_kv_heads, block_size, num_splits):
+    head_dim = 32
+    k_cache, v_cache, meta = make_batch([1] * 4, DECODE_SEQ_LENS, num_kv_heads=num_kv_heads,
+                                        head_dim=head_dim, block_size=block_size)
+    query = random_query(4, num_heads, head_dim)
+    scale = head_dim ** -0.5
+    out = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, meta.max_seq_len, scale, num_splits=num_splits)
+    assert_matches_reference(out, query, k_cache, v_cache, meta, scale)
+
+
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 8, 2), (128, 4, 1)])
+def test_decode_head_dims_through_dispatch(head_dim, num_heads, num_kv_heads):
+    k_cache, v_cache, meta = make_batch([1] * 3, [5, 33, 64], num_kv_heads=num_kv_heads,
+                                        head_dim=head_dim, block_size=16, seed=3)
+    query = random_query(3, num_heads, head_dim, seed=4)
+    out = triton_backend.paged_attention(query, k_cache, v_cache, meta, head_dim ** -0.5)
+    assert_matches_reference(out, query, k_cache, v_cache, meta, head_dim ** -0.5)
+
+
+def test_decode_more_splits_than_key_tiles_and_padding_row():
+    """Empty splits contribute nothing; a padding row (seq_len 0) yields zeros, not NaN."""
+    k_cache, v_cache, meta = make_batch([1, 1], [3, 40], num_kv_heads=2, head_dim=32,
+                                        block_size=16, seed=5)
+    query = random_query(3, 4, 32, seed=6)
+    seq_lens = torch.tensor([3, 40, 0], dtype=torch.int32, device=DEVICE)
+    query_start = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=DEVICE)
+    block_tables = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables[:1])])
+    out = decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start,
+                           40, 0.2, num_splits=8)
+    assert_matches_reference(out[:2], query[:2], k_cache, v_cache, meta, 0.2)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(256, 8, 4096, 132) == 1          # big batch already fills the GPU
+    assert choose_num_splits(1, 8, 100, 132) == 1             # short context: nothing to split
+    assert choose_num_splits(1, 8, 4096, 132) == 32           # 8 programs -> 256 with 32 splits
+    assert choose_num_splits(1, 1, 1 << 20, 132) == 64        # capped
+    assert choose_num_splits(4, 8, 1024, 132) == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill over a paged prefix (variable lengths, mixed with decodes)
+
+# (query_lens, seq_lens): first chunks (q == s), later chunks / prefix hits (q < s), decodes (q == 1)
+MIXED_BATCH = ([1, 7, 37, 3, 20, 1], [9, 7, 70, 50, 20, 1])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1), (6, 2)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_mixed_batch_matches_reference(num_heads, num_kv_heads, block_size):
+    head_dim = 32
+    query_lens, seq_lens = MIXED_BATCH
+    k_cache, v_cache, meta = make_batch(query_lens, seq_lens, num_kv_heads=num_kv_heads,
+                                        head_dim=head_dim, block_size=block_size, seed=7)
+    query = random_query(sum(query_lens), num_heads, head_dim, seed=8)
+    scale = head_dim ** -0.5
+    out = triton_backend.paged_attention(query, k_cache, v_cache, meta, scale)
+    assert_matches_reference(out, query, k_cache, v_cache, meta, scale)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 32), (16, 64)])
+def test_prefill_small_tiles_cross_pages_and_diagonal(block_m, block_n):
+    """Small tiles: many query tiles per request, key tiles spanning several pages."""
+    query_lens, seq_lens = [33, 1, 0, 18], [33, 45, 12, 61]   # includes an idle request (q_len 0)
+    k_cache, v_cache, meta = make_batch(query_lens, seq_lens, num_kv_heads=2, head_dim=32,
+                                        block_size=16, seed=9)
+    query = random_query(sum(query_lens), 4, 32, seed=10)
+    out = prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                            meta.query_start_loc, 0.25, block_m=block_m, block_n=block_n)
+    assert_matches_reference(out, query, k_cache, v_cache, meta, 0.25)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_head_dims(head_dim):
+    query_lens, seq_lens = [12, 1, 30], [40, 17, 30]
+    k_cache, v_cache, meta = make_batch(query_lens, seq_lens, num_kv_heads=1, head_dim=head_dim,
+                                        block_size=16, seed=11)
+    query = random_query(sum(query_lens), 2, head_dim, seed=12)
+    out = triton_backend.paged_attention(query, k_cache, v_cache, meta, head_dim ** -0.5)
+    assert_matches_reference(out, query, k_cache, v_cache, meta, head_dim ** -0.5)
+
+
+def test_prefill_handles_strided_query():
+    """query as a view into a packed QKV tensor (row stride larger than heads * head_dim)."""
+    query_lens, seq_lens = [5, 9], [21, 9]
+    k_cache, v_cache, meta = make_batch(query_lens, seq_lens, num_kv_heads=2, head_dim=32,
+                                        block_size=16, seed=13)
+    packed = random_query(sum(query_lens), 8, 32, seed=14)
+    query = packed[:, :4]
+    out = triton_backend.paged_attention(query, k_cache, v_cache, meta, 0.2)
+    assert_matches_reference(out, query, k_cache, v_cache, meta, 0.2)
+
+
+@pytest.mark.parametrize("query_lens,seq_lens", [([1, 1], [20, 45]), ([6, 1], [6, 30])])
+def test_half_precision_cache(query_lens, seq_lens):
+    """fp16 cache and query (bf16 is the GPU dtype; fp16 runs everywhere): fp32 accumulation."""
+    k_cache, v_cache, meta = make_batch(query_lens, seq_lens, num_kv_heads=2, head_dim=32,
+                                        block_size=16, dtype=torch.float16, seed=15)
+    query = random_query(sum(query_lens), 4, 32, dtype=torch.float16, seed=16)
+    out = triton_backend.paged_attention(query, k_cache, v_cache, meta, 32 ** -0.5)
+    assert out.dtype == torch.float16
+    assert_matches_reference(out, query, k_cache, v_cache, meta, 32 ** -0.5, atol=2e-3)
