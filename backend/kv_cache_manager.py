@@ -1,0 +1,176 @@
+"""Block tables for requests over the block pool, with prefix reuse.
+
+A request's block table is `request.block_ids`: logical block i (tokens i*B .. i*B+B-1, with
+B = tokens_per_block) lives in physical block `block_ids[i]`. The manager grows it as the scheduler
+schedules tokens, and hands back every block when the request ends or is preempted.
+
+Prefix reuse: once a request has computed a full block, the block is registered under a hash
+chained over the whole prefix (see `block_pool.hash_block`). A new request (or a preempted one
+coming back, which recomputes prompt + outputs) first looks up the longest chain of registered
+blocks matching its tokens and shares them instead of recomputing them.
+
+The match is capped at floor((num_tokens - 1) / B) blocks: the last token must always be computed
+(its logits give the next token), and matching whole blocks only means a request never writes
+into a block that someone else holds. Every block a request writes to has ref_count == 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backend.block_pool import BlockHash, BlockPool, hash_block
+from backend.request import Request
+
+
+@dataclass
+class KVCacheStats:
+    max_blocks: int
+    free_blocks: int
+    used_blocks: int
+    reused_blocks: int            # cumulative prefix-cache hits, in blocks
+    tokens_per_block: int
+    allocated_new_blocks: int = 0  # cumulative blocks handed out for fresh content
+
+
+@dataclass
+class PrefixMatch:
+    """Cached blocks found for a request's leading tokens; not yet taken."""
+
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    tokens_per_block: int = 1
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.block_ids) * self.tokens_per_block
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, tokens_per_block: int, enable_prefix_reuse: bool = True):
+        if tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+        self.pool = BlockPool(num_blocks)
+        self.tokens_per_block = tokens_per_block
+        self.enable_prefix_reuse = enable_prefix_reuse
+        # Chain hashes of each request's full, computed blocks, in block order.
+        self._block_hashes: dict[str, list[BlockHash]] = {}
+        self.num_reused_blocks = 0
+        self.num_allocated_new_blocks = 0
+
+    @property
+    def total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_block)
+
+    def match_prefix(self, request: Request) -> PrefixMatch:
+        """Longest chain of cached full blocks equal to the request's leading tokens."""
+        match = PrefixMatch(tokens_per_block=self.tokens_per_block)
+        if not self.enable_prefix_reuse or request.block_ids:
+            return match
+        tokens = request.all_ids
+        size = self.tokens_per_block
+        parent = None
+        for i in range((len(tokens) - 1) // size):
+            block_hash = hash_block(parent, tokens[i * size:(i + 1) * size])
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            match.block_ids.append(block_id)
+            match.block_hashes.append(block_hash)
+            parent = block_hash
+        return match
+
+    def free_blocks_needed(self, request: Request, num_new_tokens: int,
+                           prefix: PrefixMatch | None = None) -> int:
+        """Free blocks that `allocate(request, num_new_tokens, prefix)` would consume.
+
+        Counts fresh blocks plus matched blocks that are currently evictable: taking those back
+        moves them from free to used just like a fresh allocation.
+        """
+        held = len(request.block_ids)
+        computed = request.num_computed_tokens
+        revived = 0
+        if prefix is not None:
+            held += prefix.num_blocks
+            computed += prefix.num_tokens
+            revived = sum(1 for b in prefix.block_ids if self.pool.is_free(b))
+        fresh = max(0, self.blocks_needed(computed + num_new_tokens) - held)
+        return fresh + revived
+
+    def allocate(self, request: Request, num_new_tokens: int,
+                 prefix: PrefixMatch | None = None) -> bool:
+        """Grow the block table to cover num_computed_tokens + num_new_tokens slots.
+
+        With `prefix` (admission only: the request holds no blocks), the matched blocks are
+        shared first and `num_computed_tokens` jumps to the matched length. All or nothing:
+        returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        if prefix is not None and request.block_ids:
+            raise RuntimeError(f"request {request.request_id} already holds blocks")
+        if self.free_blocks_needed(request, num_new_tokens, prefix) > self.pool.num_free:
+            return False
+        if prefix is not None:
+            self._admit_prefix(request, prefix)
+        num_fresh = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
+        num_fresh -= len(request.block_ids)
+        for _ in range(num_fresh):
+            request.block_ids.append(self.pool.allocate())
+        request.num_new_blocks += max(0, num_fresh)
+        self.num_allocated_new_blocks += max(0, num_fresh)
+        return True
+
+    def _admit_prefix(self, request: Request, prefix: PrefixMatch) -> None:
+        for block_id in prefix.block_ids:     # take before any fresh allocation can evict them
+            self.pool.take(block_id)
+        request.block_ids = list(prefix.block_ids)
+        request.num_computed_tokens = prefix.num_tokens
+        self._block_hashes[request.request_id] = list(prefix.block_hashes)
+        request.num_reused_blocks += prefix.num_blocks
+        self.num_reused_blocks += prefix.num_blocks
+        if request.num_preemptions == 0:
+            request.num_cached_prompt_tokens = min(prefix.num_tokens, request.num_prompt_tokens)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that became full and computed since the last call."""
+        if not self.enable_prefix_reuse:
+            return
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.tokens_per_block, len(request.block_ids))
+        if num_full <= len(hashes):
+            return
+        tokens = request.all_ids
+        size = self.tokens_per_block
+        for i in range(len(hashes), num_full):
+            block_hash = hash_block(hashes[-1] if hashes else None, tokens[i * size:(i + 1) * size])
+            hashes.append(block_hash)
+            self.pool.register(request.block_ids[i], block_hash)
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request. Idempotent: an empty block table frees nothing.
+
+        Blocks are released last-first so that, among evictable blocks, a prefix's tail is
+        evicted before its head: a chain is only useful from its first block on.
+        """
+        for block_id in reversed(request.block_ids):
+            self.pool.release(block_id)
+        request.block_ids = []
+        self._block_hashes.pop(request.request_id, None)
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            max_blocks=self.pool.num_blocks,
+            free_blocks=self.pool.num_free,
+            used_blocks=self.pool.num_used,
+            reused_blocks=self.num_reused_blocks,
+            tokens_per_block=self.tokens_per_block,
+            allocated_new_blocks=self.num_allocated_new_blocks,
+        )
