@@ -164,38 +164,41 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into our (partly fused) parameters, casting dtype and
         device. Raises ValueError on an unknown name, a wrong shape or a missing tensor."""
-        params = dict(self.named_parameters())        # a tied lm_head appears only as embedding
-        shard_of = {}   # "model.layers.0.self_attn.q_proj" -> ("...self_attn.qkv_proj", rows)
-        expected = set()                               # (parameter name, rows or None)
-        for module_name, module in self.named_modules():
-            parent = module_name.rpartition(".")[0]
-            shards = module.shards if isinstance(module, FusedLinear) else {}
-            for proj, rows in shards.items():
-                shard_of[f"{parent}.{proj}"] = (module_name, rows)
-            for kind, _ in module.named_parameters(recurse=False):
-                name = f"{module_name}.{kind}" if module_name else kind
-                if name in params:
-                    expected.update((name, rows) for rows in (shards.values() or [None]))
+        params = dict(self.named_parameters())
+        targets = self.weight_targets()
         loaded = set()
         for hf_name, tensor in weights:
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue
             if hf_name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            module_name, _, kind = hf_name.rpartition(".")      # kind: weight | bias
-            name, rows = hf_name, None
-            if module_name in shard_of:
-                fused_name, rows = shard_of[module_name]
-                name = f"{fused_name}.{kind}"
-            if name not in params:
+            if hf_name not in targets:
                 raise ValueError(f"unexpected weight {hf_name!r} for this model")
+            name, rows = targets[hf_name]
             dst = params[name].data if rows is None else params[name].data.narrow(0, *rows)
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(dst.shape)}")
             dst.copy_(tensor)
-            loaded.add((name, rows))
-        missing = sorted(f"{n}{list(r) if r else ''}" for n, r in expected - loaded)
+            loaded.add(hf_name)
+        missing = sorted(set(targets) - loaded)
         if missing:
             raise ValueError(f"missing weights: {', '.join(missing[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+    def weight_targets(self) -> dict[str, tuple[str, tuple[int, int] | None]]:
+        """Hugging Face tensor name -> (our parameter name, (first row, rows) in a fused one)."""
+        params = dict(self.named_parameters())        # a tied lm_head appears only as embedding
+        targets = {}
+        for module_name, module in self.named_modules():
+            parent = module_name.rpartition(".")[0]
+            for kind, _ in module.named_parameters(recurse=False):
+                name = f"{module_name}.{kind}"
+                if name not in params:
+                    continue
+                if isinstance(module, FusedLinear):
+                    for proj, rows in module.shards.items():
+                        targets[f"{parent}.{proj}.{kind}"] = (name, rows)
+                else:
+                    targets[name] = (name, None)
+        return targets

@@ -1,0 +1,164 @@
+"""Resolving models (default GGUF, .gguf files, HF directories, presets) and loading weights."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from backend import gguf_convert
+from backend.attention import get_attention_backend
+from backend.config import EngineConfig
+from backend.model_config import ModelConfig
+from backend.model_loader import (build_model, default_gguf_path, iter_safetensors, load_model,
+                                  resolve_model)
+from backend.model_runner import ModelRunner, SequenceChunk
+from backend.presets import PRESETS, init_random_weights
+
+TORCH = get_attention_backend("torch")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("TRITONLLM_CACHE", str(root))
+    return root
+
+
+def test_unknown_path_names_the_path_and_what_was_expected(cache, tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_model(str(tmp_path / "nowhere"))
+    assert "nowhere" in str(e.value) and "expected 'default', a preset name (" in str(e.value)
+    assert "llama-3.2-1b" in str(e.value) and "a .gguf file or a directory with config.json" in str(e.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty.*directory with config.json"):
+        resolve_model(str(tmp_path / "empty"))
+
+
+def test_random_bytes_gguf_is_rejected_without_a_cache(cache, tmp_path):
+    bad = tmp_path / "noise.gguf"
+    bad.write_bytes(os.urandom(4096))
+    with pytest.raises(ValueError, match=f"could not read GGUF file {bad}: not a GGUF file"):
+        resolve_model(str(bad))
+    assert not cache.exists() or not os.listdir(cache)
+
+
+def test_truncated_gguf_leaves_no_half_written_cache(cache, tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    with open(default_gguf_path(), "rb") as f:
+        truncated.write_bytes(f.read(200_000))          # valid header, cut inside the metadata
+    with pytest.raises(ValueError, match=f"could not read GGUF file {truncated}"):
+        resolve_model(str(truncated))
+    assert os.listdir(cache) == []                      # neither a cache nor a temporary dir
+
+
+def test_hf_directory_sharded_loads_and_matches_transformers(tiny_hf_model, tmp_path):
+    hf, path = tiny_hf_model("llama")
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert resolve_model(str(sharded)) == str(sharded)
+    runner = ModelRunner(EngineConfig(model_path=str(sharded), device="cpu", tokens_per_block=8,
+                                      max_batch_size=2))
+    ids = list(range(3, 40))
+    logits = runner.execute([SequenceChunk(ids, 0, [3, 1, 4, 0, 2], True)])
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_load_casts_weights(tiny_hf_model):
+    hf, path = tiny_hf_model("qwen2")
+    model = load_model(str(path), torch.device("cpu"), torch.bfloat16, TORCH, 64)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    k_rows = qkv.shards["k_proj"]
+    torch.testing.assert_close(qkv.bias[k_rows[0]:sum(k_rows)],
+                               hf.model.layers[1].self_attn.k_proj.bias.bfloat16())
+
+
+def test_missing_unexpected_and_misshapen_weights_are_reported(tiny_hf_model):
+    _, path = tiny_hf_model("llama", tie_word_embeddings=False)
+    config = ModelConfig.from_dir(str(path))
+    weights = dict(iter_safetensors(str(path)))
+    model = build_model(config, torch.device("cpu"), torch.float32, TORCH, 64)
+    incomplete = {k: v for k, v in weights.items() if not k.endswith("layers.1.self_attn.v_proj.weight")}
+    with pytest.raises(ValueError, match="missing weights: model.layers.1.self_attn.v_proj.weight$"):
+        model.load_weights(incomplete.items())
+    with pytest.raises(ValueError, match="unexpected weight 'model.layers.0.extra.weight'"):
+        model.load_weights([*weights.items(), ("model.layers.0.extra.weight", torch.zeros(1))])
+    weights["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(3,\), expected \(64,\)"):
+        model.load_weights(weights.items())
+
+
+def test_presets_resolve_to_configs_of_the_right_shape(cache):
+    path = resolve_model("llama-3.2-1b")
+    cfg = ModelConfig.from_dir(path)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.vocab_size) == (2048, 16, 32, 8, 64, 8192, 128256)
+    assert cfg.tie_word_embeddings and cfg.max_position_embeddings == 131072
+    assert (cfg.rope.type, cfg.rope.theta, cfg.rope.factor, cfg.rope.low_freq_factor,
+            cfg.rope.high_freq_factor, cfg.rope.original_max_position_embeddings) == (
+        "llama3", 500000.0, 32.0, 1.0, 4.0, 8192)
+    cfg8 = ModelConfig.from_dir(resolve_model("llama-3.1-8b"))
+    assert (cfg8.hidden_size, cfg8.num_layers, cfg8.num_kv_heads, cfg8.intermediate_size,
+            cfg8.tie_word_embeddings, cfg8.rope.factor) == (4096, 32, 8, 14336, False, 8.0)
+    assert resolve_model("llama-3.2-1b") == path and set(PRESETS) == {"llama-3.2-1b", "llama-3.1-8b"}
+
+
+def test_random_init_is_deterministic_and_finite_in_bf16(cache):
+    # The 1B preset's layer shapes, shrunk to 2 layers and a small vocabulary to stay fast.
+    raw = {**PRESETS["llama-3.2-1b"], "num_hidden_layers": 2, "vocab_size": 1000}
+    config = ModelConfig.from_dict(raw)
+    models = []
+    for _ in range(2):
+        model = build_model(config, torch.device("cpu"), torch.bfloat16, TORCH, 64)
+        init_random_weights(model, seed=7)
+        models.append(model)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(a, b), name
+    kv = torch.zeros(2, 2, 2, 32, 8, 64, dtype=torch.bfloat16)
+    from backend.attention.metadata import AttentionMetadata
+    meta = AttentionMetadata(torch.arange(40), torch.tensor([0, 40], dtype=torch.int32),
+                             torch.tensor([40], dtype=torch.int32),
+                             torch.tensor([[0, 1]], dtype=torch.int32), 40, 40, [40], [40])
+    with torch.inference_mode():
+        logits = models[0].compute_logits(models[0](torch.arange(40), torch.arange(40), kv, meta))
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+@pytest.mark.slow
+def test_default_model_converts_once_and_matches_transformers(cache, monkeypatch):
+    model_dir = resolve_model("default")
+    config_mtime = os.path.getmtime(os.path.join(model_dir, "config.json"))
+    cfg = ModelConfig.from_dir(model_dir)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
+            cfg.tie_word_embeddings) == (30, 576, 9, 3, 49152, True)
+    assert [p for p in os.listdir(cache)] == [os.path.basename(model_dir)]
+    with open(os.path.join(model_dir, "config.json")) as f:
+        assert "quantization_config" not in json.load(f)
+
+    def no_second_conversion(*args):
+        raise AssertionError("converted again")
+    monkeypatch.setattr(gguf_convert, "_convert", no_second_conversion)
+    assert resolve_model("default") == model_dir
+    assert os.path.getmtime(os.path.join(model_dir, "config.json")) == config_mtime
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.chat_template
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):]
+    runner = ModelRunner(EngineConfig(model_path="default", device="cpu", max_batch_size=1,
+                                      max_seq_len=256))
+    blocks, tokens = list(range(runner.num_kv_blocks))[::-1], list(ids)
+    chunk = SequenceChunk(tokens, 0, blocks, True)
+    for _ in range(8):
+        tokens.append(int(runner.execute([chunk]).argmax(-1)[0]))
+        chunk = SequenceChunk(tokens[-1:], len(tokens) - 1, blocks, True)
+    assert tokens[len(ids):] == expected.tolist()
