@@ -2,11 +2,13 @@
 
 These are the sparse, history-dependent edits a request makes to its row of logits before any
 filtering or sampling. They touch few entries per row (a bias dict, a handful of banned ids, the
-tokens seen so far), so the per-request work is done in Python to collect `(row, token, value)`
-index lists, and each kind of edit is then applied to the whole batch with one indexed tensor
-operation. Nothing here loops over the vocabulary.
+tokens seen so far), so the per-request work is done in Python to collect `(row, token)` index
+lists, and each kind of edit is then applied to the whole batch with one indexed tensor
+operation. Nothing here loops over the vocabulary. Prompts can be long and never change, so
+their distinct tokens are turned into a device tensor once per request (`PromptTokenCache`);
+per step only the output tokens go through Python.
 
-Order (the same as TensorRT-LLM's and the one the sampler documents):
+Order (the sampler documents the same):
 
 1. embedding bias        logit[t] += bias[t]
 2. bad words ban         logit[t] = -inf for the last token of each banned sequence whose prefix
@@ -20,8 +22,7 @@ Order (the same as TensorRT-LLM's and the one the sampler documents):
 """
 from __future__ import annotations
 
-from collections import Counter
-
+import numpy as np
 import torch
 
 from backend.request import Request
@@ -62,19 +63,43 @@ def banned_token_ids(request: Request, default_end_ids: list[int]) -> list[int]:
     return banned
 
 
+class PromptTokenCache:
+    """Distinct prompt tokens of each request as a device tensor, built on first use.
+
+    The owner (the sampler) drops an entry with `forget` when its request ends, so a request id
+    may be reused. The prompt length is checked as a cheap guard against a stale entry.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._tokens: dict[str, tuple[int, torch.Tensor]] = {}
+
+    def get(self, request: Request) -> torch.Tensor:
+        entry = self._tokens.get(request.request_id)
+        if entry is None or entry[0] != len(request.prompt_ids):
+            # numpy converts a long list far faster than torch.tensor does.
+            distinct = np.unique(np.asarray(request.prompt_ids, dtype=np.int64))
+            entry = (len(request.prompt_ids), torch.from_numpy(distinct).to(self.device))
+            self._tokens[request.request_id] = entry
+        return entry[1]
+
+    def forget(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)
+
+
 def apply_logits_processors(
-    logits: torch.Tensor, requests: list[Request], default_end_ids: list[int]
+    logits: torch.Tensor,
+    requests: list[Request],
+    default_end_ids: list[int],
+    prompt_cache: PromptTokenCache | None = None,
 ) -> None:
-    """Apply every processor of every request to `logits` [B, V] in place (row i = requests[i])."""
+    """Apply every processor of every request to `logits` [B, V] in place (row i = requests[i]).
+
+    Without a `prompt_cache` the prompts are converted afresh (fine for one-off calls).
+    """
     vocab_size = logits.shape[1]
     device = logits.device
-
-    def index(rows: list[int], cols: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.tensor(rows, dtype=torch.long, device=device),
-                torch.tensor(cols, dtype=torch.long, device=device))
-
-    def values(vals: list[float]) -> torch.Tensor:
-        return torch.tensor(vals, dtype=logits.dtype, device=device)
+    prompt_cache = prompt_cache or PromptTokenCache(device)
 
     # 1. Embedding bias (dict keys are distinct, so each entry is added exactly once).
     rows, cols, bias = [], [], []
@@ -82,7 +107,8 @@ def apply_logits_processors(
         for token, b in r.sampling.embedding_bias.items():
             rows.append(i), cols.append(token), bias.append(b)
     if rows:
-        logits.index_put_(index(rows, cols), values(bias), accumulate=True)
+        bias_t = torch.tensor(bias, dtype=logits.dtype, device=device)
+        logits.index_put_(_index(rows, cols, device), bias_t, accumulate=True)
 
     # 2 + 3. Bans. Ids outside the vocab (e.g. end_id = -1, "no end id") are ignored.
     rows, cols = [], []
@@ -91,30 +117,55 @@ def apply_logits_processors(
             if 0 <= token < vocab_size:
                 rows.append(i), cols.append(token)
     if rows:
-        logits.index_put_(index(rows, cols), values([float("-inf")]))
+        logits.index_put_(_index(rows, cols, device), torch.tensor(float("-inf"), device=device))
 
-    # 4. Repetition penalty. Duplicated (row, token) pairs all compute the same new value from
-    # the same gathered old value, so the write is idempotent: each token is penalised once.
-    rows, cols, pen = [], [], []
-    for i, r in enumerate(requests):
-        penalty = r.sampling.repetition_penalty
-        if penalty != 1.0:
-            seen = set(r.prompt_ids)
-            seen.update(r.output_ids)
-            rows.extend([i] * len(seen)), cols.extend(seen), pen.extend([penalty] * len(seen))
-    if rows:
-        idx = index(rows, cols)
+    # 4. Repetition penalty over prompt + output. A token seen several times appears several
+    # times in the index, but every copy computes the same new value from the same gathered old
+    # value, so the write is idempotent and each token is penalised exactly once.
+    penalised = [i for i, r in enumerate(requests) if r.sampling.repetition_penalty != 1.0]
+    if penalised:
+        rows_t, cols_t = _output_index(requests, penalised, device)
+        prompts = [prompt_cache.get(requests[i]) for i in penalised]
+        lengths = [t.numel() for t in prompts]
+        prompt_rows = torch.repeat_interleave(
+            torch.tensor(penalised, device=device), torch.tensor(lengths, device=device),
+            output_size=sum(lengths),
+        )
+        idx = (torch.cat([prompt_rows, rows_t]), torch.cat([*prompts, cols_t]))
+        penalty = _per_row(requests, lambda p: p.repetition_penalty, logits)[idx[0]]
         old = logits[idx]
-        penalty = values(pen)
         logits[idx] = torch.where(old > 0, old / penalty, old * penalty)
 
-    # 5. Presence and frequency penalties over the output tokens.
-    rows, cols, sub = [], [], []
-    for i, r in enumerate(requests):
-        p = r.sampling
-        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            for token, count in Counter(r.output_ids).items():
-                rows.append(i), cols.append(token)
-                sub.append(p.presence_penalty + p.frequency_penalty * count)
-    if rows:
-        logits.index_put_(index(rows, cols), -values(sub), accumulate=True)
+    # 5. Presence (once per distinct output token, idempotent as above), then frequency (once
+    # per occurrence, accumulated).
+    penalised = [i for i, r in enumerate(requests)
+                 if r.output_ids and (r.sampling.presence_penalty or r.sampling.frequency_penalty)]
+    if penalised:
+        idx = _output_index(requests, penalised, device)
+        presence = _per_row(requests, lambda p: p.presence_penalty, logits)[idx[0]]
+        frequency = _per_row(requests, lambda p: p.frequency_penalty, logits)[idx[0]]
+        logits[idx] = logits[idx] - presence
+        logits.index_put_(idx, -frequency, accumulate=True)
+
+
+def _index(rows: list[int], cols: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    both = torch.tensor([rows, cols], dtype=torch.long).to(device)
+    return both[0], both[1]
+
+
+def _output_index(requests: list[Request], rows: list[int], device):
+    """(row, token) for every output token of the given rows, duplicates included."""
+    flat: list[int] = []
+    row_ids: list[int] = []
+    for i in rows:
+        out = requests[i].output_ids
+        flat += out
+        row_ids += [i] * len(out)
+    both = torch.from_numpy(np.array([row_ids, flat], dtype=np.int64).reshape(2, -1))
+    both = both.to(device)
+    return both[0], both[1]
+
+
+def _per_row(requests: list[Request], value, like: torch.Tensor) -> torch.Tensor:
+    """A [B] tensor holding value(sampling params) for every row."""
+    return torch.tensor([value(r.sampling) for r in requests], dtype=like.dtype, device=like.device)

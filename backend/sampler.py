@@ -26,7 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.logits_processors import apply_logits_processors, has_processors
+from backend.logits_processors import (
+    PromptTokenCache,
+    apply_logits_processors,
+    has_processors,
+)
 from backend.request import Request
 
 
@@ -52,10 +56,12 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        self._prompt_tokens = PromptTokenCache(self.device)
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state when a request ends (a later request may reuse the id)."""
         self._request_generators.pop(request_id, None)
+        self._prompt_tokens.forget(request_id)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Choose one token per row of `logits` [B, V]; row i belongs to requests[i]."""
@@ -68,7 +74,7 @@ class Sampler:
         else:
             work = logits.clone()
             if processed:
-                apply_logits_processors(work, requests, self.default_end_ids)
+                apply_logits_processors(work, requests, self.default_end_ids, self._prompt_tokens)
             tokens = self._choose(work, requests)
 
         logprobs = None

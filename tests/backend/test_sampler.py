@@ -256,3 +256,14 @@ def test_logprob_value_is_finite_when_a_banned_token_would_win():
     out = Sampler(2, [1]).sample(logits, [req(min_tokens=1, return_log_probs=True)])
     assert out.token_ids == [0]
     assert out.logprobs[0] == pytest.approx(-math.log1p(math.exp(10.0)), abs=1e-5)
+
+
+def test_repetition_penalty_follows_the_current_prompt_after_forget():
+    logits = torch.tensor([[3.0, 2.5, 0.0]])
+    sampler = Sampler(3, [2])
+    first = req("a", prompt=[0], repetition_penalty=2.0)  # 3.0 -> 1.5, so token 1 wins
+    assert sampler.sample(logits, [first]).token_ids == [1]
+    sampler.forget("a")
+    second = req("a", prompt=[1], repetition_penalty=2.0)  # 2.5 -> 1.25, token 0 wins
+    assert sampler.sample(logits, [second]).token_ids == [0]
+    assert sampler.sample(logits, [second]).token_ids == [0]  # cached prompt, same answer
