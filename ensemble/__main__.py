@@ -1,0 +1,92 @@
+"""Command line: build a model repository, or build and serve it.
+
+  python -m ensemble build --model default --out /tmp/repo [--max-batch-size 16 ...]
+  python -m ensemble serve [--model default] [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
+  python -m ensemble check            # the checked-in model_repository matches the default settings
+
+Every ServeSettings field is an option (`--max-tokens-in-paged-kv-cache 4096`, `--device cpu`, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from dataclasses import fields
+from pathlib import Path
+
+from ensemble.build import SOURCE_REPOSITORY, build_repository, stale_configs
+from ensemble.server import TritonServer, serve_forever
+from ensemble.settings import ServeSettings
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _add_settings_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", dest="model_path", default=None,
+                        help="'default', a Hugging Face directory or a .gguf file")
+    for f in fields(ServeSettings):
+        if f.name == "model_path":
+            continue
+        kind = str(f.type)
+        convert = (_parse_bool if kind.startswith("bool") else int if kind.startswith("int")
+                   else float if kind.startswith("float") else str)
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=convert,
+                            default=None, help=f"(default: {f.default})")
+
+
+def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    given = {f.name: getattr(args, f.name) for f in fields(ServeSettings)
+             if getattr(args, f.name, None) is not None}
+    settings = ServeSettings(**given)
+    settings.validate()
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ensemble", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("build", help="render a model repository")
+    build.add_argument("--out", required=True, type=Path, help="repository directory to write")
+    _add_settings_options(build)
+    serve = commands.add_parser("serve", help="build a repository and run tritonserver on it")
+    serve.add_argument("--out", type=Path, default=None,
+                       help="where to build the repository (default: a temporary directory)")
+    serve.add_argument("--repository", type=Path, default=None,
+                       help="serve this existing repository as it is instead of building one")
+    serve.add_argument("--log-verbose", type=int, default=0)
+    _add_settings_options(serve)
+    commands.add_parser("check", help="check the checked-in repository against the defaults")
+    args = parser.parse_args(argv)
+
+    if args.command == "check":
+        stale = stale_configs(ServeSettings())
+        if stale:
+            print(f"stale config.pbtxt in {SOURCE_REPOSITORY}: {', '.join(stale)}; "
+                  "run: python -m ensemble build --out model_repository")
+            return 1
+        print("model_repository matches the default settings")
+        return 0
+    try:
+        settings = settings_from_args(args)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+    if args.command == "build":
+        out = build_repository(settings, args.out)
+        print(f"wrote {out}")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="tritonllm-repo-") as tmp:
+        repository = args.repository or build_repository(settings, args.out or tmp)
+        server = TritonServer(repository, settings.http_port, settings.grpc_port,
+                              settings.metrics_port, log_verbose=args.log_verbose)
+        return serve_forever(server)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Reading config.pbtxt `parameters` back into typed values (used by the models' initialize()).
+
+"auto", "" and an unfilled "${...}" placeholder all mean unset. A value that does not parse is an
+error naming the parameter, not a silent default.
+"""
+from __future__ import annotations
+
+import json
+
+from ensemble.settings import ENGINE_FIELDS, ServeSettings
+
+_TRUE = ("true", "1", "yes", "y", "t", "on")
+_FALSE = ("false", "0", "no", "n", "f", "off")
+
+
+def parameters(model_config: str | dict) -> dict[str, str]:
+    """`args["model_config"]` (JSON text or dict) -> {key: string_value}."""
+    config = json.loads(model_config) if isinstance(model_config, str) else model_config
+    raw = config.get("parameters", {}) or {}
+    return {key: str(value.get("string_value", "")) for key, value in raw.items()}
+
+
+def is_unset(text: str | None) -> bool:
+    return text is None or text.strip() in ("", "auto") or text.strip().startswith("${")
+
+
+def get_str(params: dict[str, str], key: str, default: str | None = None) -> str | None:
+    text = params.get(key)
+    return default if is_unset(text) else text.strip()
+
+
+def get_int(params: dict[str, str], key: str, default: int | None = None) -> int | None:
+    text = get_str(params, key)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"parameter {key} must be an integer, got {text!r}") from None
+
+
+def get_float(params: dict[str, str], key: str, default: float | None = None) -> float | None:
+    text = get_str(params, key)
+    if text is None:
+        return default
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"parameter {key} must be a number, got {text!r}") from None
+
+
+def get_bool(params: dict[str, str], key: str, default: bool | None = None) -> bool | None:
+    text = get_str(params, key)
+    if text is None:
+        return default
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise ValueError(f"parameter {key} must be true or false, got {text!r}")
+
+
+def engine_kwargs(params: dict[str, str]) -> dict:
+    """The set engine parameters as keyword arguments of backend.config.EngineConfig."""
+    defaults = ServeSettings()
+    readers = {bool: get_bool, int: get_int, float: get_float}
+    kwargs = {}
+    for name in ENGINE_FIELDS:
+        default = getattr(defaults, name)
+        reader = readers.get(type(default), get_str)
+        if name in ("max_seq_len", "tokens_per_block", "max_tokens_in_paged_kv_cache"):
+            reader = get_int
+        value = reader(params, name)
+        if value is not None:
+            kwargs[name] = value
+    return kwargs
+
+
+def tokenizer_dir(params: dict[str, str]) -> str:
+    """The `tokenizer_dir` parameter, else the directory the engine loads `model_path` from
+    (resolving "default" or a .gguf imports the engine's loader, so only when needed)."""
+    explicit = get_str(params, "tokenizer_dir")
+    if explicit:
+        return explicit
+    from backend.model_loader import resolve_model  # noqa: PLC0415 - heavy, only when needed
+    return resolve_model(get_str(params, "model_path", "default"))

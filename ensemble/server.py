@@ -1,0 +1,198 @@
+"""Start and stop the tritonserver shipped in the nvidia-pytriton wheel.
+
+The wheel carries `tritonserver` 2.51, the Python backend and one backend stub per Python version.
+Triton expects the stub inside the backend directory, so a backends directory is assembled once
+(python backend + the stub matching this interpreter). The server is started from this
+interpreter's environment so the stub imports the same packages (ours included, via PYTHONPATH).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_BACKENDS_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) \
+    / "tritonllm" / "backends"
+
+
+@dataclass
+class TritonInstall:
+    root: Path            # .../site-packages/pytriton/tritonserver
+    libs: Path            # .../site-packages/nvidia_pytriton.libs
+
+    @property
+    def binary(self) -> Path:
+        return self.root / "bin" / "tritonserver"
+
+    @property
+    def stub(self) -> Path:
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        return self.root / "python_backend_stubs" / version / "triton_python_backend_stub"
+
+
+def locate_tritonserver() -> TritonInstall:
+    """Find tritonserver inside the installed nvidia-pytriton wheel."""
+    try:
+        import pytriton  # noqa: PLC0415 - optional dependency, only needed to serve
+    except ImportError:
+        raise RuntimeError("nvidia-pytriton is not installed; "
+                           "pip install 'nvidia-pytriton==0.7.0'") from None
+    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    install = TritonInstall(root=root, libs=root.parent.parent / "nvidia_pytriton.libs")
+    for path in (install.binary, install.stub, install.libs):
+        if not path.exists():
+            raise RuntimeError(f"incomplete nvidia-pytriton install: {path} is missing")
+    return install
+
+
+def prepare_backends(install: TritonInstall, dest: Path = DEFAULT_BACKENDS_DIR) -> Path:
+    """A backends directory holding the python backend and the stub for this interpreter."""
+    python_dir = dest / "python"
+    stub = python_dir / "triton_python_backend_stub"
+    if not stub.exists() or stub.stat().st_size != install.stub.stat().st_size:
+        python_dir.mkdir(parents=True, exist_ok=True)
+        for item in (install.root / "backends" / "python").iterdir():
+            if item.is_file():
+                shutil.copy2(item, python_dir / item.name)
+        shutil.copy2(install.stub, stub)
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class TritonServer:
+    repository: Path
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    log_file: Path | None = None        # None = inherit the terminal
+    log_verbose: int = 0
+    extra_args: list[str] = field(default_factory=list)
+    process: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://localhost:{self.metrics_port}/metrics"
+
+    def command(self, install: TritonInstall, backends: Path) -> list[str]:
+        return [str(install.binary), f"--model-repository={Path(self.repository).resolve()}",
+                f"--backend-directory={backends}", f"--http-port={self.http_port}",
+                f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
+                f"--log-verbose={self.log_verbose}", *self.extra_args]
+
+    def environment(self, install: TritonInstall) -> dict[str, str]:
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (env.get("LD_LIBRARY_PATH"), str(install.libs)) if p)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
+        venv = Path(sys.prefix)
+        if venv != Path(sys.base_prefix):        # running from a virtual environment
+            env["VIRTUAL_ENV"] = str(venv)
+            env["PATH"] = os.pathsep.join((str(venv / "bin"), env.get("PATH", "")))
+        return env
+
+    def start(self) -> "TritonServer":
+        install = locate_tritonserver()
+        backends = prepare_backends(install)
+        output = open(self.log_file, "ab") if self.log_file else None
+        self.process = subprocess.Popen(
+            self.command(install, backends), env=self.environment(install),
+            stdout=output, stderr=subprocess.STDOUT if output else None, start_new_session=True)
+        if output:
+            output.close()
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            url = f"http://localhost:{self.http_port}/v2/health/ready"
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode}"
+                                   + self._log_tail())
+            if self.is_ready():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s" + self._log_tail())
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """Graceful shutdown (SIGINT: Triton unloads the models), then kill what is left."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGINT)
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.wait()
+
+    def curl_example(self) -> str:
+        body = '{"text_input": "What is machine learning?", "max_tokens": 32}'
+        return (f"curl -s -X POST localhost:{self.http_port}/v2/models/ensemble/generate "
+                f"-d '{body}'")
+
+    def _log_tail(self, lines: int = 40) -> str:
+        if not self.log_file or not Path(self.log_file).exists():
+            return ""
+        tail = Path(self.log_file).read_text(errors="replace").splitlines()[-lines:]
+        return "\n--- tritonserver log (tail) ---\n" + "\n".join(tail)
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve_forever(server: TritonServer) -> int:
+    """Start, wait until ready, print how to call it, and stop cleanly on Ctrl-C or SIGTERM."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    server.start()
+    try:
+        server.wait_ready()
+        print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}")
+        print(server.curl_example(), flush=True)
+        return server.process.wait()
+    except KeyboardInterrupt:
+        print("stopping tritonserver ...", flush=True)
+        return 0
+    finally:
+        server.stop()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
