@@ -1,0 +1,230 @@
+"""Which requests run each step, and how many tokens each: a token budget over waiting/running.
+
+There are no prefill and decode phases. A request has `num_tokens` (prompt + outputs so far) and
+`num_computed_tokens` (already in the KV cache); a step gives it up to the difference. A prefill is
+many tokens, a decode one; both go into the same step.
+
+Rules, in the order `schedule()` applies them:
+
+1. Running requests first, oldest first. At most `max_num_tokens` new tokens per step in total.
+   This is "decodes first": admission is FCFS and a prefill is only cut when it exhausts the
+   budget, so at most one running request is mid-prefill and it is the newest one.
+2. Then waiting requests, strictly FCFS: when the head of the queue does not fit (token budget,
+   `max_batch_size`, or KV blocks) nobody behind it is admitted this step. Later requests never
+   overtake an earlier one, so every request is admitted once those before it have made room.
+   Nothing is admitted in a step that had to preempt (it would only be preempted again).
+3. Chunking. With `enable_chunked_context` a prefill larger than the remaining budget is cut to
+   it. Without it the prefill waits for a step with room; a prompt longer than `max_num_tokens`
+   could never fit, so `add()` refuses it. The one exception is recomputation after a preemption
+   (prompt + outputs may exceed `max_num_tokens`): it is always chunked.
+4. Capacity, as TensorRT-LLM's batch scheduler policies:
+   - `guaranteed_no_evict`: admit only if the pool can hold the request's whole life
+     (blocks for `max_total_tokens`, minus blocks reused from the prefix cache) on top of what
+     every running request may still grow into. Running requests can then always grow, so
+     nothing is ever preempted.
+   - `max_utilization`: admit with blocks for this step's tokens only. When a running request
+     cannot get a block, the newest running request is preempted by recompute (blocks freed,
+     computed tokens reset, back to the front of the queue) until it can, possibly itself.
+5. `max_queue_size` bounds requests that have never been admitted; preempted ones coming back
+   do not count against it.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from backend.config import EngineConfig
+from backend.kv_cache_manager import KVCacheManager, KVCacheStats, PrefixMatch
+from backend.request import FinishReason, Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_queue_size requests; the caller should retry later."""
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_tokens: int                                 # new tokens computed this step
+    start: int = field(init=False)                  # position of the first of them
+    _samples: bool = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Frozen at scheduling time: complete_step() and the sampled token change the request.
+        self.start = self.request.num_computed_tokens
+        self._samples = self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the request's last token, so the step samples for it."""
+        return self._samples
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)   # during this schedule() call
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, tokens_per_block: int):
+        self.config = config
+        self.kv = KVCacheManager(num_blocks, tokens_per_block, config.enable_kv_cache_reuse)
+        self.no_evict = config.batch_scheduler_policy == "guaranteed_no_evict"
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []               # admission order: oldest first
+        self._requests: dict[str, Request] = {}        # every waiting or running request
+
+    # ---- queue ---------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a new request. ValueError if it can never be served, QueueFullError if full."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id {request.request_id!r} is already queued or running")
+        if (not self.config.enable_chunked_context
+                and request.num_prompt_tokens > self.config.max_num_tokens):
+            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens, more than "
+                             f"max_num_tokens ({self.config.max_num_tokens}) and chunked context "
+                             "is disabled; enable_chunked_context or raise max_num_tokens")
+        needed = self.blocks_needed(request.max_total_tokens)
+        if needed > self.total_blocks:
+            raise ValueError(f"request needs {needed} KV cache blocks but the cache holds "
+                             f"{self.total_blocks}")
+        limit = self.config.max_queue_size
+        if limit and sum(r.first_scheduled_time is None for r in self.waiting) >= limit:
+            raise QueueFullError(f"request queue is full (max_queue_size={limit}); retry later")
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self._requests[request.request_id] = request
+
+    def finish(self, request: Request) -> None:
+        """The request ended, for any reason: free its blocks and forget it. Idempotent."""
+        if self._requests.get(request.request_id) is request:
+            del self._requests[request.request_id]
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+
+    def cancel(self, request_id: str) -> Request | None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self.finish(request)
+        if request.finish_reason is None:
+            request.finish_reason = FinishReason.CANCELLED
+        return request
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- capacity ------------------------------------------------------------------------------
+    @property
+    def total_blocks(self) -> int:
+        return self.kv.total_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return self.kv.blocks_needed(num_tokens)
+
+    def kv_stats(self) -> KVCacheStats:
+        return self.kv.stats()
+
+    def _blocks_to_grow(self, request: Request) -> int:
+        """Blocks a running request may still need to reach max_total_tokens."""
+        return max(0, self.blocks_needed(request.max_total_tokens) - len(request.block_ids))
+
+    def _fits_whole_life(self, request: Request, prefix: PrefixMatch, reserved: int) -> bool:
+        revived = sum(1 for b in prefix.block_ids if self.kv.pool.is_free(b))
+        lifetime = self.blocks_needed(request.max_total_tokens) - prefix.num_blocks
+        return lifetime + revived <= self.kv.num_free_blocks - reserved
+
+    def _may_chunk(self, request: Request) -> bool:
+        return self.config.enable_chunked_context or request.num_preemptions > 0
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks and allocate their blocks (slots up to start + num_tokens)."""
+        output = SchedulerOutput()
+        budget = self._schedule_running(output)
+        if not output.preempted:
+            self._admit_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput) -> int:
+        """Oldest first. Victims are the newest, so never one already scheduled this step."""
+        budget = self.config.max_num_tokens
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING:      # preempted earlier this step
+                continue
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_tokens = min(remaining, budget)
+            if num_tokens <= 0 or (num_tokens < remaining and not self._may_chunk(request)):
+                continue
+            while not self.kv.allocate(request, num_tokens):
+                if self.no_evict:
+                    raise RuntimeError(f"request {request.request_id} outgrew its KV block "
+                                       "reservation (more tokens than max_total_tokens?)")
+                victim = self.running[-1]
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                output.chunks.append(ScheduledChunk(request, num_tokens))
+                budget -= num_tokens
+        return budget
+
+    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        reserved = sum(map(self._blocks_to_grow, self.running)) if self.no_evict else 0
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
+            request = self.waiting[0]
+            prefix = self.kv.match_prefix(request)
+            remaining = request.num_tokens - prefix.num_tokens
+            num_tokens = min(remaining, budget)
+            if num_tokens < remaining and not self._may_chunk(request):
+                break
+            if self.no_evict and not self._fits_whole_life(request, prefix, reserved):
+                break
+            if not self.kv.allocate(request, num_tokens, prefix):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+            if self.no_evict:
+                reserved += self._blocks_to_grow(request)
+            output.chunks.append(ScheduledChunk(request, num_tokens))
+            budget -= num_tokens
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the KV, keep the outputs, requeue at the front."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def complete_step(self, output: SchedulerOutput) -> None:
+        """The model computed the chunks: advance each request and register its full blocks."""
+        for chunk in output.chunks:
+            request = chunk.request
+            if self._requests.get(request.request_id) is not request:   # ended meanwhile
+                continue
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.kv.cache_full_blocks(request)
