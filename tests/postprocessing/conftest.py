@@ -1,0 +1,1 @@
+from tests.preprocessing.tokenizer_fixtures import sentencepiece, smollm2  # noqa: F401
