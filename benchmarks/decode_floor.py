@@ -1,0 +1,133 @@
+"""Decode step time against the memory floor.
+
+A decode step must at least read every weight once and every sequence's KV cache once, and write
+the new tokens' K/V. The floor is that byte count at the device-to-device copy rate measured in the
+same run (a copy reads and writes, so its rate counts both). `fraction_of_floor` = floor / step:
+1.0 would mean the step runs at copy speed.
+
+The step time is measured through the whole engine (scheduler, runner, sampler, delivery) by
+difference: B requests of `--isl` prompt tokens generate N1 and then N2 tokens; the extra
+N2 - N1 decode steps take (wall2 - wall1), so prefill and start-up cancel out.
+
+    python -m benchmarks.decode_floor --model llama-3.2-1b --batch 1 --isl 128 --json OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from backend.config import EngineConfig
+from backend.executor import Executor
+from backend.sampling_params import SamplingParams
+from benchmarks.provenance import provenance
+
+
+def copy_rate_bytes_per_s(device: torch.device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Bytes moved (read + written) per second by a device-to-device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * nbytes * repeats / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Every parameter once (a tied embedding/lm_head matrix is read once, by the lm_head)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(runner) -> int:
+    mc = runner.model_config
+    return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * torch.empty(0, dtype=runner.dtype).element_size()
+
+
+def timed_generate(executor: Executor, prompts, max_tokens: int) -> float:
+    params = SamplingParams(max_tokens=max_tokens, ignore_end_id=True)
+    start = time.perf_counter()
+    executor.generate(prompts, params)
+    return time.perf_counter() - start
+
+
+def measure(executor: Executor, batch: int, isl: int, n1: int, n2: int, repeats: int) -> dict:
+    rng = random.Random(0)
+    # Distinct prompts: prefix reuse must not shrink the work.
+    prompts = [[rng.randrange(100, executor.vocab_size - 100) for _ in range(isl)] for _ in range(batch)]
+    timed_generate(executor, prompts, n1)  # warm-up: compile kernels, capture graphs
+    diffs = []
+    for _ in range(repeats):
+        short = timed_generate(executor, prompts, n1)
+        long = timed_generate(executor, prompts, n2)
+        diffs.append((long - short) / (n2 - n1))
+    diffs.sort()
+    step_s = diffs[len(diffs) // 2]
+    runner = executor.runner
+    mean_context = isl + (n1 + n2) / 2
+    kv_read = batch * mean_context * kv_bytes_per_token(runner)
+    kv_write = batch * kv_bytes_per_token(runner)
+    logits = batch * runner.vocab_size * 4
+    total = weight_bytes(runner.model) + kv_read + kv_write + logits
+    return {"step_ms": round(step_s * 1e3, 4), "step_ms_all": [round(d * 1e3, 4) for d in diffs],
+            "bytes_per_step": int(total), "weight_bytes": weight_bytes(runner.model),
+            "kv_bytes_read": int(kv_read), "mean_context": mean_context}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_floor", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--isl", type=int, default=128)
+    p.add_argument("--n1", type=int, default=16)
+    p.add_argument("--n2", type=int, default=144)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    max_batch = max(args.batch)
+    seq = args.isl + args.n2 + 1
+    config = EngineConfig(model_path=args.model, device=args.device, dtype=args.dtype, max_batch_size=max_batch,
+                          max_num_tokens=max(2048, min(max_batch * args.isl, 16384)), max_seq_len=seq,
+                          max_tokens_in_paged_kv_cache=max_batch * (seq + 64), enable_kv_cache_reuse=False)
+    executor = Executor(config)
+    device = executor.runner.device
+    rate = copy_rate_bytes_per_s(device)
+    results = []
+    for batch in args.batch:
+        r = measure(executor, batch, args.isl, args.n1, args.n2, args.repeats)
+        floor_s = r["bytes_per_step"] / rate
+        results.append({"benchmark": "decode_floor", **provenance(device), "model": args.model,
+                        "dtype": str(executor.runner.dtype).replace("torch.", ""), "batch": batch, "isl": args.isl,
+                        **r, "copy_rate_tb_s": round(rate / 1e12, 3), "floor_ms": round(floor_s * 1e3, 4),
+                        "fraction_of_floor": round(floor_s * 1e3 / r["step_ms"], 3),
+                        "cuda_graphs": executor.config.cuda_graphs})
+        print(json.dumps(results[-1]), flush=True)
+    executor.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results if len(results) > 1 else results[0], f, indent=2)
+            f.write("\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
