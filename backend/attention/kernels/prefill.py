@@ -33,8 +33,8 @@ LOG2_E = 1.4426950408889634
 @triton.jit
 def _find_request(query_start_ptr, tile_id, num_seqs, BLOCK_Q: tl.constexpr):
     """Largest b with query_start_loc[b] // BLOCK_Q + b <= tile_id (binary search)."""
-    lo = tl.zeros([], tl.int32)
-    hi = tl.zeros([], tl.int32) + num_seqs - 1
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         first_tile = tl.load(query_start_ptr + mid) // BLOCK_Q + mid
@@ -57,7 +57,9 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    tile_id = tl.program_id(0)
+    # Longest first: a request's last tiles see the most keys, so they are launched first
+    # (and the last wave holds short tiles). +5% on a 4096-token prompt on H200.
+    tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_request(query_start_ptr, tile_id, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_ptr + seq)
@@ -79,8 +81,8 @@ def _prefill_kernel(
                 mask=row_ok[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    l_i = tl.full([BLOCK_M], 0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM], 0, tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     first_pos = context_start + q_tile * BLOCK_Q  # every row of the tile sees keys < first_pos
@@ -109,10 +111,11 @@ def _prefill_kernel(
 
 
 def _prefill_launch_config(group: int, head_dim: int) -> dict:
-    """Tile shape (tuned for H100 bf16; see benchmarks/attention_kernels.py)."""
-    block_m = 64 if head_dim >= 128 else 128
-    block_m = max(block_m, triton.next_power_of_2(group))
-    return dict(BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 64 else 32, num_warps=4, num_stages=2)
+    """Tile shape. On H200 bf16 (benchmarks/attention_kernels.py --sweep) 64 x 64 with 4 warps and
+    3 stages was best or within a few % for head_dim 64 and 128, long prompts, prefix chunks and
+    mixed batches (330 TFLOP/s on a 4096-token prompt, head_dim 128)."""
+    block_m = max(64, triton.next_power_of_2(group))
+    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,0 +1,226 @@
+"""GPU check and timing of the Triton attention kernels (run on a CUDA machine).
+
+    python -m benchmarks.attention_kernels [--sweep] [--skip-check]
+
+1. Correctness in bf16 on model-sized shapes against the fp32 torch reference (relative error).
+2. KV write and decode, timed as CUDA-graph replays (decode runs under graphs in serving; this also
+   removes host launch cost). Each graph runs the call over several metadata sets whose blocks are
+   spread over a 1M-token cache, so the bytes read exceed L2. Decode bandwidth counts the K/V bytes
+   that must be read: sum(seq_lens) * kv_heads * head_dim * 2 (K and V) * 2 bytes.
+3. Prefill: causal TFLOP/s for one long prompt, a chunk over a cached prefix, several prompts and a
+   chunk mixed with decodes (triton.testing.do_bench medians, L2 flushed between calls), next to
+   torch's scaled_dot_product_attention on contiguous K/V (no paging) as a yardstick.
+--sweep also times other split counts, tile shapes, warps and pipeline stages.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from backend.attention import reference
+from backend.attention.kernels import decode, kv_write, prefill
+from backend.attention.metadata import AttentionMetadata
+
+BLOCK_SIZE = 32
+CACHE_TOKENS = 1 << 20
+
+
+def make_meta(query_lens, seq_lens, num_blocks, device, gen):
+    """Random (shuffled) block tables into a cache of num_blocks blocks."""
+    per_seq = [math.ceil(s / BLOCK_SIZE) for s in seq_lens]
+    physical = torch.randperm(num_blocks, generator=gen)[:sum(per_seq)].tolist()
+    tables = torch.zeros(len(seq_lens), max(per_seq), dtype=torch.int32)
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = torch.tensor([physical.pop() for _ in range(n)], dtype=torch.int32)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+
+
+def run_kernel(query, k_cache, v_cache, meta, scale, **kw):
+    if meta.max_query_len == 1:
+        return decode.decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                       meta.query_start_loc, meta.max_seq_len, scale, **kw)
+    return prefill.prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, scale, **kw)
+
+
+def graph_us_per_call(calls, reps=20):
+    """Median time of one call, from replays of a CUDA graph that runs all `calls` in turn."""
+    for call in calls:                       # compile and warm up outside the graph
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times) * 1e3 / len(calls)
+
+
+class Setup:
+    def __init__(self, heads, kv_heads, head_dim):
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.num_blocks = CACHE_TOKENS // BLOCK_SIZE
+        shape = (self.num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+        self.k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        self.v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def name(self):
+        return f"H={self.heads} KV={self.kv_heads} D={self.head_dim} bf16 block {BLOCK_SIZE}"
+
+    def meta(self, q_lens, s_lens):
+        return make_meta(q_lens, s_lens, self.num_blocks, "cuda", self.gen)
+
+    def query(self, n):
+        return torch.randn(n, self.heads, self.head_dim, device="cuda", dtype=torch.bfloat16)
+
+
+def check_correctness(s: Setup):
+    print(f"== correctness {s.name()}: ||out-ref|| / ||ref|| vs fp32 reference")
+    k32, v32 = s.k_cache.float(), s.v_cache.float()
+    cases = {"decode bs=5": ([1] * 5, [1, 31, 32, 700, 3000], {}),
+             "decode bs=3, 16 splits": ([1] * 3, [1, 100, 5000], {"num_splits": 16}),
+             "prefill + prefix + decodes": ([300, 1, 77, 1], [300, 901, 1077, 33], {})}
+    for name, (q_lens, s_lens, kw) in cases.items():
+        meta = s.meta(q_lens, s_lens)
+        query = s.query(sum(q_lens))
+        out = run_kernel(query, s.k_cache, s.v_cache, meta, s.scale, **kw).float()
+        ref = reference.paged_attention(query.float(), k32, v32, meta, s.scale)
+        err = ((out - ref).norm() / ref.norm()).item()
+        print(f"  {name:30s} rel err {err:.2e} {'OK' if err < 1e-2 else 'FAIL'}")
+    del k32, v32
+
+
+def bench_kv_write(s: Setup):
+    num_tokens = 8192
+    key, value = s.query(num_tokens)[:, :s.kv_heads], s.query(num_tokens)[:, :s.kv_heads]
+    slots = [torch.randperm(CACHE_TOKENS, device="cuda")[:num_tokens] for _ in range(4)]
+    us = graph_us_per_call([lambda sl=sl: kv_write.write_kv(key, value, s.k_cache, s.v_cache, sl)
+                            for sl in slots])
+    nbytes = num_tokens * s.kv_heads * s.head_dim * 2 * 2 * 2      # K and V, read and write
+    print(f"== kv write {s.name()}: {num_tokens} tokens {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s")
+
+
+def bench_decode(s: Setup, shapes, sweep):
+    print(f"== decode {s.name()} (CUDA graph replays)")
+    print(f"  {'bs':>4} {'ctx':>6} {'splits':>6} {'config':>12} {'us':>8} {'GB/s':>7}")
+    default = decode._decode_launch_config
+    configs = [None]
+    if sweep:
+        configs += [dict(BLOCK_N=n, num_warps=w, num_stages=st)
+                    for n, w, st in [(32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (64, 8, 3),
+                                     (128, 8, 3)]]
+    for bs, ctx in shapes:
+        nbytes = bs * ctx * s.kv_heads * s.head_dim * 2 * 2
+        sets = max(2, min(32, math.ceil(512e6 / nbytes)))
+        metas = [s.meta([1] * bs, [ctx] * bs) for _ in range(sets)]
+        query = s.query(bs)
+        chosen = decode.choose_num_splits(bs, s.kv_heads, ctx, decode.num_sms(query.device))
+        runs = [(None, chosen)]
+        if sweep:
+            runs += [(None, n) for n in (1, 2, 4, 8, 16, 32, 64) if n != chosen]
+            runs += [(cfg, chosen) for cfg in configs[1:]]
+        for cfg, splits in runs:
+            decode._decode_launch_config = (lambda hd, c=cfg: c) if cfg else default
+            us = graph_us_per_call([
+                lambda m=m, n=splits: decode.decode_attention(
+                    query, s.k_cache, s.v_cache, m.block_tables, m.seq_lens, m.query_start_loc,
+                    m.max_seq_len, s.scale, num_splits=n) for m in metas])
+            label = "default" if cfg is None else f"N{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
+            mark = "*" if (cfg is None and splits == chosen) else " "
+            print(f" {mark}{bs:4d} {ctx:6d} {splits:6d} {label:>12} {us:8.1f} {nbytes / us / 1e3:7.0f}")
+    decode._decode_launch_config = default
+
+
+def causal_flops(q_lens, s_lens, s: Setup):
+    visible = sum(q * (sl - q) + q * (q + 1) // 2 for q, sl in zip(q_lens, s_lens))
+    return 4 * visible * s.head_dim * s.heads
+
+
+def bench_prefill(s: Setup, tiles, sweep):
+    print(f"== prefill {s.name()} (do_bench medians)")
+    print(f"  {'case':>24} {'config':>20} {'ms':>8} {'TFLOP/s':>8}")
+    cases = {"prompt 4096": ([4096], [4096]),
+             "chunk 2048 + prefix 2048": ([2048], [4096]),
+             "8 x 512 prompts": ([512] * 8, [512] * 8),
+             "chunk 1024 + 64 decodes": ([1024] + [1] * 64, [2048] + [1024] * 64)}
+    default = prefill._prefill_launch_config
+    variants = [None] + (tiles if sweep else [])
+    for name, (q_lens, s_lens) in cases.items():
+        meta = s.meta(q_lens, s_lens)
+        query = s.query(sum(q_lens))
+        flops = causal_flops(q_lens, s_lens, s)
+        for tile in variants:
+            if tile:
+                prefill._prefill_launch_config = lambda g, hd, t=tile: dict(
+                    BLOCK_M=t[0], BLOCK_N=t[1], num_warps=t[2], num_stages=t[3])
+            else:
+                prefill._prefill_launch_config = default
+            try:
+                ms = do_bench(lambda: run_kernel(query, s.k_cache, s.v_cache, meta, s.scale),
+                              warmup=25, rep=100, return_mode="median")
+            except Exception as e:   # e.g. out of shared memory for a large tile
+                print(f"  {name:>24} {str(tile):>20} failed: {type(e).__name__}")
+                continue
+            label = "default" if tile is None else "M{} N{} w{} s{}".format(*tile)
+            print(f"  {name:>24} {label:>20} {ms:8.3f} {flops / ms / 1e9:8.1f}")
+        if len(q_lens) == 1 and q_lens == s_lens:      # yardstick: torch SDPA, contiguous K/V
+            L = q_lens[0]
+            q = torch.randn(1, s.heads, L, s.head_dim, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, s.heads, L, s.head_dim, device="cuda", dtype=torch.bfloat16)
+            ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True),
+                          warmup=25, rep=100, return_mode="median")
+            print(f"  {name:>24} {'torch sdpa (MHA)':>20} {ms:8.3f} {flops / ms / 1e9:8.1f}")
+    prefill._prefill_launch_config = default
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--skip-check", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), "SMs", decode.num_sms(torch.device("cuda")),
+          "triton", triton.__version__)
+    big = Setup(32, 8, 128)                                        # Llama-3.1-8B attention
+    if not args.skip_check:
+        check_correctness(big)
+    bench_kv_write(big)
+    shapes = [(1, 1024), (1, 8192), (4, 4096), (8, 2048), (16, 1024), (32, 1024), (32, 4096),
+              (64, 2048), (128, 1024), (256, 1024)]
+    bench_decode(big, shapes, args.sweep)
+    bench_prefill(big, [(64, 64, 4, 4), (64, 32, 4, 3), (128, 32, 4, 2), (128, 64, 8, 3),
+                        (128, 64, 4, 3)], args.sweep)
+    del big
+    torch.cuda.empty_cache()
+    small = Setup(32, 8, 64)                                       # Llama-3.2-1B attention
+    bench_decode(small, [(1, 4096), (16, 1024), (64, 2048), (256, 1024)], args.sweep)
+    bench_prefill(small, [(128, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3),
+                          (128, 128, 8, 3)], args.sweep)
+
+
+if __name__ == "__main__":
+    main()
