@@ -10,6 +10,7 @@
 3. Prefill: causal TFLOP/s for one long prompt, a chunk over a cached prefix, several prompts and a
    chunk mixed with decodes (triton.testing.do_bench medians, L2 flushed between calls), next to
    torch's scaled_dot_product_attention on contiguous K/V (no paging) as a yardstick.
+4. The fused RMSNorm(+residual) and rotary kernels (backend/kernels) next to the model's torch code.
 --sweep also times other split counts, tile shapes, warps and pipeline stages.
 """
 from __future__ import annotations
@@ -197,14 +198,55 @@ def bench_prefill(s: Setup, tiles, sweep):
     prefill._prefill_launch_config = default
 
 
+def bench_fused():
+    from backend.kernels.rmsnorm import rms_norm
+    from backend.kernels.rope import apply_rotary_
+    from backend.model_config import RopeConfig
+    from backend.models.llama import RMSNorm
+    from backend.models.rotary import RotaryEmbedding, apply_rotary
+    print("== fused kernels, 4096 tokens, bf16 (do_bench medians, us)")
+    tokens, hidden = 4096, 4096
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    norm = RMSNorm(hidden, 1e-5).to("cuda", torch.bfloat16)
+    weight = norm.weight.detach()
+    out, new_res = rms_norm(x, weight, 1e-5, residual)
+    ref_out, ref_res = norm(x, residual)
+    print(f"  rmsnorm+residual max diff {(out.float() - ref_out.float()).abs().max().item():.3g}, "
+          f"residual equal {torch.equal(new_res, ref_res)}")
+    t_kernel = do_bench(lambda: rms_norm(x, weight, 1e-5, residual), return_mode="median") * 1e3
+    with torch.no_grad():
+        t_torch = do_bench(lambda: norm(x, residual), return_mode="median") * 1e3
+    print(f"  rmsnorm+residual hidden {hidden}: triton {t_kernel:.1f}  torch {t_torch:.1f}")
+    heads, kv_heads, head_dim = 32, 8, 128
+    rotary = RotaryEmbedding(RopeConfig(theta=500000.0), head_dim, 8192, 8192)
+    rotary.build_cache("cuda")
+    positions = torch.randint(0, 8192, (tokens,), device="cuda")
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    cos, sin = rotary(positions, torch.bfloat16)
+    ref_q, _ = apply_rotary(q.clone(), k.clone(), *rotary(positions, torch.float32))
+    got_q, _ = apply_rotary_(q.clone(), k.clone(), rotary.cos_sin, positions)
+    print(f"  rope max diff vs fp32 torch {(got_q.float() - ref_q.float()).abs().max().item():.3g}")
+    t_kernel = do_bench(lambda: apply_rotary_(q, k, rotary.cos_sin, positions), return_mode="median") * 1e3
+    t_torch = do_bench(lambda: (rotary(positions, torch.bfloat16), apply_rotary(q, k, cos, sin)),
+                       return_mode="median") * 1e3
+    print(f"  rope H={heads} KV={kv_heads} D={head_dim}: triton {t_kernel:.1f}  torch {t_torch:.1f}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--fused-only", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "SMs", decode.num_sms(torch.device("cuda")),
           "triton", triton.__version__)
+    bench_fused()
+    if args.fused_only:
+        return
     big = Setup(32, 8, 128)                                        # Llama-3.1-8B attention
     if not args.skip_check:
         check_correctness(big)

@@ -8,13 +8,13 @@ slot (past a partial last block, or through a padded block-table entry) shows up
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+# Sets TRITON_INTERPRET=1 without a GPU; must come before the kernel modules are imported.
+from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # noqa: F401
+
 pytest.importorskip("triton")
 
 from backend.attention import reference  # noqa: E402
@@ -23,33 +23,12 @@ from backend.attention.kernels.decode import choose_num_splits, decode_attention
 from backend.attention.kernels.prefill import prefill_attention  # noqa: E402
 from backend.attention.metadata import AttentionMetadata  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# The interpreter itself trips a numpy deprecation on every scalar it indexes with.
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpretable_triton_language():
-    """Let interpreted kernels call triton.language's own @jit helpers (tl.max, tl.sum, tl.cdiv).
-
-    When another module imported triton before TRITON_INTERPRET was set (transformers does, via
-    the shared conftest), those helpers were decorated for compilation and refuse to run in the
-    interpreter. Wrap them as interpreted functions for this module's tests, then restore them.
-    """
-    import triton.language as tl
-    from triton.runtime.jit import JITFunction
-
-    compiled = {name: fn for name, fn in vars(tl).items() if isinstance(fn, JITFunction)}
-    if DEVICE == "cuda" or not compiled:
-        yield
-        return
-    from triton.runtime.interpreter import InterpretedFunction
-    for name, fn in compiled.items():
-        setattr(tl, name, InterpretedFunction(fn.fn))
-    yield
-    for name, fn in compiled.items():
-        setattr(tl, name, fn)
+pytestmark = [
+    pytest.mark.usefixtures("interpretable_triton_language"),
+    # The interpreter itself trips a numpy deprecation on every scalar it indexes with.
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+]
 
 
 def make_batch(query_lens, seq_lens, *, num_kv_heads, head_dim, block_size, dtype=torch.float32,

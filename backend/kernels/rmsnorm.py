@@ -1,0 +1,58 @@
+"""RMSNorm, optionally fused with the residual add that precedes it, in one pass over each row.
+
+One program per token row (the row fits in registers: BLOCK = next power of two >= hidden):
+    x = x + residual                      (rounded to the activation dtype; this is the new residual)
+    out = weight * (x * rsqrt(mean(x^2) + eps))
+The mean and the scaling run in float32; the normalised row is rounded to the activation dtype
+before the weight multiply, the order of operations of `backend.models.llama.RMSNorm` (and
+transformers), so bf16/fp16 results agree with it up to rare last-bit differences from the order
+of the float32 sum.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro, hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    mean_square = tl.sum(x32 * x32, 0) / hidden
+    normed = (x32 * tl.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = normed.to(tl.float32) * weight.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """x [T, hidden] -> out, or (out, x + residual) when `residual` is given."""
+    num_rows, hidden = x.shape
+    assert x.stride(-1) == 1 and weight.shape == (hidden,)
+    out = torch.empty((num_rows, hidden), dtype=torch.promote_types(weight.dtype, x.dtype),
+                      device=x.device)
+    new_residual = torch.empty_like(x) if residual is not None else None
+    if num_rows:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(num_rows,)](
+            x, residual if residual is not None else x, weight, out,
+            new_residual if residual is not None else out,
+            x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+            new_residual.stride(0) if residual is not None else 0, hidden, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=min(16, max(1, block // 512)),
+        )
+    return out if residual is None else (out, new_residual)

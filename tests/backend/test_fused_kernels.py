@@ -1,0 +1,78 @@
+"""Triton RMSNorm (+ residual) and rotary-embedding kernels against the model's torch code."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Sets TRITON_INTERPRET=1 without a GPU; must come before the kernel modules are imported.
+from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # noqa: F401
+
+pytest.importorskip("triton")
+
+from backend.kernels.rmsnorm import rms_norm  # noqa: E402
+from backend.kernels.rope import apply_rotary_  # noqa: E402
+from backend.model_config import RopeConfig  # noqa: E402
+from backend.models.llama import RMSNorm  # noqa: E402
+from backend.models.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+
+pytestmark = [
+    pytest.mark.usefixtures("interpretable_triton_language"),
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+]
+
+
+@pytest.mark.parametrize("hidden", [64, 96])          # 96: the row is masked to a block of 128
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_module(hidden, with_residual):
+    torch.manual_seed(0)
+    module = RMSNorm(hidden, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        module.weight.uniform_(0.5, 1.5)
+    x = torch.randn(7, hidden, device=DEVICE) * 3
+    residual = torch.randn(7, hidden, device=DEVICE) if with_residual else None
+    expected = module(x, residual)
+    got = rms_norm(x, module.weight.detach(), 1e-5, residual)
+    if with_residual:
+        torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(got[1], expected[1])
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_half_precision_strided_rows():
+    torch.manual_seed(1)
+    hidden = 64
+    weight = (torch.rand(hidden, device=DEVICE) + 0.5).half()
+    x = (torch.randn(5, 2 * hidden, device=DEVICE) * 2).half()[:, :hidden]   # row stride 2*hidden
+    residual = torch.randn(5, hidden, device=DEVICE).half()
+    module = RMSNorm(hidden, eps=1e-6).to(DEVICE).half()
+    with torch.no_grad():
+        module.weight.copy_(weight)
+    out, new_residual = rms_norm(x, weight, 1e-6, residual)
+    expected_out, expected_residual = module(x, residual)
+    assert out.dtype == torch.float16
+    assert torch.equal(new_residual, expected_residual)
+    torch.testing.assert_close(out, expected_out, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 32), (6, 1, 64)])
+def test_rotary_matches_torch_in_place_on_fused_qkv(num_heads, num_kv_heads, head_dim):
+    torch.manual_seed(2)
+    rope = RopeConfig(type="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                      high_freq_factor=4.0, original_max_position_embeddings=64)
+    rotary = RotaryEmbedding(rope, head_dim, max_position_embeddings=256, max_positions=256)
+    rotary.build_cache(DEVICE)
+    num_tokens = 9
+    positions = torch.randint(0, 256, (num_tokens,), device=DEVICE)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
+    q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim)
+    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim:].clone()
+    cos, sin = rotary(positions, torch.float32)
+    expected_q, expected_k = apply_rotary(q.clone(), k.clone(), cos, sin)
+
+    apply_rotary_(q, k, rotary.cos_sin, positions)
+    torch.testing.assert_close(q, expected_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, expected_k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)   # v untouched
