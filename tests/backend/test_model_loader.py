@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from backend import gguf_convert
-from backend.attention import get_attention_backend
+from backend.attention import AttentionMetadata, get_attention_backend
 from backend.config import EngineConfig
 from backend.model_config import ModelConfig
 from backend.model_loader import (build_model, default_gguf_path, iter_safetensors, load_model,
@@ -121,7 +121,6 @@ def test_random_init_is_deterministic_and_finite_in_bf16(cache):
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert torch.equal(a, b), name
     kv = torch.zeros(2, 2, 2, 32, 8, 64, dtype=torch.bfloat16)
-    from backend.attention.metadata import AttentionMetadata
     meta = AttentionMetadata(torch.arange(40), torch.tensor([0, 40], dtype=torch.int32),
                              torch.tensor([40], dtype=torch.int32),
                              torch.tensor([[0, 1]], dtype=torch.int32), 40, 40, [40], [40])
