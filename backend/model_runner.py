@@ -20,6 +20,7 @@ import torch
 
 from backend.attention import AttentionMetadata, get_attention_backend
 from backend.config import EngineConfig
+from backend.cuda_graphs import DecodeGraphs
 from backend.model_config import ModelConfig
 from backend.model_loader import load_model, resolve_model
 
@@ -73,10 +74,12 @@ class ModelRunner:
         self.max_seq_len = self._pick_max_seq_len()
         self.tokens_per_block = config.tokens_per_block or (32 if self.device.type == "cuda" else 16)
         self.attention = get_attention_backend(config.attention_backend, self.device)
+        self.decode_graphs: DecodeGraphs | None = None
         self.model = load_model(self.model_dir, self.device, self.dtype, self.attention,
                                 self.max_seq_len, self.model_config)
         self.num_kv_blocks = self._pick_num_kv_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        self.decode_graphs = self._capture_decode_graphs()
         log.info("model %s on %s (%s): %d KV blocks x %d tokens, max_seq_len %d, attention %s",
                  self.model_dir, self.device, self.dtype, self.num_kv_blocks,
                  self.tokens_per_block, self.max_seq_len, self.attention.name)
@@ -94,12 +97,26 @@ class ModelRunner:
         """float32 logits [number of chunks with needs_logits, vocab], in chunk order."""
         inputs = self.prepare(chunks)
         with torch.inference_mode():
+            graphs = self.decode_graphs
+            if (graphs is not None and inputs.attn_meta.is_decode_only and len(chunks) <= graphs.max_batch_size
+                    and all(c.needs_logits for c in chunks)):
+                return graphs.run(inputs.input_ids, inputs.positions, inputs.attn_meta)
             hidden = self._run_model(inputs)
             return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """The forward pass: the seam where CUDA-graph replay of decode-only steps plugs in."""
+        """The eager forward pass (prefill chunks, mixed batches, CPU)."""
         return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_meta)
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """Decode-only steps replay CUDA graphs on GPU with the Triton kernels (they skip padded
+        rows; the torch reference does not)."""
+        if not (self.config.cuda_graphs and self.device.type == "cuda" and self.attention.name == "triton"):
+            return None
+        graphs = DecodeGraphs(self.model, self.kv_cache, self.config.max_batch_size, self.max_seq_len,
+                              self.tokens_per_block)
+        graphs.capture()
+        return graphs
 
     def prepare(self, chunks: list[SequenceChunk]) -> StepInputs:
         if not chunks:

@@ -19,7 +19,12 @@ from torch import nn
 
 from backend.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from backend.model_config import ModelConfig
-from backend.models.rotary import RotaryEmbedding, apply_rotary
+from backend.models.rotary import RotaryEmbedding
+
+try:  # the fused GPU kernel; CPU-only installs without Triton use the torch path
+    from backend.kernels.rmsnorm import rms_norm as fused_rms_norm
+except ImportError:
+    fused_rms_norm = None
 
 
 class RMSNorm(nn.Module):
@@ -32,6 +37,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda and fused_rms_norm is not None:
+            return fused_rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -71,13 +78,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.attention = attention
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata):
+    def forward(self, hidden: torch.Tensor, rotate, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k = rotate(q, k)
         self.attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.attention.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -106,12 +113,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, residual, cos, sin, k_cache, v_cache, meta):
+    def forward(self, hidden, residual, rotate, k_cache, v_cache, meta):
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, k_cache, v_cache, meta)
+        hidden = self.self_attn(hidden, rotate, k_cache, v_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -128,10 +135,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_cache, meta):
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, hidden.dtype)
+        rotate = self.rotary.rotator(positions, hidden.dtype)
         residual = None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache[i, 0], kv_cache[i, 1],
+            hidden, residual = layer(hidden, residual, rotate, kv_cache[i, 0], kv_cache[i, 1],
                                      meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden

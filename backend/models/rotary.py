@@ -16,6 +16,11 @@ import math
 import torch
 from torch import nn
 
+try:  # the fused GPU kernel; CPU-only installs without Triton use the torch path
+    from backend.kernels.rope import apply_rotary_ as fused_rope
+except ImportError:
+    fused_rope = None
+
 from backend.model_config import RopeConfig
 
 
@@ -91,3 +96,11 @@ class RotaryEmbedding(nn.Module):
         """positions [T] -> cos, sin [T, 1, head_dim] in `dtype` (broadcast over heads)."""
         cos_sin = self.cos_sin[positions].to(dtype)
         return cos_sin[:, 0, None, :], cos_sin[:, 1, None, :]
+
+    def rotator(self, positions: torch.Tensor, dtype: torch.dtype):
+        """A function rotate(q, k) -> (q, k) for this step's positions. On GPU it is the fused
+        in-place Triton kernel; elsewhere cos/sin are looked up once and applied in torch."""
+        if positions.is_cuda and fused_rope is not None and self.head_dim & (self.head_dim - 1) == 0:
+            return lambda q, k: fused_rope(q, k, self.cos_sin, positions)
+        cos, sin = self(positions, dtype)
+        return lambda q, k: apply_rotary(q, k, cos, sin)
