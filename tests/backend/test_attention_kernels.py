@@ -171,6 +171,7 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 8, 8192, 132) == 64           # 8 programs -> 512, capped at 64
     assert choose_num_splits(4, 8, 1024, 132) == 16
     assert choose_num_splits(32, 8, 1024, 132) == 2           # rounded down to a power of two
+    assert choose_num_splits(64, 8, 2048, 132) == 1           # 512 programs: close enough to 528
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,8 +57,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_cou
     target = PROGRAMS_PER_SM * sm_count
     if programs >= target:
         return 1
-    splits = min(triton.cdiv(target, programs), max(1, max_seq_len // MIN_TOKENS_PER_SPLIT), MAX_SPLITS)
-    return 1 << (splits.bit_length() - 1)
+    splits = min(target // programs, max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS)
+    return 1 << (max(1, splits).bit_length() - 1)
 
 
 @triton.jit
