@@ -6,8 +6,9 @@ prefix, the tokens just written) are read from the paged cache. Query i of the r
 absolute position seq_len - q_len + i and sees keys 0..that position.
 
 Grid = (query tiles, num_kv_heads). A program takes BLOCK_Q consecutive query tokens of one request
-together with all GROUP query heads that share its kv head, packed as BLOCK_M = BLOCK_Q * GROUP
-(rounded up to a power of two) rows: row r is token r // GROUP, head r % GROUP. Each K/V tile is
+together with all GROUP query heads that share its kv head, packed into BLOCK_M rows (a power of
+two; BLOCK_Q = BLOCK_M // GROUP, leftover rows idle): row r is token r // GROUP, head r % GROUP,
+so non-power-of-two groups (e.g. 7 heads per kv head) work too. Each K/V tile is
 thus read once for the whole group, and a decode row (q_len 1) in a mixed batch still fills GROUP
 rows. The query tiles of all requests are numbered without a host sync: request b's tiles start at
 query_start_loc[b] // BLOCK_Q + b, which leaves room for its cdiv(q_len, BLOCK_Q) tiles, so
