@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -103,8 +104,11 @@ class TritonServer:
 
     def environment(self, install: TritonInstall) -> dict[str, str]:
         env = dict(os.environ)
+        # The stub must load this interpreter's libpython (not, say, the distribution's), or
+        # the standard library's extension modules fail with undefined symbols.
+        libdir = sysconfig.get_config_var("LIBDIR")
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in (env.get("LD_LIBRARY_PATH"), str(install.libs)) if p)
+            p for p in (libdir, env.get("LD_LIBRARY_PATH"), str(install.libs)) if p)
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
         venv = Path(sys.prefix)
@@ -119,7 +123,8 @@ class TritonServer:
         output = open(self.log_file, "ab") if self.log_file else None
         self.process = subprocess.Popen(
             self.command(install, backends), env=self.environment(install),
-            stdout=output, stderr=subprocess.STDOUT if output else None, start_new_session=True)
+            stdout=output, stderr=subprocess.STDOUT if output else None, start_new_session=True,
+            cwd=PROJECT_ROOT)
         if output:
             output.close()
         return self

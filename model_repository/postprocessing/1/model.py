@@ -1,0 +1,53 @@
+"""Triton adapter of the detokenizer: a window of token ids in, the new text out.
+
+Stateless exact streaming (see postprocessing/detokenizer.py): the LLM sends, per response, the
+ids from a few before the new ones (TOKENS_BATCH, SEQUENCE_LENGTH), how many of them were already
+shown (WINDOW_CONTEXT_LENGTH) and whether it is the last piece (IS_FINAL). Without the last two
+inputs this decodes the whole sequence, as TensorRT-LLM's postprocessing does.
+"""
+from __future__ import annotations
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ensemble.params import get_bool, parameters, tokenizer_dir
+from postprocessing.detokenizer import text_delta
+from preprocessing.tokenizer import load_tokenizer
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = parameters(args["model_config"])
+        self.tokenizer = load_tokenizer(tokenizer_dir(params))
+        self.skip_special_tokens = get_bool(params, "skip_special_tokens", True)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                tensors = {t.name(): t.as_numpy() for t in request.inputs()}
+                text = self.convert(tensors)
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor("OUTPUT", text)]))
+            except ValueError as exc:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
+        return responses
+
+    def convert(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        tokens = tensors["TOKENS_BATCH"]                  # [batch, beams, n]
+        lengths = tensors["SEQUENCE_LENGTH"]              # [batch, beams]
+        batch, beams = tokens.shape[0], tokens.shape[1]
+        context = tensors.get("WINDOW_CONTEXT_LENGTH", np.zeros((batch, 1), np.int32))
+        final = tensors.get("IS_FINAL", np.ones((batch, 1), np.bool_))
+        out = np.empty((batch, beams), dtype=np.object_)
+        for b in range(batch):
+            for k in range(beams):
+                n = int(lengths[b, k])
+                if not 0 <= n <= tokens.shape[2]:
+                    raise ValueError(f"SEQUENCE_LENGTH must be in [0, {tokens.shape[2]}], got {n}")
+                ids = [int(t) for t in tokens[b, k, :n]]
+                text = text_delta(self.tokenizer, ids, int(context[b].reshape(-1)[0]),
+                                  bool(final[b].reshape(-1)[0]),
+                                  skip_special_tokens=self.skip_special_tokens)
+                out[b, k] = text.encode("utf-8")
+        return out

@@ -1,0 +1,124 @@
+"""Triton adapter of the tokenizer: text and word lists in, token ids out (TensorRT-LLM names).
+
+Errors name the ensemble input the user sent (text_input, max_tokens, stop_words, ...).
+"""
+from __future__ import annotations
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ensemble.params import get_bool, get_int, parameters, tokenizer_dir
+from preprocessing.tokenizer import default_end_id, default_pad_id, encode, load_tokenizer
+from preprocessing.word_lists import embedding_bias, encode_word_list, parse_words
+
+# preprocessing input -> the ensemble input users know it as
+FIELD = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
+         "STOP_WORDS_DICT": "stop_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
+         "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights", "END_ID": "end_id",
+         "PAD_ID": "pad_id"}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = parameters(args["model_config"])
+        self.tokenizer = load_tokenizer(tokenizer_dir(params))
+        self.add_special_tokens = get_bool(params, "add_special_tokens", True)
+        self.default_max_tokens = get_int(params, "default_max_tokens", 64)
+        self.vocab_size = len(self.tokenizer)
+        self.end_id = default_end_id(self.tokenizer)
+        self.pad_id = default_pad_id(self.tokenizer)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                tensors = {t.name(): t.as_numpy() for t in request.inputs()}
+                responses.append(pb_utils.InferenceResponse(output_tensors=[
+                    pb_utils.Tensor(name, value) for name, value in self.convert(tensors).items()]))
+            except ValueError as exc:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
+        return responses
+
+    def convert(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        queries = tensors["QUERY"].reshape(len(tensors["QUERY"]), -1)
+        batch = len(queries)
+        ids = [self.encode_query(row) for row in queries]
+        lengths = np.array([[len(x)] for x in ids], dtype=np.int32)
+        input_ids = np.full((batch, max(len(x) for x in ids)), self.pad_id, dtype=np.int32)
+        for i, row in enumerate(ids):
+            input_ids[i, :len(row)] = row
+        return {
+            "INPUT_ID": input_ids,
+            "REQUEST_INPUT_LEN": lengths,
+            "BAD_WORDS_IDS": self.word_lists(tensors, "BAD_WORDS_DICT", batch),
+            "STOP_WORDS_IDS": self.word_lists(tensors, "STOP_WORDS_DICT", batch),
+            "EMBEDDING_BIAS": self.bias(tensors, batch),
+            "REQUEST_OUTPUT_LEN": self.scalar(tensors, "REQUEST_OUTPUT_LEN", batch,
+                                              self.default_max_tokens, low=1),
+            "OUT_END_ID": self.scalar(tensors, "END_ID", batch, self.end_id, low=-1),
+            "OUT_PAD_ID": self.scalar(tensors, "PAD_ID", batch, self.pad_id, low=0),
+        }
+
+    def encode_query(self, row: np.ndarray) -> list[int]:
+        if row.size != 1:
+            raise ValueError(f"text_input must hold one string per batch row, got {row.size}")
+        text = _text(row[0], "text_input")
+        if not text:
+            raise ValueError("text_input must not be empty")
+        ids = encode(self.tokenizer, text, add_special_tokens=self.add_special_tokens)
+        if not ids:
+            raise ValueError("text_input encodes to no tokens")
+        return ids
+
+    def scalar(self, tensors, name: str, batch: int, default: int, low: int) -> np.ndarray:
+        if name not in tensors:
+            return np.full((batch, 1), default, dtype=np.int32)
+        values = tensors[name].reshape(batch, -1)
+        if values.shape[1] != 1:
+            raise ValueError(f"{FIELD[name]} must hold one value per batch row, got {values.shape[1]}")
+        for value in values[:, 0]:
+            if value < low:
+                raise ValueError(f"{FIELD[name]} must be >= {low}, got {int(value)}")
+            if name != "REQUEST_OUTPUT_LEN" and value >= self.vocab_size:
+                raise ValueError(f"{FIELD[name]} must be < vocab size {self.vocab_size}, "
+                                 f"got {int(value)}")
+        return values.astype(np.int32)
+
+    def word_lists(self, tensors, name: str, batch: int) -> np.ndarray:
+        rows = []
+        for i in range(batch):
+            words = []
+            if name in tensors:
+                words = parse_words(tensors[name][i].reshape(-1), FIELD[name])
+            rows.append(encode_word_list(self.tokenizer, words))
+        width = max(r.shape[1] for r in rows)
+        out = np.zeros((batch, 2, width), dtype=np.int32)
+        out[:, 1, :] = -1
+        for i, r in enumerate(rows):
+            out[i, :, :r.shape[1]] = r
+        return out
+
+    def bias(self, tensors, batch: int) -> np.ndarray:
+        has_words, has_weights = "EMBEDDING_BIAS_WORDS" in tensors, "EMBEDDING_BIAS_WEIGHTS" in tensors
+        if not has_words and not has_weights:
+            return np.zeros((batch, 0), dtype=np.float32)
+        if has_words != has_weights:
+            raise ValueError("embedding_bias_words and embedding_bias_weights must be sent together")
+        out = np.zeros((batch, self.vocab_size), dtype=np.float32)
+        for i in range(batch):
+            words = [_text(w, "embedding_bias_words")
+                     for w in tensors["EMBEDDING_BIAS_WORDS"][i].reshape(-1)]
+            weights = tensors["EMBEDDING_BIAS_WEIGHTS"][i].reshape(-1)
+            for token, value in embedding_bias(self.tokenizer, words, weights,
+                                               self.vocab_size).items():
+                out[i, token] += value
+        return out
+
+
+def _text(value, field: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{field} must be valid UTF-8: {exc}") from None
+    return str(value)

@@ -1,0 +1,180 @@
+"""Live Triton requests of the LLM model and the thread that answers them.
+
+The executor calls `on_output` from its own thread; the call only enqueues. One response thread
+builds the tensors and sends them, so each request's responses leave in order and the engine loop
+never waits on a response-send round trip. Every request ends with the FINAL flag: after its last
+row finishes, errors and cancellations included.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backend.executor import QueueFullError
+from backend.request import FinishReason, RequestOutput
+from llm_inputs import RowRequest
+from llm_metrics import FinishedRequest, LlmMetrics
+from llm_outputs import RowStream
+
+log = logging.getLogger(__name__)
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+@dataclass
+class LiveRequest:
+    """One Triton request: its sender and how many of its rows are still running."""
+
+    sender: object
+    user_id: str
+    requested: frozenset[str]              # empty = every output
+    engine_ids: list[str] = field(default_factory=list)
+    pending: int = 0
+
+
+@dataclass
+class LiveRow:
+    request: LiveRequest
+    stream: RowStream
+    num_prompt_tokens: int
+
+
+class ResponseDispatcher:
+    def __init__(self, executor, metrics: LlmMetrics | None):
+        self._executor = executor
+        self._metrics = metrics
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._rows: dict[str, LiveRow] = {}
+        self._requests: dict[int, LiveRequest] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="llm-responses", daemon=True)
+        self._thread.start()
+
+    # ---- from execute() ------------------------------------------------------------------------
+    def submit(self, sender, user_id: str, rows: list[RowRequest], requested: frozenset[str]) -> None:
+        """Queue every row in the engine. Raises ValueError/QueueFullError when no row was queued."""
+        live = LiveRequest(sender, user_id, requested, pending=len(rows))
+        entries = []
+        for row in rows:
+            engine_id = f"{user_id or 'req'}#{next(self._ids)}"
+            stream = RowStream.start(row.batch_index, row.streaming, row.prompt_ids,
+                                     echo_prompt=not row.exclude_input_in_output)
+            entries.append((engine_id, row, LiveRow(live, stream, len(row.prompt_ids))))
+        with self._lock:
+            for engine_id, _, entry in entries:
+                self._rows[engine_id] = entry
+                live.engine_ids.append(engine_id)
+            self._requests[id(live)] = live
+        submitted = []
+        try:
+            for engine_id, row, _ in entries:
+                self._executor.submit(engine_id, row.prompt_ids, row.sampling, self._enqueue)
+                submitted.append(engine_id)
+        except (ValueError, QueueFullError) as exc:
+            with self._lock:
+                live.pending = len(submitted)          # the cancelled rows still end normally
+                for engine_id, _, _ in entries[len(submitted):]:
+                    self._rows.pop(engine_id, None)
+                    live.engine_ids.remove(engine_id)
+                if not submitted:
+                    self._requests.pop(id(live), None)
+            if not submitted:
+                raise
+            # Some rows run already: report the error now, their ends carry the FINAL flag.
+            self._send(live, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), 0)
+            for engine_id in submitted:
+                self._executor.cancel(engine_id)
+
+    def stop(self, user_id: str) -> int:
+        """Cancel every row of the live requests with this request id (the `stop` input)."""
+        with self._lock:
+            ids = [e for r in self._requests.values() if r.user_id == user_id for e in r.engine_ids]
+        return sum(self._executor.cancel(engine_id) for engine_id in ids)
+
+    def poll_cancellations(self) -> None:
+        """Cancel the engine requests of Triton requests whose client went away."""
+        with self._lock:
+            live = list(self._requests.values())
+        for request in live:
+            try:
+                cancelled = request.sender.is_cancelled()
+            except Exception:  # the sender is already closed
+                continue
+            if cancelled:
+                for engine_id in request.engine_ids:
+                    self._executor.cancel(engine_id)
+
+    def num_live(self) -> int:
+        with self._lock:
+            return len(self._requests)
+
+    def shutdown(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    # ---- executor thread -----------------------------------------------------------------------
+    def _enqueue(self, out: RequestOutput) -> None:
+        self._queue.put(out)
+
+    # ---- response thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            out = self._queue.get()
+            if out is None:
+                return
+            try:
+                self._handle(out)
+            except Exception:
+                log.exception("failed to answer engine request %s", out.request_id)
+
+    def _handle(self, out: RequestOutput) -> None:
+        with self._lock:
+            row = self._rows.get(out.request_id)
+            if row is None:
+                return
+            live = row.request
+            if out.finished:
+                self._rows.pop(out.request_id, None)
+                live.pending -= 1
+                if live.pending == 0:
+                    self._requests.pop(id(live), None)
+            last = out.finished and live.pending == 0
+        stream = row.stream
+        stream.add(out)
+        flags = FINAL if last else 0
+        if out.finish_reason == FinishReason.ERROR:
+            error = pb_utils.TritonError(out.error or "generation failed")
+            self._send(live, pb_utils.InferenceResponse(error=error), flags)
+        elif stream.ready(out):
+            self._send(live, self._response(stream.take(out), live.requested), flags)
+        elif last:
+            self._send(live, None, flags)
+        if out.finished and self._metrics is not None:
+            self._metrics.record_finished(FinishedRequest(
+                num_input_tokens=row.num_prompt_tokens, num_output_tokens=stream.num_generated,
+                finish_reason=out.finish_reason.value if out.finish_reason else "error",
+                arrival_time=out.arrival_time, first_token_time=out.first_token_time,
+                last_token_time=out.last_token_time, end_time=time.time()))
+
+    @staticmethod
+    def _response(tensors: dict[str, np.ndarray], requested: frozenset[str]):
+        outputs = [pb_utils.Tensor(name, value[np.newaxis, ...]) for name, value in tensors.items()
+                   if not requested or name in requested]
+        return pb_utils.InferenceResponse(output_tensors=outputs)
+
+    @staticmethod
+    def _send(live: LiveRequest, response, flags: int) -> None:
+        try:
+            if response is None:
+                live.sender.send(flags=flags)
+            else:
+                live.sender.send(response, flags=flags)
+        except Exception as exc:  # the client is gone; nothing else to do for it
+            log.info("could not send a response for request %r: %s", live.user_id, exc)

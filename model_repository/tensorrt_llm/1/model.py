@@ -1,0 +1,95 @@
+"""Triton adapter of the engine: token ids in, token ids out (decoupled, TensorRT-LLM names).
+
+execute() converts each request's tensors into engine requests and returns at once; responses
+are sent from the response thread (llm_responses.py) as the executor produces tokens. A poll
+thread checks client cancellation and refreshes the metrics.
+"""
+from __future__ import annotations
+
+import json
+import threading
+
+import triton_python_backend_utils as pb_utils
+
+from backend.config import EngineConfig
+from backend.executor import Executor, QueueFullError
+from ensemble.params import engine_kwargs, get_bool, get_int, parameters
+from llm_inputs import Defaults, convert_request, is_stop_request
+from llm_metrics import LlmMetrics
+from llm_responses import ResponseDispatcher
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _error(message: str, code_name: str = "INVALID_ARG"):
+    code = getattr(pb_utils.TritonError, code_name, None)
+    error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+    return pb_utils.InferenceResponse(error=error)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = parameters(args["model_config"])
+        self.config = EngineConfig(**engine_kwargs(params))
+        self.defaults = Defaults(
+            max_tokens=get_int(params, "default_max_tokens", 64),
+            exclude_input_in_output=get_bool(params, "exclude_input_in_output", True))
+        self.cancel_period_s = get_int(params, "cancellation_check_period_ms", 100) / 1000
+        self.stats_period_s = get_int(params, "stats_check_period_ms", 200) / 1000
+        self.executor = Executor(self.config)
+        self.metrics = LlmMetrics(args["model_name"], args["model_version"],
+                                  self.config.max_batch_size)
+        self.dispatcher = ResponseDispatcher(self.executor, self.metrics)
+        self.stopping = threading.Event()
+        self.poller = threading.Thread(target=self._poll, name="llm-poll", daemon=True)
+        self.poller.start()
+        pb_utils.Logger.log_info(
+            f"tensorrt_llm ready: model {self.executor.model_dir}, vocab {self.executor.vocab_size}, "
+            f"max_seq_len {self.executor.max_seq_len}, config {json.dumps(vars(self.config))}")
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                tensors = {t.name(): t.as_numpy() for t in request.inputs()}
+                if is_stop_request(tensors):
+                    self._stop(request, sender)
+                    continue
+                rows = convert_request(tensors, self.defaults, self.executor.vocab_size)
+                requested = frozenset(request.requested_output_names())
+                self.dispatcher.submit(sender, request.request_id(), rows, requested)
+            except QueueFullError as exc:
+                sender.send(_error(f"Exceeds maximum queue size: {exc}", "UNAVAILABLE"), flags=FINAL)
+            except ValueError as exc:
+                sender.send(_error(str(exc)), flags=FINAL)
+            except Exception as exc:  # never leave a request without its FINAL flag
+                pb_utils.Logger.log_error(f"tensorrt_llm: unexpected error: {exc!r}")
+                sender.send(_error(f"internal error: {exc}", "INTERNAL"), flags=FINAL)
+        return None
+
+    def _stop(self, request, sender) -> None:
+        user_id = request.request_id()
+        if not user_id:
+            sender.send(_error("stop: a request id is required to stop a request"), flags=FINAL)
+            return
+        self.dispatcher.stop(user_id)
+        sender.send(flags=FINAL)
+
+    def _poll(self) -> None:
+        next_stats = 0.0
+        elapsed = 0.0
+        while not self.stopping.wait(self.cancel_period_s):
+            try:
+                self.dispatcher.poll_cancellations()
+                elapsed += self.cancel_period_s
+                if elapsed >= next_stats:
+                    self.metrics.update(self.executor.stats())
+                    next_stats = elapsed + self.stats_period_s
+            except Exception as exc:
+                pb_utils.Logger.log_warn(f"tensorrt_llm poll: {exc!r}")
+
+    def finalize(self):
+        self.stopping.set()
+        self.poller.join(timeout=5)
+        self.executor.shutdown()
+        self.dispatcher.shutdown()

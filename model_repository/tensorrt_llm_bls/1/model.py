@@ -1,0 +1,113 @@
+"""BLS alternative to the ensemble: preprocessing -> tensorrt_llm -> postprocessing, from Python.
+
+Same inputs and outputs as `ensemble`; the wiring is the ensemble's own (ensemble/tensors.py), so
+the two entry points cannot drift apart. Each request runs in its own thread, so one instance
+serves many requests at once; a client that goes away gets its LLM request stopped.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ensemble.tensors import ENSEMBLE
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+PRE, LLM, POST = ENSEMBLE.steps
+OUTPUT_NAMES = [t.name for t in ENSEMBLE.outputs]
+
+
+class StepError(Exception):
+    pass
+
+
+def call(step, tensors: dict[str, np.ndarray], request_id: str = "", decoupled: bool = False):
+    """Run one ensemble step on the tensors available so far (by ensemble tensor name)."""
+    inputs = [pb_utils.Tensor(model_input, tensors[name])
+              for model_input, name in step.inputs.items() if name in tensors]
+    request = pb_utils.InferenceRequest(model_name=step.model, inputs=inputs,
+                                        requested_output_names=list(step.outputs),
+                                        request_id=request_id)
+    return request.exec(decoupled=decoupled)
+
+
+def outputs_of(step, response) -> dict[str, np.ndarray]:
+    if response.has_error():
+        raise StepError(response.error().message())
+    found = {}
+    for model_output, name in step.outputs.items():
+        tensor = pb_utils.get_output_tensor_by_name(response, model_output)
+        if tensor is not None:
+            found[name] = tensor.as_numpy()
+    return found
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.threads: set[threading.Thread] = set()
+        self.lock = threading.Lock()
+
+    def execute(self, requests):
+        for request in requests:
+            tensors = {t.name(): t.as_numpy() for t in request.inputs()}
+            sender = request.get_response_sender()
+            thread = threading.Thread(target=self.serve, args=(tensors, sender), daemon=True)
+            with self.lock:
+                self.threads.add(thread)
+            thread.start()
+        return None
+
+    def serve(self, tensors: dict[str, np.ndarray], sender) -> None:
+        try:
+            self.generate(tensors, sender)
+        except StepError as exc:
+            self.send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), FINAL)
+        except Exception as exc:  # never leave a request without its FINAL flag
+            pb_utils.Logger.log_error(f"tensorrt_llm_bls: {exc!r}")
+            error = pb_utils.TritonError(f"internal error: {exc}")
+            self.send(sender, pb_utils.InferenceResponse(error=error), FINAL)
+        finally:
+            with self.lock:
+                self.threads.discard(threading.current_thread())
+
+    def generate(self, tensors: dict[str, np.ndarray], sender) -> None:
+        tensors.update(outputs_of(PRE, call(PRE, tensors)))
+        llm_id = f"bls-{uuid.uuid4().hex}"
+        stopped = False
+        for response in call(LLM, tensors, request_id=llm_id, decoupled=True):
+            if not stopped and sender.is_cancelled():
+                self.stop(llm_id)
+                stopped = True
+            if len(response.output_tensors()) == 0 and not response.has_error():
+                continue                                    # a flag-only final response
+            step_tensors = outputs_of(LLM, response)
+            merged = {**step_tensors, **outputs_of(POST, call(POST, step_tensors))}
+            self.send(sender, pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor(name, merged[name]) for name in OUTPUT_NAMES]), 0)
+        self.send(sender, None, FINAL)
+
+    @staticmethod
+    def stop(llm_id: str) -> None:
+        request = pb_utils.InferenceRequest(
+            model_name=LLM.model, request_id=llm_id, requested_output_names=[],
+            inputs=[pb_utils.Tensor("stop", np.array([[True]], dtype=np.bool_))])
+        for _ in request.exec(decoupled=True):
+            pass
+
+    @staticmethod
+    def send(sender, response, flags: int) -> None:
+        try:
+            if response is None:
+                sender.send(flags=flags)
+            else:
+                sender.send(response, flags=flags)
+        except Exception as exc:
+            pb_utils.Logger.log_info(f"tensorrt_llm_bls: could not send a response: {exc}")
+
+    def finalize(self):
+        with self.lock:
+            threads = list(self.threads)
+        for thread in threads:
+            thread.join(timeout=10)

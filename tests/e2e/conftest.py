@@ -1,0 +1,67 @@
+"""One real tritonserver per test session, serving the checked-in model repository's models.
+
+The repository is built by `ensemble` with small engine settings for a CPU (small KV cache, short
+max_seq_len) into a temporary directory, on free ports; the server is stopped at the end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ensemble.build import build_repository
+from ensemble.server import TritonServer, free_port
+from ensemble.settings import ServeSettings
+
+E2E_SETTINGS = dict(
+    device="cpu", max_batch_size=16, max_num_tokens=1024, max_seq_len=512, tokens_per_block=16,
+    max_tokens_in_paged_kv_cache=8192, triton_max_batch_size=8, default_max_tokens=32,
+    cancellation_check_period_ms=50, stats_check_period_ms=100,
+)
+
+
+@dataclass
+class Triton:
+    settings: ServeSettings
+    server: TritonServer
+    log_file: Path
+
+    @property
+    def http(self) -> str:
+        return self.server.http_url
+
+    @property
+    def grpc(self) -> str:
+        return self.server.grpc_url
+
+    @property
+    def metrics(self) -> str:
+        return self.server.metrics_url
+
+
+@pytest.fixture(scope="session")
+def triton(tmp_path_factory) -> Triton:
+    pytest.importorskip("pytriton", reason="nvidia-pytriton (the tritonserver binary) is missing")
+    from backend.model_loader import resolve_model
+    resolve_model("default")                     # convert once here, not in three stubs at once
+    tmp = tmp_path_factory.mktemp("triton")
+    settings = ServeSettings(**E2E_SETTINGS, http_port=free_port(), grpc_port=free_port(),
+                             metrics_port=free_port())
+    repository = build_repository(settings, tmp / "model_repository")
+    log_file = tmp / "tritonserver.log"
+    server = TritonServer(repository, settings.http_port, settings.grpc_port,
+                          settings.metrics_port, log_file=log_file)
+    server.start()
+    try:
+        server.wait_ready(timeout_s=600)
+        yield Triton(settings, server, log_file)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from backend.model_loader import resolve_model
+    from preprocessing.tokenizer import load_tokenizer
+    return load_tokenizer(resolve_model("default"))
