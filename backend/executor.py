@@ -221,7 +221,7 @@ class Executor:
         for c in chunks:
             r = c.request
             start = r.num_computed_tokens
-            seq_chunks.append(SequenceChunk(r.all_ids[start:start + c.num_tokens], start, r.block_ids, c.samples))
+            seq_chunks.append(SequenceChunk(r.tokens(start, start + c.num_tokens), start, r.block_ids, c.samples))
         logits = self.runner.execute(seq_chunks)
         requests = [c.request for c in chunks if c.samples]
         if not requests:

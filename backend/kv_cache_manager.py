@@ -147,10 +147,9 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens // self.tokens_per_block, len(request.block_ids))
         if num_full <= len(hashes):
             return
-        tokens = request.all_ids
         size = self.tokens_per_block
         for i in range(len(hashes), num_full):
-            block_hash = hash_block(hashes[-1] if hashes else None, tokens[i * size:(i + 1) * size])
+            block_hash = hash_block(hashes[-1] if hashes else None, request.tokens(i * size, (i + 1) * size))
             hashes.append(block_hash)
             self.pool.register(request.block_ids[i], block_hash)
 

@@ -21,6 +21,7 @@ import torch
 from backend.attention import AttentionMetadata, get_attention_backend
 from backend.config import EngineConfig
 from backend.cuda_graphs import DecodeGraphs
+from backend.staging import StagingBuffer
 from backend.model_config import ModelConfig
 from backend.model_loader import load_model, resolve_model
 
@@ -75,6 +76,7 @@ class ModelRunner:
         self.tokens_per_block = config.tokens_per_block or (32 if self.device.type == "cuda" else 16)
         self.attention = get_attention_backend(config.attention_backend, self.device)
         self.decode_graphs: DecodeGraphs | None = None
+        self.staging = StagingBuffer(self.device)
         self.model = load_model(self.model_dir, self.device, self.dtype, self.attention,
                                 self.max_seq_len, self.model_config)
         self.num_kv_blocks = self._pick_num_kv_blocks()
@@ -149,24 +151,15 @@ class ModelRunner:
         wants_logits = np.array([c.needs_logits for c in chunks], dtype=bool)
         logits_indices = (query_start_loc[1:] - 1)[wants_logits]
 
+        ids_d, pos_d, slots_d, qsl_d, seq_d, bt_d, li_d = self.staging.to_device([
+            input_ids, positions, slots, query_start_loc.astype(np.int32), seq_lens.astype(np.int32),
+            block_tables.astype(np.int32), logits_indices])
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots),
-            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            block_tables=self._to_device(block_tables.astype(np.int32)),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_lens_cpu=query_lens.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
+            slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=seq_d, block_tables=bt_d,
+            max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
         )
-        return StepInputs(self._to_device(input_ids), self._to_device(positions), meta,
-                          self._to_device(logits_indices))
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+        return StepInputs(ids_d, pos_d, meta, li_d)
 
     # ---- sizing ------------------------------------------------------------------------------
     def _pick_max_seq_len(self) -> int:

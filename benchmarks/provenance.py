@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import subprocess
 
@@ -22,6 +23,9 @@ def device_name(device) -> str:
 
 
 def git_commit() -> str:
+    """HEAD of this checkout; GIT_COMMIT overrides it where the tree travels without .git."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

@@ -1,0 +1,104 @@
+"""Where a decode step's time goes, on GPU: the CUDA-graph replay alone (GPU time), the runner
+(packing + copies + replay + reading the sampled ids), and the per-kernel GPU time of one eager
+forward. Compare with `benchmarks.decode_floor`'s engine step (which adds scheduling, sampling
+and delivery).
+
+    python -m benchmarks.profile_step --model llama-3.2-1b --batch 1 --isl 128 --json OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from backend.config import EngineConfig
+from backend.model_runner import ModelRunner, SequenceChunk
+from benchmarks.provenance import provenance
+
+
+def cuda_ms(fn, repeats: int = 100) -> float:
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def wall_ms(fn, repeats: int = 100) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3 / repeats
+
+
+def kernel_table(runner: ModelRunner, inputs, top: int = 15) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        runner.model.compute_logits(runner._run_model(inputs))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.model.compute_logits(runner._run_model(inputs))
+            torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
+    rows = [(e.key, e.count, getattr(e, "self_device_time_total", 0.0)) for e in rows]
+    rows = [r for r in rows if r[2] > 0]
+    rows.sort(key=lambda r: -r[2])
+    total = sum(r[2] for r in rows)
+    return {"eager_gpu_ms": round(total / 1e3, 4), "eager_kernel_launches": sum(r[1] for r in rows),
+            "top_kernels": [{"kernel": k[:90], "count": c, "ms": round(t / 1e3, 4), "share": round(t / total, 3)}
+                            for k, c, t in rows[:top]]}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--batch", type=int, nargs="+", default=[1])
+    p.add_argument("--isl", type=int, default=128)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    max_batch = max(args.batch)
+    seq = args.isl + 64
+    runner = ModelRunner(EngineConfig(model_path=args.model, max_batch_size=max_batch, max_seq_len=seq,
+                                      max_tokens_in_paged_kv_cache=max_batch * seq))
+    rng = random.Random(0)
+    per_seq = -(-seq // runner.tokens_per_block)
+    results = []
+    for batch in args.batch:
+        blocks = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+        prompts = [[rng.randrange(100, runner.vocab_size - 100) for _ in range(args.isl)] for _ in range(batch)]
+        runner.execute([SequenceChunk(p, 0, b, True) for p, b in zip(prompts, blocks)])
+        decode = [SequenceChunk([5], args.isl, b, True) for b in blocks]
+        inputs = runner.prepare(decode)
+        graphs = runner.decode_graphs
+        row = {"benchmark": "profile_step", **provenance(runner.device), "model": args.model, "batch": batch,
+               "isl": args.isl}
+        if graphs is not None:
+            graph = graphs.graphs[next(s for s in graphs.sizes if s >= batch)][0]
+            row["graph_replay_gpu_ms"] = round(cuda_ms(graph.replay), 4)
+        row["runner_step_ms"] = round(wall_ms(lambda: runner.execute(decode).argmax(-1).tolist()), 4)
+        row["prepare_ms"] = round(wall_ms(lambda: runner.prepare(decode)), 4)
+        row.update(kernel_table(runner, inputs))
+        results.append(row)
+        print(json.dumps(row, indent=1), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+            f.write("\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()
