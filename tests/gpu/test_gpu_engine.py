@@ -50,12 +50,27 @@ def smollm():
     return model_dir, tokenizer, model, prompts
 
 
+@torch.inference_mode()
+def assert_same_greedy(model, prompt, ours, expected, tie=1e-4):
+    """Token for token; a difference is allowed only where transformers' own top two logits are
+    tied within fp32 noise (different GPU reduction orders may then pick either); the texts are
+    not compared past it."""
+    if ours == expected:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(ours, expected)) if a != b), min(len(ours), len(expected)))
+    logits = model(input_ids=torch.tensor([prompt + expected[:i]], device="cuda")).logits[0, -1].float()
+    top2 = torch.topk(logits, 2).values
+    gap = float(top2[0] - top2[1])
+    print(f"first difference at token {i}: ours {ours[i:i + 1]} vs {expected[i:i + 1]}, top-2 logit gap {gap:.3g}")
+    assert i < min(len(ours), len(expected)) and gap < tie, "greedy outputs differ where there is no tie"
+
+
 def test_default_model_fp32_matches_transformers(smollm):
     model_dir, tokenizer, model, prompts = smollm
     results = serve(model_dir, prompts, SamplingParams(max_tokens=32), dtype="float32", max_batch_size=8)
     for prompt, result in zip(prompts, results):
         expected, _ = hf_greedy(model, prompt, 32, [tokenizer.eos_token_id])
-        assert result["token_ids"] == expected
+        assert_same_greedy(model, prompt, result["token_ids"], expected)
 
 
 @torch.inference_mode()
