@@ -39,7 +39,9 @@ repository: setup
 	$(PY) -m ensemble build --model default --out model_repository
 
 benchmark: setup
-	$(PY) -m benchmarks.offline --model default --num-requests 64 --isl 16:256 --osl 16:128 --seed 0 --baseline hf --json benchmarks/results/offline_cpu_smollm2.json
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m benchmarks.offline --model default --num-requests 64 --isl 32:256 --osl 32:128 --seed 0 --baseline hf --max-batch-size 64 --json benchmarks/results/offline_cpu_smollm2.json
+	$(PY) -m benchmarks.plot benchmarks/results
 
 clean:
 	rm -rf $(VENV) .pytest_cache

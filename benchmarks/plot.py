@@ -1,0 +1,98 @@
+"""Plots of committed results (PNG beside the JSON), and the README's headline table.
+
+    python -m benchmarks.plot benchmarks/results
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def load(path: str) -> list[dict]:
+    with open(path) as f:
+        data = json.load(f)
+    return data if isinstance(data, list) else [data]
+
+
+def plot_decode_floor(path: str) -> str:
+    rows = load(path)
+    batches = [r["batch"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(batches, [r["step_ms"] for r in rows], "o-", label="engine decode step")
+    ax1.plot(batches, [r["floor_ms"] for r in rows], "s--", label="floor: weights + KV at copy rate")
+    ax1.set(xscale="log", xlabel="batch", ylabel="ms per step", title="Decode step vs memory floor")
+    ax1.legend()
+    ax2.plot(batches, [b / r["step_ms"] * 1e3 for b, r in zip(batches, rows)], "o-")
+    ax2.set(xscale="log", xlabel="batch", ylabel="output tokens/s", title="Decode throughput vs batch")
+    r0 = rows[0]
+    fig.suptitle(f"{r0['model']} {r0['dtype']}, ISL {r0['isl']} — {r0['device']}, {r0['date']}, {r0['commit']}",
+                 fontsize=9)
+    fig.tight_layout()
+    out = path.replace(".json", ".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_offline(paths: list[str], out: str) -> str:
+    rows = [load(p)[0] for p in paths]
+    labels, values, colours = [], [], []
+    for r in rows:
+        labels.append(f"{r['model']}\nengine")
+        values.append(r["output_tokens_per_s"])
+        colours.append("tab:blue")
+        if "hf_output_tokens_per_s" in r:
+            labels.append(f"{r['model']}\ntransformers")
+            values.append(r["hf_output_tokens_per_s"])
+            colours.append("tab:gray")
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(values)), 4.2))
+    bars = ax.bar(labels, values, color=colours)
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set(ylabel="output tokens/s", title="Offline throughput")
+    r0 = rows[0]
+    fig.suptitle(f"{r0['num_requests']} requests, ISL {r0['isl']}, OSL {r0['osl']} — {r0['device']}, "
+                 f"{r0['date']}, {r0['commit']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def headline(results_dir: str) -> str:
+    """Markdown table of every offline and decode-floor result."""
+    lines = ["| benchmark | model | device | result | baseline / floor |", "|---|---|---|---|---|"]
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
+        for r in load(path):
+            if r.get("benchmark") == "offline":
+                base = (f"transformers {r['hf_output_tokens_per_s']:,.0f} tok/s ({r['speedup_vs_hf']}x)"
+                        if "hf_output_tokens_per_s" in r else "—")
+                lines.append(f"| offline, {r['num_requests']} req, ISL {r['isl']}, OSL {r['osl']} | {r['model']} "
+                             f"| {r['device']} | {r['output_tokens_per_s']:,.0f} output tok/s | {base} |")
+            elif r.get("benchmark") == "decode_floor":
+                lines.append(f"| decode step, batch {r['batch']}, ISL {r['isl']} | {r['model']} | {r['device']} "
+                             f"| {r['step_ms']} ms | floor {r['floor_ms']} ms, fraction {r['fraction_of_floor']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    results_dir = (argv or sys.argv[1:] or ["benchmarks/results"])[0]
+    for path in glob.glob(os.path.join(results_dir, "decode_floor*.json")):
+        print("wrote", plot_decode_floor(path))
+    groups: dict[str, list[str]] = {}
+    for path in glob.glob(os.path.join(results_dir, "offline*.json")):
+        groups.setdefault(load(path)[0]["device"], []).append(path)
+    for i, (device, paths) in enumerate(sorted(groups.items())):
+        name = "offline_cpu.png" if device.startswith("CPU") else f"offline_gpu{i}.png"
+        print("wrote", plot_offline(sorted(paths), os.path.join(results_dir, name)))
+    print(headline(results_dir))
+
+
+if __name__ == "__main__":
+    main()
