@@ -26,6 +26,9 @@ class EngineConfig:
     attention_backend: str = "auto"       # "auto" = triton on GPU, torch on CPU
     cuda_graphs: bool = True              # decode-only steps on GPU
     seed: int = 0                         # engine-wide generator for unseeded sampling
+    # Overlap host work (scheduling, packing, stop checks, delivery) with the device's step;
+    # None = on for CUDA, off on CPU (nothing to overlap with). True forces it on (tests on CPU).
+    overlap_scheduling: bool | None = None
 
     def validate(self) -> None:
         for name in ("max_batch_size", "max_num_tokens"):

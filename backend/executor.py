@@ -13,36 +13,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
 from backend.config import EngineConfig
 from backend.model_runner import ModelRunner, SequenceChunk
-from backend.request import FinishReason, Request, RequestOutput, RequestStatus
+from backend.output_processor import OutputCallback, OutputProcessor
+from backend.request import FinishReason, Request, RequestOutput
 from backend.sampler import Sampler
 from backend.sampling_params import SamplingParams
 from backend.scheduler import QueueFullError, ScheduledChunk, Scheduler, SchedulerOutput
 from backend.stats import ExecutorStats
-from backend.stopping import check_finish
 
 __all__ = ["Executor", "QueueFullError"]
 
 log = logging.getLogger(__name__)
-OutputCallback = Callable[[RequestOutput], None]
-
-
-class _Live:
-    """Delivery state of one request, beside the engine-side Request."""
-
-    __slots__ = ("request", "callback", "num_delivered", "cum_logprob")
-
-    def __init__(self, request: Request, callback: OutputCallback):
-        self.request = request
-        self.callback = callback
-        self.num_delivered = 0
-        self.cum_logprob = 0.0
 
 
 class Executor:
@@ -57,7 +43,8 @@ class Executor:
         self.scheduler = Scheduler(self.config, self.runner.num_kv_blocks, self.runner.tokens_per_block)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed)
         self._stats = ExecutorStats(kv=self.scheduler.kv_stats())
-        self._live: dict[str, _Live] = {}
+        self.outputs = OutputProcessor(self.max_seq_len, self.eos_token_ids, self._release)
+        self._live = self.outputs.live          # request_id -> LiveRequest, guarded by _lock
         self._cancel_requests: set[str] = set()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -76,7 +63,7 @@ class Executor:
             if request.request_id in self._live:
                 raise ValueError(f"request_id {request.request_id!r} is already in flight")
             self.scheduler.add(request)
-            self._live[request.request_id] = _Live(request, on_output)
+            self.outputs.add(request, on_output)
             self._work.notify()
 
     def cancel(self, request_id: str) -> bool:
@@ -155,12 +142,12 @@ class Executor:
                 cancelled, self._cancel_requests = self._cancel_requests, set()
             if stopping:
                 for live in list(self._live.values()):
-                    self._finish(live.request, FinishReason.CANCELLED, error="executor shut down")
+                    self.outputs.finish(live.request, FinishReason.CANCELLED, error="executor shut down")
                 return
             for request_id in cancelled:
                 live = self._live.get(request_id)
                 if live is not None:
-                    self._finish(live.request, FinishReason.CANCELLED)
+                    self.outputs.finish(live.request, FinishReason.CANCELLED)
             with self._lock:
                 output = self.scheduler.schedule()
             if not output.chunks:
@@ -181,23 +168,34 @@ class Executor:
             stats.last_num_scheduled_tokens = output.num_batched_tokens
             stats.last_num_generation_requests = decodes
             stats.last_num_context_requests = len(output.chunks) - decodes
+            self._flush_token_count()
+
+    def _flush_token_count(self) -> None:
+        """Delivered tokens reach the stats once per step (and when a request ends), not per
+        output: taking the lock for every request of every step is measurable. Hold `_lock`."""
+        self._stats.num_generated_tokens += self.outputs.num_unflushed_tokens
+        self.outputs.num_unflushed_tokens = 0
 
     def _step(self, output: SchedulerOutput) -> None:
         sampling_chunks = [c for c in output.chunks if c.samples]
         results = self._forward_and_sample(output.chunks)
         with self._lock:
             self.scheduler.complete_step(output)
+        self._process([c.request for c in sampling_chunks], results)
+
+    def _process(self, requests: list[Request], results: list[tuple[int, float] | None]) -> None:
+        """Append each request's sampled token, check stops and deliver."""
         now = time.time()
-        for chunk, result in zip(sampling_chunks, results):
-            request = chunk.request
+        append = self.outputs.append
+        for request, result in zip(requests, results):
             if result is None:
-                self._finish(request, FinishReason.ERROR, error="the model step failed for this request")
+                self.outputs.finish(request, FinishReason.ERROR, error="the model step failed for this request")
                 continue
             try:
-                self._append(request, result[0], result[1], now)
+                append(request, result[0], result[1], now)
             except Exception as exc:  # a faulty callback or bookkeeping bug: this request alone
                 log.exception("request %s failed", request.request_id)
-                self._finish(request, FinishReason.ERROR, error=f"internal error: {exc}")
+                self.outputs.finish(request, FinishReason.ERROR, error=f"internal error: {exc}")
 
     def _forward_and_sample(self, chunks: list[ScheduledChunk]) -> list[tuple[int, float] | None]:
         """One entry per sampling chunk. If the batch fails, each request runs alone so that a bad
@@ -217,12 +215,7 @@ class Executor:
         return results
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[tuple[int, float]]:
-        seq_chunks = []
-        for c in chunks:
-            r = c.request
-            start = r.num_computed_tokens
-            seq_chunks.append(SequenceChunk(r.tokens(start, start + c.num_tokens), start, r.block_ids, c.samples))
-        logits = self.runner.execute(seq_chunks)
+        logits = self.runner.execute(self._sequence_chunks(chunks))
         requests = [c.request for c in chunks if c.samples]
         if not requests:
             return []
@@ -230,60 +223,17 @@ class Executor:
         logprobs = sampled.logprobs or [0.0] * len(requests)
         return list(zip(sampled.token_ids, logprobs))
 
-    # ---- per-request bookkeeping (executor thread) ---------------------------------------------
-    def _append(self, request: Request, token: int, logprob: float, now: float) -> None:
-        live = self._live.get(request.request_id)
-        if live is None or request.is_finished:
-            return
-        request.output_ids.append(token)
-        request.output_logprobs.append(logprob)
-        if request.first_token_time is None:
-            request.first_token_time = now
-        request.last_token_time = now
-        reason, deliverable = check_finish(request, self._end_ids(request), self.max_seq_len)
-        self._deliver(live, deliverable, reason)
+    @staticmethod
+    def _sequence_chunks(chunks: list[ScheduledChunk]) -> list[SequenceChunk]:
+        out = []
+        for c in chunks:
+            r = c.request
+            out.append(SequenceChunk(r.tokens(c.start, c.start + c.num_tokens), c.start, r.block_ids, c.samples))
+        return out
 
-    def _deliver(self, live: _Live, deliverable: int, reason: FinishReason | None,
-                 error: str | None = None) -> None:
-        request = live.request
-        deliverable = max(deliverable, live.num_delivered)
-        new_ids = request.output_ids[live.num_delivered:deliverable]
-        new_logprobs = request.output_logprobs[live.num_delivered:deliverable] if request.sampling.return_log_probs else []
-        live.num_delivered = deliverable
-        live.cum_logprob += sum(new_logprobs)
-        finished = reason is not None
-        if finished:
-            self._release(request, reason, error)
-        if not new_ids and not finished:
-            return
-        out = RequestOutput(
-            request_id=request.request_id, new_token_ids=new_ids, new_logprobs=new_logprobs,
-            num_output_tokens=deliverable, finished=finished, finish_reason=reason, error=error,
-            num_prompt_tokens=request.num_prompt_tokens, num_reused_blocks=request.num_reused_blocks,
-            num_new_blocks=request.num_new_blocks, cum_logprob=live.cum_logprob,
-            arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time, last_token_time=request.last_token_time)
-        with self._lock:
-            self._stats.num_generated_tokens += len(new_ids)
-        try:
-            live.callback(out)
-        except Exception:
-            log.exception("on_output callback failed for request %s", request.request_id)
-            if not finished:
-                self._finish(request, FinishReason.ERROR, error="the output callback failed")
-
-    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
-        """End a request early (cancel, error): deliver what is held back, then the final flag."""
-        live = self._live.get(request.request_id)
-        if live is None or request.is_finished:
-            return
-        self._deliver(live, len(request.output_ids) if reason != FinishReason.ERROR else live.num_delivered,
-                      reason, error)
-
+    # ---- request end (executor thread) ---------------------------------------------------------
     def _release(self, request: Request, reason: FinishReason, error: str | None) -> None:
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        request.error = error
+        """OutputProcessor hook: the request ended. Free its blocks, forget it, count it."""
         with self._lock:
             self.scheduler.finish(request)
             self._live.pop(request.request_id, None)
@@ -294,8 +244,5 @@ class Executor:
             stats.num_failed += reason == FinishReason.ERROR
             stats.num_cancelled += reason == FinishReason.CANCELLED
             stats.finish_reasons[reason.value] = stats.finish_reasons.get(reason.value, 0) + 1
+            self._flush_token_count()
         self.sampler.forget(request.request_id)
-
-    def _end_ids(self, request: Request) -> list[int]:
-        end_id = request.sampling.end_id
-        return self.eos_token_ids if end_id is None else [end_id]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -121,34 +122,46 @@ class ModelRunner:
         return graphs
 
     def prepare(self, chunks: list[SequenceChunk]) -> StepInputs:
+        """Pack the chunks into one batch. No Python loop over requests beyond reading their
+        lists: at batch 256 this runs every step, so block tables are filled with one masked
+        numpy assignment from all block ids chained together."""
         if not chunks:
             raise ValueError("execute() needs at least one chunk")
         bs = self.tokens_per_block
-        query_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
-        starts = np.array([c.start_pos for c in chunks], dtype=np.int64)
+        n = len(chunks)
+        query_lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=n)
+        starts = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=n)
         seq_lens = starts + query_lens
         if query_lens.min() < 1:
             raise ValueError("every chunk needs at least one token")
         if seq_lens.max() > self.max_seq_len:
             raise ValueError(f"sequence of {seq_lens.max()} tokens exceeds max_seq_len "
                              f"{self.max_seq_len}")
-        query_start_loc = np.zeros(len(chunks) + 1, dtype=np.int64)
+        query_start_loc = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         num_blocks = -(-seq_lens // bs)
-        block_tables = np.zeros((len(chunks), num_blocks.max()), dtype=np.int64)
-        for i, (chunk, n) in enumerate(zip(chunks, num_blocks)):
-            if len(chunk.block_ids) < n:
-                raise ValueError(f"chunk {i} covers {seq_lens[i]} tokens but has only "
-                                 f"{len(chunk.block_ids)} blocks of {bs}")
-            block_tables[i, :n] = chunk.block_ids[:n]
+        held = np.fromiter((len(c.block_ids) for c in chunks), dtype=np.int64, count=n)
+        short = np.flatnonzero(held < num_blocks)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"chunk {i} covers {seq_lens[i]} tokens but has only "
+                             f"{held[i]} blocks of {bs}")
+        # Row i of the table: the chunk's first num_blocks[i] block ids, zeros after.
+        columns = np.arange(max(int(held.max()), 1))
+        table = np.zeros((n, columns.size), dtype=np.int64)
+        table[columns < held[:, None]] = np.fromiter(
+            chain.from_iterable(c.block_ids for c in chunks), dtype=np.int64, count=int(held.sum()))
+        width = int(num_blocks.max())
+        block_tables = table[:, :width]
+        block_tables[columns[:width] >= num_blocks[:, None]] = 0
         # Per token: which chunk it belongs to, its position and its cache slot.
         seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
         total = int(query_start_loc[-1])
         positions = starts[seq_of_token] + np.arange(total) - query_start_loc[seq_of_token]
         slots = block_tables[seq_of_token, positions // bs] * bs + positions % bs
-        input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64,
+        input_ids = np.fromiter(chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64,
                                 count=total)
-        wants_logits = np.array([c.needs_logits for c in chunks], dtype=bool)
+        wants_logits = np.fromiter((c.needs_logits for c in chunks), dtype=bool, count=n)
         logits_indices = (query_start_loc[1:] - 1)[wants_logits]
 
         ids_d, pos_d, slots_d, qsl_d, seq_d, bt_d, li_d = self.staging.to_device([

@@ -39,6 +39,9 @@ class Request:
     num_reused_blocks: int = 0
     num_new_blocks: int = 0
     num_preemptions: int = 0
+    # Overlap scheduling: the last output id is a placeholder whose real value is still on the
+    # device (sampled by the step in flight). It counts as a token for scheduling; nothing reads it.
+    token_in_flight: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival_time: float = field(default_factory=time.time)

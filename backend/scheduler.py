@@ -43,22 +43,25 @@ class QueueFullError(RuntimeError):
     """The waiting queue holds max_queue_size requests; the caller should retry later."""
 
 
-@dataclass
 class ScheduledChunk:
-    request: Request
-    num_tokens: int                                 # new tokens computed this step
-    start: int = field(init=False)                  # position of the first of them
-    _samples: bool = field(init=False, repr=False)
+    """`num_tokens` new tokens of `request`, computed this step from position `start`.
 
-    def __post_init__(self) -> None:
-        # Frozen at scheduling time: complete_step() and the sampled token change the request.
-        self.start = self.request.num_computed_tokens
-        self._samples = self.start + self.num_tokens == self.request.num_tokens
+    `start` and `samples` are frozen at scheduling time: complete_step() and the sampled token
+    change the request. `samples` is True when the chunk reaches the request's last known token,
+    so the step samples for it. A plain slotted class: one is built per running request per step.
+    """
 
-    @property
-    def samples(self) -> bool:
-        """True when the chunk reaches the request's last token, so the step samples for it."""
-        return self._samples
+    __slots__ = ("request", "num_tokens", "start", "samples")
+
+    def __init__(self, request: Request, num_tokens: int):
+        self.request = request
+        self.num_tokens = num_tokens
+        self.start = start = request.num_computed_tokens
+        self.samples = start + num_tokens == len(request.prompt_ids) + len(request.output_ids)
+
+    def __repr__(self) -> str:
+        return (f"ScheduledChunk({self.request.request_id!r}, num_tokens={self.num_tokens}, "
+                f"start={self.start}, samples={self.samples})")
 
 
 @dataclass
@@ -165,12 +168,30 @@ class Scheduler:
         return output
 
     def _schedule_running(self, output: SchedulerOutput) -> int:
-        """Oldest first. Victims are the newest, so never one already scheduled this step."""
+        """Oldest first. Victims are the newest, so never one already scheduled this step.
+
+        The common case, a decode whose last block still has a free slot, needs no allocation
+        call: it is the hot loop at large batch sizes, so it is kept to a few attribute reads.
+        """
         budget = self.config.max_num_tokens
+        block_size = self.kv.tokens_per_block
+        chunks = output.chunks
+        running = RequestStatus.RUNNING
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING:      # preempted earlier this step
+            if request.status is not running:                    # preempted earlier this step
                 continue
-            remaining = request.num_tokens - request.num_computed_tokens
+            computed = request.num_computed_tokens
+            num_prompt = len(request.prompt_ids)
+            num_tokens = num_prompt + len(request.output_ids)
+            remaining = num_tokens - computed
+            if num_tokens >= num_prompt + request.sampling.max_tokens:      # max_total_tokens
+                # Every token is known: the last one's KV is never read. (Only with overlap
+                # scheduling, where a request's final token is still in flight, is this reached.)
+                remaining -= 1
+            if remaining == 1 and budget > 0 and computed < len(request.block_ids) * block_size:
+                chunks.append(ScheduledChunk(request, 1))
+                budget -= 1
+                continue
             num_tokens = min(remaining, budget)
             if num_tokens <= 0 or (num_tokens < remaining and not self._may_chunk(request)):
                 continue
@@ -184,11 +205,13 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                output.chunks.append(ScheduledChunk(request, num_tokens))
+                chunks.append(ScheduledChunk(request, num_tokens))
                 budget -= num_tokens
         return budget
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_batch_size:
+            return                               # nothing can be admitted: skip the reservation sum
         reserved = sum(map(self._blocks_to_grow, self.running)) if self.no_evict else 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             request = self.waiting[0]
@@ -221,10 +244,18 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def complete_step(self, output: SchedulerOutput) -> None:
-        """The model computed the chunks: advance each request and register its full blocks."""
+        """The model computed the chunks: advance each request and register its full blocks.
+
+        Only a chunk that crossed a block boundary filled a block, so only those pay for hashing.
+        """
+        block_size = self.kv.tokens_per_block
+        reuse = self.kv.enable_prefix_reuse
+        requests = self._requests
         for chunk in output.chunks:
             request = chunk.request
-            if self._requests.get(request.request_id) is not request:   # ended meanwhile
+            if requests.get(request.request_id) is not request:      # ended meanwhile
                 continue
-            request.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.kv.cache_full_blocks(request)
+            end = chunk.start + chunk.num_tokens
+            request.num_computed_tokens = end
+            if reuse and end // block_size != chunk.start // block_size:
+                self.kv.cache_full_blocks(request)

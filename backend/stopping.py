@@ -30,15 +30,24 @@ def held_back_length(output_ids: list[int], stop_sequences: list[list[int]]) -> 
     return best
 
 
-def check_finish(request: Request, end_ids: list[int], max_seq_len: int) -> tuple[FinishReason | None, int]:
-    """Decide after a token was appended: (finish reason or None, number of deliverable tokens)."""
+def check_finish(request: Request, end_ids, max_seq_len: int) -> tuple[FinishReason | None, int]:
+    """Decide after a token was appended: (finish reason or None, number of deliverable tokens).
+
+    `end_ids` is any container (a frozenset is fastest). Runs for every request every step, so
+    a request without stop sequences skips the suffix matching altogether.
+    """
     output = request.output_ids
+    n = len(output)
     params = request.sampling
-    stop_len = matched_stop_length(output, params.stop_token_ids)
-    if stop_len:
-        return FinishReason.STOP, len(output) - stop_len
-    if not params.ignore_end_id and output and output[-1] in end_ids:
-        return FinishReason.END_ID, len(output) - 1
-    if len(output) >= params.max_tokens or request.num_tokens >= max_seq_len:
-        return FinishReason.LENGTH, len(output)
-    return None, len(output) - held_back_length(output, params.stop_token_ids)
+    stops = params.stop_token_ids
+    if stops:
+        stop_len = matched_stop_length(output, stops)
+        if stop_len:
+            return FinishReason.STOP, n - stop_len
+    if not params.ignore_end_id and n and output[-1] in end_ids:
+        return FinishReason.END_ID, n - 1
+    if n >= params.max_tokens or len(request.prompt_ids) + n >= max_seq_len:
+        return FinishReason.LENGTH, n
+    if stops:
+        return None, n - held_back_length(output, stops)
+    return None, n
