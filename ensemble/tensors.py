@@ -114,11 +114,14 @@ PREPROCESSING = ModelIO(
 # ---- tensorrt_llm (token ids in, token ids out; decoupled) ----------------------------------------
 # The detok_* outputs carry the stateless incremental-detokenization window (see
 # postprocessing/detokenizer.py): ids[window_start:], how many of them were already shown, final.
+# llm_request_id names the engine request, so that the postprocessing step, which learns of a
+# cancelled ensemble request (Triton 2.51 does not cancel the running LLM step), can stop it.
 DETOK_OUTPUTS = (
     Tensor("detok_window_ids", "INT32", (-1, -1)),
     Tensor("detok_window_length", "INT32", (-1,)),
     Tensor("detok_context_length", "INT32"),
     Tensor("detok_final", "BOOL"),
+    Tensor("llm_request_id", "STRING"),
 )
 TENSORRT_LLM = ModelIO(
     inputs=(
@@ -164,6 +167,7 @@ POSTPROCESSING = ModelIO(
         Tensor("SEQUENCE_LENGTH", "INT32", (-1,)),
         _opt("WINDOW_CONTEXT_LENGTH", "INT32"),
         _opt("IS_FINAL", "BOOL"),
+        _opt("LLM_REQUEST_ID", "STRING"),
     ),
     outputs=(Tensor("OUTPUT", "STRING", (-1,)),),
 )
@@ -201,6 +205,7 @@ _LLM_TO_POST = {  # tensorrt_llm output -> (internal tensor, postprocessing inpu
     "detok_window_length": ("_DETOK_WINDOW_LENGTH", "SEQUENCE_LENGTH"),
     "detok_context_length": ("_DETOK_CONTEXT_LENGTH", "WINDOW_CONTEXT_LENGTH"),
     "detok_final": ("_DETOK_FINAL", "IS_FINAL"),
+    "llm_request_id": ("_LLM_REQUEST_ID", "LLM_REQUEST_ID"),
 }
 
 ENSEMBLE = ModelIO(

@@ -2,8 +2,9 @@
 
 Stateless exact streaming (see postprocessing/detokenizer.py): the LLM sends, per response, the
 ids from a few before the new ones (TOKENS_BATCH, SEQUENCE_LENGTH), how many of them were already
-shown (WINDOW_CONTEXT_LENGTH) and whether it is the last piece (IS_FINAL). Without the last two
-inputs this decodes the whole sequence, as TensorRT-LLM's postprocessing does.
+shown (WINDOW_CONTEXT_LENGTH) and whether it is the last piece (IS_FINAL). Without these two
+inputs it decodes the whole sequence, as TensorRT-LLM's postprocessing does. LLM_REQUEST_ID lets
+it stop the LLM when the ensemble request was cancelled (see stop_forwarder.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import triton_python_backend_utils as pb_utils
 from ensemble.params import get_bool, parameters, tokenizer_dir
 from postprocessing.detokenizer import text_delta
 from preprocessing.tokenizer import load_tokenizer
+from stop_forwarder import StopForwarder
 
 
 class TritonPythonModel:
@@ -20,6 +22,7 @@ class TritonPythonModel:
         params = parameters(args["model_config"])
         self.tokenizer = load_tokenizer(tokenizer_dir(params))
         self.skip_special_tokens = get_bool(params, "skip_special_tokens", True)
+        self.stop_forwarder = StopForwarder()
 
     def execute(self, requests):
         responses = []
@@ -27,11 +30,19 @@ class TritonPythonModel:
             try:
                 tensors = {t.name(): t.as_numpy() for t in request.inputs()}
                 text = self.convert(tensors)
+                self.forward_cancellation(request, tensors)
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor("OUTPUT", text)]))
             except ValueError as exc:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
         return responses
+
+    def forward_cancellation(self, request, tensors: dict[str, np.ndarray]) -> None:
+        if "LLM_REQUEST_ID" in tensors:
+            handle = tensors["LLM_REQUEST_ID"].reshape(-1)[0]
+            final = bool(tensors.get("IS_FINAL", np.ones(1, np.bool_)).reshape(-1)[0])
+            self.stop_forwarder.observe(request, handle.decode() if isinstance(handle, bytes)
+                                        else str(handle), final)
 
     def convert(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
         tokens = tensors["TOKENS_BATCH"]                  # [batch, beams, n]

@@ -20,6 +20,7 @@ from postprocessing.detokenizer import window_start
 class RowStream:
     """What has been shown of one row so far. Only the response thread touches it."""
 
+    handle: str                                         # the engine request id
     batch_index: int
     streaming: bool
     shown: list[int] = field(default_factory=list)     # prompt (if echoed) + generated ids so far
@@ -29,9 +30,9 @@ class RowStream:
     num_generated: int = 0
 
     @classmethod
-    def start(cls, batch_index: int, streaming: bool, prompt_ids: list[int],
+    def start(cls, handle: str, batch_index: int, streaming: bool, prompt_ids: list[int],
               echo_prompt: bool) -> "RowStream":
-        return cls(batch_index, streaming, shown=list(prompt_ids) if echo_prompt else [])
+        return cls(handle, batch_index, streaming, shown=list(prompt_ids) if echo_prompt else [])
 
     def add(self, out: RequestOutput) -> None:
         self.shown += out.new_token_ids
@@ -63,6 +64,7 @@ class RowStream:
             "detok_window_length": _i32([len(window)]),
             "detok_context_length": _i32([start_sent - start]),
             "detok_final": np.array([out.finished], dtype=np.bool_),
+            "llm_request_id": np.array([self.handle.encode()], dtype=np.object_),
         }
         tensors.update(perf_tensors(out))
         self.num_sent = len(self.shown)

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +32,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class LiveRequest:
     """One Triton request: its sender and how many of its rows are still running."""
 
+    request: object                        # the pb_utils.InferenceRequest, polled for cancellation
     sender: object
     user_id: str
     requested: frozenset[str]              # empty = every output
@@ -54,17 +56,21 @@ class ResponseDispatcher:
         self._requests: dict[int, LiveRequest] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._prefix = f"llm-{uuid.uuid4().hex[:8]}-"          # engine ids never look like users'
+
         self._thread = threading.Thread(target=self._run, name="llm-responses", daemon=True)
         self._thread.start()
 
     # ---- from execute() ------------------------------------------------------------------------
-    def submit(self, sender, user_id: str, rows: list[RowRequest], requested: frozenset[str]) -> None:
+    def submit(self, request, sender, rows: list[RowRequest]) -> None:
         """Queue every row in the engine. Raises ValueError/QueueFullError when no row was queued."""
-        live = LiveRequest(sender, user_id, requested, pending=len(rows))
+        user_id = request.request_id()
+        live = LiveRequest(request, sender, user_id, frozenset(request.requested_output_names()),
+                           pending=len(rows))
         entries = []
         for row in rows:
-            engine_id = f"{user_id or 'req'}#{next(self._ids)}"
-            stream = RowStream.start(row.batch_index, row.streaming, row.prompt_ids,
+            engine_id = f"{self._prefix}{next(self._ids)}"
+            stream = RowStream.start(engine_id, row.batch_index, row.streaming, row.prompt_ids,
                                      echo_prompt=not row.exclude_input_in_output)
             entries.append((engine_id, row, LiveRow(live, stream, len(row.prompt_ids))))
         with self._lock:
@@ -92,10 +98,15 @@ class ResponseDispatcher:
             for engine_id in submitted:
                 self._executor.cancel(engine_id)
 
-    def stop(self, user_id: str) -> int:
-        """Cancel every row of the live requests with this request id (the `stop` input)."""
+    def stop(self, request_id: str) -> int:
+        """The `stop` input: cancel every row of the live requests with this request id, or the
+        engine request of this id (`llm_request_id` output)."""
         with self._lock:
-            ids = [e for r in self._requests.values() if r.user_id == user_id for e in r.engine_ids]
+            if request_id in self._rows:
+                ids = [request_id]
+            else:
+                ids = [e for r in self._requests.values() if r.user_id == request_id
+                       for e in r.engine_ids]
         return sum(self._executor.cancel(engine_id) for engine_id in ids)
 
     def poll_cancellations(self) -> None:
@@ -104,7 +115,7 @@ class ResponseDispatcher:
             live = list(self._requests.values())
         for request in live:
             try:
-                cancelled = request.sender.is_cancelled()
+                cancelled = request.request.is_cancelled()
             except Exception:  # the sender is already closed
                 continue
             if cancelled:

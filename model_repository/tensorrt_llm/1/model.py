@@ -56,8 +56,7 @@ class TritonPythonModel:
                     self._stop(request, sender)
                     continue
                 rows = convert_request(tensors, self.defaults, self.executor.vocab_size)
-                requested = frozenset(request.requested_output_names())
-                self.dispatcher.submit(sender, request.request_id(), rows, requested)
+                self.dispatcher.submit(request, sender, rows)
             except QueueFullError as exc:
                 sender.send(_error(f"Exceeds maximum queue size: {exc}", "UNAVAILABLE"), flags=FINAL)
             except ValueError as exc:

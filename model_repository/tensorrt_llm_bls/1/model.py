@@ -2,7 +2,7 @@
 
 Same inputs and outputs as `ensemble`; the wiring is the ensemble's own (ensemble/tensors.py), so
 the two entry points cannot drift apart. Each request runs in its own thread, so one instance
-serves many requests at once; a client that goes away gets its LLM request stopped.
+serves many requests at once; a watcher stops the LLM request of a client that went away.
 """
 from __future__ import annotations
 
@@ -47,7 +47,11 @@ def outputs_of(step, response) -> dict[str, np.ndarray]:
 class TritonPythonModel:
     def initialize(self, args):
         self.threads: set[threading.Thread] = set()
+        self.live: dict[str, object] = {}          # LLM request id -> the client's sender
         self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.watcher = threading.Thread(target=self.watch, name="bls-cancel", daemon=True)
+        self.watcher.start()
 
     def execute(self, requests):
         for request in requests:
@@ -60,8 +64,9 @@ class TritonPythonModel:
         return None
 
     def serve(self, tensors: dict[str, np.ndarray], sender) -> None:
+        llm_id = f"bls-{uuid.uuid4().hex}"
         try:
-            self.generate(tensors, sender)
+            self.generate(tensors, sender, llm_id)
         except StepError as exc:
             self.send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), FINAL)
         except Exception as exc:  # never leave a request without its FINAL flag
@@ -70,16 +75,14 @@ class TritonPythonModel:
             self.send(sender, pb_utils.InferenceResponse(error=error), FINAL)
         finally:
             with self.lock:
+                self.live.pop(llm_id, None)
                 self.threads.discard(threading.current_thread())
 
-    def generate(self, tensors: dict[str, np.ndarray], sender) -> None:
+    def generate(self, tensors: dict[str, np.ndarray], sender, llm_id: str) -> None:
         tensors.update(outputs_of(PRE, call(PRE, tensors)))
-        llm_id = f"bls-{uuid.uuid4().hex}"
-        stopped = False
+        with self.lock:
+            self.live[llm_id] = sender
         for response in call(LLM, tensors, request_id=llm_id, decoupled=True):
-            if not stopped and sender.is_cancelled():
-                self.stop(llm_id)
-                stopped = True
             if len(response.output_tensors()) == 0 and not response.has_error():
                 continue                                    # a flag-only final response
             step_tensors = outputs_of(LLM, response)
@@ -87,6 +90,20 @@ class TritonPythonModel:
             self.send(sender, pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor(name, merged[name]) for name in OUTPUT_NAMES]), 0)
         self.send(sender, None, FINAL)
+
+    def watch(self) -> None:
+        """Stop the LLM request of every client that went away (streaming or not)."""
+        while not self.stopping.wait(0.1):
+            with self.lock:
+                live = list(self.live.items())
+            for llm_id, sender in live:
+                try:
+                    if sender.is_cancelled():
+                        with self.lock:
+                            self.live.pop(llm_id, None)
+                        self.stop(llm_id)
+                except Exception as exc:
+                    pb_utils.Logger.log_warn(f"tensorrt_llm_bls: cancel check failed: {exc!r}")
 
     @staticmethod
     def stop(llm_id: str) -> None:
@@ -107,6 +124,8 @@ class TritonPythonModel:
             pb_utils.Logger.log_info(f"tensorrt_llm_bls: could not send a response: {exc}")
 
     def finalize(self):
+        self.stopping.set()
+        self.watcher.join(timeout=5)
         with self.lock:
             threads = list(self.threads)
         for thread in threads:
