@@ -1,7 +1,9 @@
 """The engine executor: a background thread running the in-flight batching loop.
 
 One iteration: schedule (token budget, KV blocks) -> run the model on one packed batch -> sample ->
-append tokens, check stops, deliver outputs, free finished requests.
+append tokens, check stops, deliver outputs, free finished requests. With overlap scheduling (the
+default on GPU) the last part of step n-1 runs while step n is on the device; see
+`backend.step_pipeline`.
 
 `submit`, `cancel` and `stats` are thread-safe. Outputs reach the caller through the `on_output`
 callback, called from the executor thread; every request gets exactly one output with
@@ -15,16 +17,15 @@ import threading
 import time
 from dataclasses import replace
 
-import torch
-
 from backend.config import EngineConfig
-from backend.model_runner import ModelRunner, SequenceChunk
+from backend.model_runner import ModelRunner
 from backend.output_processor import OutputCallback, OutputProcessor
 from backend.request import FinishReason, Request, RequestOutput
 from backend.sampler import Sampler
 from backend.sampling_params import SamplingParams
-from backend.scheduler import QueueFullError, ScheduledChunk, Scheduler, SchedulerOutput
+from backend.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from backend.stats import ExecutorStats
+from backend.step_pipeline import StepPipeline, needs_token_history
 
 __all__ = ["Executor", "QueueFullError"]
 
@@ -47,6 +48,12 @@ class Executor:
         self._live = self.outputs.live          # request_id -> LiveRequest, guarded by _lock
         self._cancel_requests: set[str] = set()
         self._lock = threading.Lock()
+        # Overlap scheduling (see backend.step_pipeline): on by default where there is a device
+        # to overlap with; forced on in tests to exercise it on CPU.
+        overlap = self.config.overlap_scheduling
+        self.overlap = self.runner.device.type == "cuda" if overlap is None else bool(overlap)
+        self.pipeline = StepPipeline(self.runner, self.sampler, self.scheduler, self.outputs, self._lock,
+                                     self.overlap)
         self._work = threading.Condition(self._lock)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
@@ -64,6 +71,8 @@ class Executor:
                 raise ValueError(f"request_id {request.request_id!r} is already in flight")
             self.scheduler.add(request)
             self.outputs.add(request, on_output)
+            if needs_token_history(request):
+                self.pipeline.history_requests.add(request.request_id)
             self._work.notify()
 
     def cancel(self, request_id: str) -> bool:
@@ -134,9 +143,11 @@ class Executor:
 
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
+        pipeline = self.pipeline
         while True:
             with self._lock:
-                while not self._stopping and not self._cancel_requests and not self.scheduler.has_work():
+                while (not self._stopping and not self._cancel_requests and not pipeline.in_flight
+                       and not self.scheduler.has_work()):
                     self._work.wait()
                 stopping = self._stopping
                 cancelled, self._cancel_requests = self._cancel_requests, set()
@@ -151,10 +162,13 @@ class Executor:
             with self._lock:
                 output = self.scheduler.schedule()
             if not output.chunks:
-                time.sleep(0.001)
+                if pipeline.in_flight:
+                    pipeline.drain()
+                else:
+                    time.sleep(0.001)
                 continue
             try:
-                self._step(output)
+                pipeline.run(output)
             except Exception:  # never let the loop die
                 log.exception("executor step failed")
             self._record_step(output)
@@ -176,61 +190,6 @@ class Executor:
         self._stats.num_generated_tokens += self.outputs.num_unflushed_tokens
         self.outputs.num_unflushed_tokens = 0
 
-    def _step(self, output: SchedulerOutput) -> None:
-        sampling_chunks = [c for c in output.chunks if c.samples]
-        results = self._forward_and_sample(output.chunks)
-        with self._lock:
-            self.scheduler.complete_step(output)
-        self._process([c.request for c in sampling_chunks], results)
-
-    def _process(self, requests: list[Request], results: list[tuple[int, float] | None]) -> None:
-        """Append each request's sampled token, check stops and deliver."""
-        now = time.time()
-        append = self.outputs.append
-        for request, result in zip(requests, results):
-            if result is None:
-                self.outputs.finish(request, FinishReason.ERROR, error="the model step failed for this request")
-                continue
-            try:
-                append(request, result[0], result[1], now)
-            except Exception as exc:  # a faulty callback or bookkeeping bug: this request alone
-                log.exception("request %s failed", request.request_id)
-                self.outputs.finish(request, FinishReason.ERROR, error=f"internal error: {exc}")
-
-    def _forward_and_sample(self, chunks: list[ScheduledChunk]) -> list[tuple[int, float] | None]:
-        """One entry per sampling chunk. If the batch fails, each request runs alone so that a bad
-        request fails alone (re-running rewrites the same KV values)."""
-        try:
-            return self._run(chunks)
-        except Exception:
-            log.exception("batched step failed; isolating requests")
-        results: list[tuple[int, float] | None] = []
-        for chunk in chunks:
-            try:
-                results += self._run([chunk])
-            except Exception:
-                log.exception("request %s failed in the model step", chunk.request.request_id)
-                if chunk.samples:
-                    results.append(None)
-        return results
-
-    def _run(self, chunks: list[ScheduledChunk]) -> list[tuple[int, float]]:
-        logits = self.runner.execute(self._sequence_chunks(chunks))
-        requests = [c.request for c in chunks if c.samples]
-        if not requests:
-            return []
-        sampled = self.sampler.sample(logits, requests)
-        logprobs = sampled.logprobs or [0.0] * len(requests)
-        return list(zip(sampled.token_ids, logprobs))
-
-    @staticmethod
-    def _sequence_chunks(chunks: list[ScheduledChunk]) -> list[SequenceChunk]:
-        out = []
-        for c in chunks:
-            r = c.request
-            out.append(SequenceChunk(r.tokens(c.start, c.start + c.num_tokens), c.start, r.block_ids, c.samples))
-        return out
-
     # ---- request end (executor thread) ---------------------------------------------------------
     def _release(self, request: Request, reason: FinishReason, error: str | None) -> None:
         """OutputProcessor hook: the request ended. Free its blocks, forget it, count it."""
@@ -238,6 +197,7 @@ class Executor:
             self.scheduler.finish(request)
             self._live.pop(request.request_id, None)
             self._cancel_requests.discard(request.request_id)
+            self.pipeline.history_requests.discard(request.request_id)
             stats = self._stats
             stats.num_completed += 1
             stats.num_prompt_tokens += request.num_prompt_tokens

@@ -40,6 +40,9 @@ class SequenceChunk:
     start_pos: int         # position of token_ids[0] (== tokens already in the cache)
     block_ids: list[int]   # the request's block table, covers start_pos + len(token_ids) tokens
     needs_logits: bool     # True when this chunk ends at the request's last known token
+    # Overlap scheduling: >= 0 when the last of token_ids is a placeholder for a token the
+    # previous step sampled; its value is row `prev_row` of that step's sampled ids (on device).
+    prev_row: int = -1
 
 
 @dataclass
@@ -77,7 +80,13 @@ class ModelRunner:
         self.tokens_per_block = config.tokens_per_block or (32 if self.device.type == "cuda" else 16)
         self.attention = get_attention_backend(config.attention_backend, self.device)
         self.decode_graphs: DecodeGraphs | None = None
-        self.staging = StagingBuffer(self.device)
+        # Two staging buffers, used in turn, each with an event marking its last copy: with
+        # overlap scheduling step n+1 is packed while step n's inputs may still be waiting in
+        # pinned memory for the device to reach their copy. A buffer is refilled only once its
+        # previous copy is done (in practice long done: the executor has waited for step n-1).
+        self._staging = (StagingBuffer(self.device), StagingBuffer(self.device))
+        self._staging_done: list[torch.cuda.Event | None] = [None, None]
+        self._num_prepared = 0
         self.model = load_model(self.model_dir, self.device, self.dtype, self.attention,
                                 self.max_seq_len, self.model_config)
         self.num_kv_blocks = self._pick_num_kv_blocks()
@@ -96,9 +105,13 @@ class ModelRunner:
         return self.model_config.eos_token_ids
 
     # ---- one step ----------------------------------------------------------------------------
-    def execute(self, chunks: list[SequenceChunk]) -> torch.Tensor:
-        """float32 logits [number of chunks with needs_logits, vocab], in chunk order."""
-        inputs = self.prepare(chunks)
+    def execute(self, chunks: list[SequenceChunk], prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [number of chunks with needs_logits, vocab], in chunk order.
+
+        `prev_sampled`: the previous step's sampled ids, on the device, for chunks with a
+        `prev_row` (overlap scheduling). The call returns once the work is queued on the device.
+        """
+        inputs = self.prepare(chunks, prev_sampled)
         with torch.inference_mode():
             graphs = self.decode_graphs
             if (graphs is not None and inputs.attn_meta.is_decode_only and len(chunks) <= graphs.max_batch_size
@@ -121,7 +134,7 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
-    def prepare(self, chunks: list[SequenceChunk]) -> StepInputs:
+    def prepare(self, chunks: list[SequenceChunk], prev_sampled: torch.Tensor | None = None) -> StepInputs:
         """Pack the chunks into one batch. No Python loop over requests beyond reading their
         lists: at batch 256 this runs every step, so block tables are filled with one masked
         numpy assignment from all block ids chained together."""
@@ -164,15 +177,35 @@ class ModelRunner:
         wants_logits = np.fromiter((c.needs_logits for c in chunks), dtype=bool, count=n)
         logits_indices = (query_start_loc[1:] - 1)[wants_logits]
 
-        ids_d, pos_d, slots_d, qsl_d, seq_d, bt_d, li_d = self.staging.to_device([
-            input_ids, positions, slots, query_start_loc.astype(np.int32), seq_lens.astype(np.int32),
-            block_tables.astype(np.int32), logits_indices])
+        arrays = [input_ids, positions, slots, query_start_loc.astype(np.int32), seq_lens.astype(np.int32),
+                  block_tables.astype(np.int32), logits_indices]
+        prev_rows = np.fromiter((c.prev_row for c in chunks), dtype=np.int64, count=n)
+        from_prev = prev_rows >= 0
+        if from_prev.any():
+            if prev_sampled is None:
+                raise ValueError("chunks read the previous step's sampled ids but none were given")
+            arrays += [(query_start_loc[1:] - 1)[from_prev], prev_rows[from_prev]]
+        ids_d, pos_d, slots_d, qsl_d, seq_d, bt_d, li_d, *fill = self._to_device(arrays)
+        if fill:    # placeholders take their values from the previous step, on the device
+            ids_d[fill[0]] = prev_sampled[fill[1]]
         meta = AttentionMetadata(
             slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=seq_d, block_tables=bt_d,
             max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
             query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
         )
         return StepInputs(ids_d, pos_d, meta, li_d)
+
+    def _to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        turn = self._num_prepared % 2
+        self._num_prepared += 1
+        done = self._staging_done[turn]
+        if done is not None:
+            done.synchronize()
+        tensors = self._staging[turn].to_device(arrays)
+        if self.device.type == "cuda":
+            done = self._staging_done[turn] = done or torch.cuda.Event()
+            done.record()
+        return tensors
 
     # ---- sizing ------------------------------------------------------------------------------
     def _pick_max_seq_len(self) -> int:

@@ -42,6 +42,34 @@ class SamplerOutput:
     logprobs: list[float] | None
 
 
+class PendingSample:
+    """Sampled ids (and log-probs) of one step, on their way from the device to the host.
+
+    `token_ids` stays on the device: with overlap scheduling the next step reads its input ids
+    from it before the host has seen them. On CUDA the host copy is a non-blocking copy into
+    pinned memory followed by an event, so `result()` waits for this step only, not for
+    whatever was queued after it.
+    """
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None):
+        self.token_ids = token_ids
+        self._event = None
+        if token_ids.is_cuda:
+            token_ids = token_ids.to("cpu", non_blocking=True)       # pinned destination
+            if logprobs is not None:
+                logprobs = logprobs.to("cpu", non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._host_ids = token_ids
+        self._host_logprobs = logprobs
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        logprobs = self._host_logprobs
+        return SamplerOutput(self._host_ids.tolist(), None if logprobs is None else logprobs.tolist())
+
+
 class Sampler:
     def __init__(
         self,
@@ -65,23 +93,34 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Choose one token per row of `logits` [B, V]; row i belongs to requests[i]."""
+        return self.sample_async(logits, requests).result()
+
+    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+        """Like `sample`, without waiting for the device: the ids stay on the device (the next
+        step can read them there) while a copy to host memory is under way."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits must be [{len(requests)}, V], got {tuple(logits.shape)}")
         logits = logits.float()
-        processed = any(has_processors(r, self.default_end_ids) for r in requests)
-        if not processed and all(r.sampling.greedy for r in requests):
+        default_end_ids = self.default_end_ids
+        greedy, want_logprobs = True, False
+        for r in requests:                       # one pass: this runs for every row every step
+            p = r.sampling
+            greedy = greedy and p.greedy
+            want_logprobs = want_logprobs or p.return_log_probs
+        processed = any(has_processors(r, default_end_ids) for r in requests)
+        if not processed and greedy:
             tokens = logits.argmax(dim=-1)  # fast path: nothing to copy or edit
         else:
             work = logits.clone()
             if processed:
-                apply_logits_processors(work, requests, self.default_end_ids, self._prompt_tokens)
+                apply_logits_processors(work, requests, default_end_ids, self._prompt_tokens)
             tokens = self._choose(work, requests)
 
         logprobs = None
-        if any(r.sampling.return_log_probs for r in requests):
+        if want_logprobs:
             chosen = logits.gather(1, tokens[:, None]).squeeze(1)
-            logprobs = (chosen - torch.logsumexp(logits, dim=-1)).tolist()
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+            logprobs = chosen - torch.logsumexp(logits, dim=-1)
+        return PendingSample(tokens, logprobs)
 
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Argmax for greedy rows, a filtered draw for the others. `logits` is processed."""

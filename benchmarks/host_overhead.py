@@ -30,8 +30,8 @@ from backend.sampling_params import SamplingParams
 class FakeRunner(ModelRunner):
     """Packs the batch like the real runner, returns zero logits without running the model."""
 
-    def execute(self, chunks):
-        self.prepare(chunks)
+    def execute(self, chunks, prev_sampled=None):
+        self.prepare(chunks, prev_sampled)
         return torch.zeros(sum(c.needs_logits for c in chunks), self.vocab_size)
 
 
