@@ -56,8 +56,10 @@ LLM_SIDE_OUTPUTS = (
 ) + PERF_OUTPUTS
 
 # ---- ensemble / BLS (text in, text out) ----------------------------------------------------------
+# text_input is required, but declared optional and checked by preprocessing: Triton 2.51 answers
+# a decoupled ensemble request that lacks a required input with an empty response, no error.
 TEXT_INPUTS = (
-    Tensor("text_input", "STRING"),
+    _opt("text_input", "STRING"),
     _opt("max_tokens", "INT32"),
     _opt("num_return_sequences", "INT32"),
     _opt("bad_words", "STRING", (-1,)),
@@ -90,7 +92,7 @@ TEXT_OUTPUTS = (Tensor("text_output", "STRING", (-1,)),) + LLM_SIDE_OUTPUTS
 # ---- preprocessing -------------------------------------------------------------------------------
 PREPROCESSING = ModelIO(
     inputs=(
-        Tensor("QUERY", "STRING"),
+        _opt("QUERY", "STRING"),
         _opt("REQUEST_OUTPUT_LEN", "INT32"),
         _opt("BAD_WORDS_DICT", "STRING", (-1,)),
         _opt("STOP_WORDS_DICT", "STRING", (-1,)),

@@ -17,6 +17,11 @@ from preprocessing.tokenizer import load_tokenizer
 from stop_forwarder import StopForwarder
 
 
+def invalid_argument(message: str):
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
+    return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         params = parameters(args["model_config"])
@@ -34,7 +39,7 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor("OUTPUT", text)]))
             except ValueError as exc:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
+                responses.append(pb_utils.InferenceResponse(error=invalid_argument(str(exc))))
         return responses
 
     def forward_cancellation(self, request, tensors: dict[str, np.ndarray]) -> None:

@@ -18,6 +18,11 @@ FIELD = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_D
          "PAD_ID": "pad_id"}
 
 
+def invalid_argument(message: str):
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
+    return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         params = parameters(args["model_config"])
@@ -36,10 +41,12 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[
                     pb_utils.Tensor(name, value) for name, value in self.convert(tensors).items()]))
             except ValueError as exc:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
+                responses.append(pb_utils.InferenceResponse(error=invalid_argument(str(exc))))
         return responses
 
     def convert(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if "QUERY" not in tensors:
+            raise ValueError("text_input is required")
         queries = tensors["QUERY"].reshape(len(tensors["QUERY"]), -1)
         batch = len(queries)
         ids = [self.encode_query(row) for row in queries]
