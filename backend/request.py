@@ -79,9 +79,12 @@ class Request:
         return len(self.prompt_ids) + self.sampling.max_tokens
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
-    """What the engine delivers through the callback, once per step per request."""
+    """What the engine delivers through the callback, once per step per request.
+
+    Field order matters: the output processor builds these positionally (it is hot).
+    """
 
     request_id: str
     new_token_ids: list[int]              # tokens produced since the last output

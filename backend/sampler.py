@@ -32,6 +32,7 @@ from backend.logits_processors import (
     has_processors,
 )
 from backend.request import Request
+from backend.sampling_params import SamplingParams
 
 
 @dataclass
@@ -40,6 +41,15 @@ class SamplerOutput:
     # Log-prob of each chosen token under the raw model distribution; None when no request in
     # the batch asked for them (then they are not computed at all).
     logprobs: list[float] | None
+
+
+def _kind(p: SamplingParams) -> tuple[SamplingParams, bool, bool, bool]:
+    """What a request's parameters ask of every step, worked out once per request: (params,
+    greedy, log-probs, may have logits processors). The last is a superset of
+    `has_processors`, which is only asked for requests where it may be true."""
+    maybe_processed = bool(p.embedding_bias or p.bad_token_ids or p.min_tokens or p.repetition_penalty != 1.0
+                           or p.presence_penalty or p.frequency_penalty)
+    return p, p.greedy, p.return_log_probs, maybe_processed
 
 
 class PendingSample:
@@ -85,11 +95,14 @@ class Sampler:
         self.generator.manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self._prompt_tokens = PromptTokenCache(self.device)
+        # request_id -> _kind(params), checked against the params object (a reused id has new ones)
+        self._kinds: dict[str, tuple[SamplingParams, bool, bool, bool]] = {}
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state when a request ends (a later request may reuse the id)."""
         self._request_generators.pop(request_id, None)
         self._prompt_tokens.forget(request_id)
+        self._kinds.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Choose one token per row of `logits` [B, V]; row i belongs to requests[i]."""
@@ -102,12 +115,15 @@ class Sampler:
             raise ValueError(f"logits must be [{len(requests)}, V], got {tuple(logits.shape)}")
         logits = logits.float()
         default_end_ids = self.default_end_ids
-        greedy, want_logprobs = True, False
+        greedy, want_logprobs, processed = True, False, False
+        kinds = self._kinds
         for r in requests:                       # one pass: this runs for every row every step
-            p = r.sampling
-            greedy = greedy and p.greedy
-            want_logprobs = want_logprobs or p.return_log_probs
-        processed = any(has_processors(r, default_end_ids) for r in requests)
+            kind = kinds.get(r.request_id)
+            if kind is None or kind[0] is not r.sampling:
+                kind = kinds[r.request_id] = _kind(r.sampling)
+            greedy = greedy and kind[1]
+            want_logprobs = want_logprobs or kind[2]
+            processed = processed or (kind[3] and has_processors(r, default_end_ids))
         if not processed and greedy:
             tokens = logits.argmax(dim=-1)  # fast path: nothing to copy or edit
         else:
