@@ -1,0 +1,59 @@
+"""perf_analyzer drives a short gRPC streaming load against `ensemble` with no failed request.
+
+The request data is the one Triton's own CI uses for a TensorRT-LLM ensemble
+(text_input, stream, max_tokens, bad_words, stop_words).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.e2e.clients import metrics
+
+pytestmark = pytest.mark.e2e
+
+
+def _count(samples: dict, name: str, model: str) -> float:
+    return sum(v for (n, labels), v in samples.items() if n == name and ("model", model) in labels)
+
+
+@pytest.fixture(scope="module")
+def perf_analyzer():
+    from ensemble import perf_analyzer as pa
+    if pa.missing():
+        try:
+            pa.setup()
+        except Exception as exc:  # noqa: BLE001 - any setup failure is a reason to skip
+            pytest.skip(f"perf_analyzer cannot be set up here: {exc}")
+    return pa
+
+
+def test_streaming_load_without_failures(triton, perf_analyzer, tmp_path):
+    data = tmp_path / "input_data.json"
+    data.write_text(json.dumps({"data": [
+        {"text_input": ["Hello, my name is"], "stream": [True], "max_tokens": [8],
+         "bad_words": [""], "stop_words": [""]},
+        {"text_input": ["Le café à côté de l'église est très"], "stream": [True],
+         "max_tokens": [12], "bad_words": [""], "stop_words": [""]},
+    ]}))
+    export = tmp_path / "profile_export.json"
+    before = metrics(triton.metrics)
+    result = perf_analyzer.run([
+        "-m", "ensemble", "-u", triton.grpc, "-i", "grpc", "--async", "--streaming",
+        "--input-data", str(data), "--shape", "text_input:1", "--shape", "max_tokens:1",
+        "--shape", "bad_words:1", "--shape", "stop_words:1", "--concurrency-range", "4",
+        "--measurement-mode", "count_windows", "--measurement-request-count", "8",
+        "--stability-percentage", "999", "--max-trials", "3",
+        "--profile-export-file", str(export)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Throughput" in result.stdout
+
+    requests = [r for e in json.loads(export.read_text())["experiments"] for r in e["requests"]]
+    assert len(requests) >= 8
+    assert all(len(r["response_timestamps"]) >= 2 for r in requests)     # streamed pieces
+    after = metrics(triton.metrics)
+    assert _count(after, "nv_inference_request_failure", "ensemble") == \
+        _count(before, "nv_inference_request_failure", "ensemble")
+    assert _count(after, "nv_inference_request_success", "ensemble") \
+        - _count(before, "nv_inference_request_success", "ensemble") >= len(requests)
