@@ -5,8 +5,9 @@ tables, ...). Copying each from freshly pinned memory costs a pinned allocation 
 apiece; instead they are packed, each 16-byte aligned and in its own dtype, into one persistent
 pinned byte buffer, sent with a single non-blocking copy, and viewed on the device.
 
-Reusing the pinned buffer is safe because the executor reads the sampled ids (a synchronisation)
-before it prepares the next step.
+The host buffer may be rewritten only after its last copy finished: the model runner keeps two of
+these, used in turn, and waits on each one's event before reusing it (the step may be packed while
+the previous one still runs on the GPU).
 """
 from __future__ import annotations
 
