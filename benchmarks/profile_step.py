@@ -62,13 +62,53 @@ def kernel_table(runner: ModelRunner, inputs, top: int = 15) -> dict:
                             for k, c, t in rows[:top]]}
 
 
+def engine_profile(model: str, batch: int, isl: int, steps: int = 64, top: int = 20) -> dict:
+    """The whole engine under torch.profiler for `steps` decode steps: how busy the GPU is, and
+    the host functions that take the time between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from backend.executor import Executor
+    from backend.sampling_params import SamplingParams
+
+    executor = Executor(EngineConfig(model_path=model, max_batch_size=batch, max_seq_len=isl + steps + 32,
+                                     max_tokens_in_paged_kv_cache=batch * (isl + steps + 64),
+                                     max_num_tokens=max(2048, min(batch * isl, 16384))))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, executor.vocab_size - 100) for _ in range(isl)] for _ in range(batch)]
+    params = SamplingParams(max_tokens=steps, ignore_end_id=True)
+    executor.generate(prompts, SamplingParams(max_tokens=8, ignore_end_id=True))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        executor.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    executor.shutdown()
+    events = prof.key_averages()
+    gpu_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+    cpu_rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    return {"engine_wall_ms": round(wall * 1e3, 2), "steps": steps, "gpu_busy_ms": round(gpu_us / 1e3, 2),
+            "gpu_busy_fraction": round(gpu_us / 1e6 / wall, 3),
+            "top_host_ops": [{"op": e.key[:80], "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3)}
+                             for e in cpu_rows]}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--isl", type=int, default=128)
     p.add_argument("--json", default=None)
+    p.add_argument("--engine", action="store_true", help="profile the whole engine instead of the runner")
     args = p.parse_args(argv)
+    if args.engine:
+        results = [{"benchmark": "profile_engine", "model": args.model, "batch": b, "isl": args.isl,
+                    **engine_profile(args.model, b, args.isl)} for b in args.batch]
+        print(json.dumps(results, indent=1), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return results
     max_batch = max(args.batch)
     seq = args.isl + 64
     runner = ModelRunner(EngineConfig(model_path=args.model, max_batch_size=max_batch, max_seq_len=seq,
