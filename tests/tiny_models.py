@@ -16,6 +16,10 @@ TINY_CONFIGS = {
                                                      "original_max_position_embeddings": 64}),
     "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
+    # SmolLM2-135M's attention shape (9 query heads on 3 kv heads, head_dim 64), two layers.
+    "smollm-shape": lambda: LlamaConfig(**{**TINY, "hidden_size": 576, "intermediate_size": 256,
+                                           "num_attention_heads": 9, "num_key_value_heads": 3},
+                                        tie_word_embeddings=True),
 }
 
 

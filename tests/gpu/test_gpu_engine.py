@@ -30,7 +30,7 @@ def serve(model_dir, prompts, params, **config):
         executor.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "smollm-shape"])
 def test_random_weight_model_fp32_matches_transformers(kind, tmp_path):
     hf = make_tiny_model(kind, tmp_path).cuda()
     prompts = random_prompts(16, TINY["vocab_size"], seed=1, low=1, high=150)
