@@ -28,6 +28,23 @@ def _delta(after, before, name, **labels) -> float:
     return metric(after, name, **labels) - metric(before, name, **labels)
 
 
+def _quiet(triton) -> dict:
+    """Metrics once no request runs and every finished one was observed (requests of earlier
+    tests may still be ending)."""
+    previous = None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        samples = metrics(triton.metrics)
+        idle = metric(samples, "nv_trt_llm_request_metrics", request_type="active") == 0 and \
+            metric(samples, "nv_trt_llm_request_metrics", request_type="waiting") == 0
+        count = metric(samples, "nv_llm_input_token_len_count")
+        if idle and count == previous:
+            return samples
+        previous = count if idle else None
+        time.sleep(0.5)
+    raise AssertionError("the server did not become idle")
+
+
 def _settled(triton, before, count: int) -> dict:
     """Metrics once `count` more requests were observed (histograms update on a short period)."""
     deadline = time.monotonic() + 10
@@ -59,7 +76,7 @@ def test_families_and_labels(triton):
 
 
 def test_counts_match_what_was_served(triton, tokenizer):
-    before = metrics(triton.metrics)
+    before = _quiet(triton)
     prompt_lengths, output_lengths = [], []
     for prompt, max_tokens in zip(PROMPTS, MAX_TOKENS):
         ids = tokenizer.encode(prompt)
@@ -94,7 +111,7 @@ def test_prefix_reuse_is_reported(triton, tokenizer):
     """The same long prompt twice: the second reuses cached blocks, in its perf outputs and in
     the `reused` KV block gauge."""
     text = "System: you are a careful assistant who answers briefly. " * 4 + "User: hi"
-    before = metrics(triton.metrics)
+    before = _quiet(triton)
     reused = []
     for _ in range(2):
         result = grpc_request(triton.grpc, "ensemble", {

@@ -136,16 +136,23 @@ class ResponseDispatcher:
 
     # ---- response thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        """Answer outputs in order. When several wait, a streaming row whose output is followed
+        by another of the same row is not answered on its own: the later response carries its
+        tokens too (fewer response round trips when the sends fall behind the engine)."""
         while True:
-            out = self._queue.get()
-            if out is None:
-                return
-            try:
-                self._handle(out)
-            except Exception:
-                log.exception("failed to answer engine request %s", out.request_id)
+            batch = [self._queue.get()]
+            while batch[-1] is not None and not self._queue.empty():
+                batch.append(self._queue.get())
+            last = {out.request_id: i for i, out in enumerate(batch) if out is not None}
+            for i, out in enumerate(batch):
+                if out is None:
+                    return
+                try:
+                    self._handle(out, answer=out.finished or last[out.request_id] == i)
+                except Exception:
+                    log.exception("failed to answer engine request %s", out.request_id)
 
-    def _handle(self, out: RequestOutput) -> None:
+    def _handle(self, out: RequestOutput, answer: bool = True) -> None:
         with self._lock:
             row = self._rows.get(out.request_id)
             if row is None:
@@ -159,6 +166,8 @@ class ResponseDispatcher:
             last = out.finished and live.pending == 0
         stream = row.stream
         stream.add(out)
+        if not answer:
+            return
         flags = FINAL if last else 0
         if out.finish_reason == FinishReason.ERROR:
             error = pb_utils.TritonError(out.error or "generation failed")

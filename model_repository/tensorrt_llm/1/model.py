@@ -7,6 +7,8 @@ thread checks client cancellation and refreshes the metrics.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import threading
 
 import triton_python_backend_utils as pb_utils
@@ -27,6 +29,16 @@ def _error(message: str, code_name: str = "INVALID_ARG"):
     return pb_utils.InferenceResponse(error=error)
 
 
+def exit_with_server(server_pid: int) -> subprocess.Popen:
+    """A watcher process that kills this one if tritonserver dies abruptly. A thread cannot do
+    it: a metric update blocked on the dead server holds the GIL, and the process would live on
+    as an orphan holding the model and its KV cache."""
+    script = (f"while kill -0 {server_pid} && kill -0 {os.getpid()}; do sleep 1; done 2>/dev/null;"
+              f" kill -0 {server_pid} 2>/dev/null || kill -9 {os.getpid()} 2>/dev/null")
+    return subprocess.Popen(["sh", "-c", script], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         params = parameters(args["model_config"])
@@ -43,6 +55,7 @@ class TritonPythonModel:
         self.stopping = threading.Event()
         self.poller = threading.Thread(target=self._poll, name="llm-poll", daemon=True)
         self.poller.start()
+        self.watchdog = exit_with_server(os.getppid())
         pb_utils.Logger.log_info(
             f"tensorrt_llm ready: model {self.executor.model_dir}, vocab {self.executor.vocab_size}, "
             f"max_seq_len {self.executor.max_seq_len}, config {json.dumps(vars(self.config))}")

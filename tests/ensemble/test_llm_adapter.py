@@ -1,0 +1,146 @@
+"""The LLM model's tensor conversions (no Triton needed): inputs -> engine requests, engine
+outputs -> response tensors whose detokenization windows rebuild the exact text."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backend.request import FinishReason, RequestOutput
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "model_repository/tensorrt_llm/1"))
+from llm_inputs import Defaults, convert_request, is_stop_request  # noqa: E402
+from llm_outputs import RowStream  # noqa: E402
+
+VOCAB = 1000
+
+
+def _request(**inputs) -> dict[str, np.ndarray]:
+    """One batch row; scalars as [1, 1] tensors like tritonclient sends them."""
+    tensors = {"input_ids": np.array([[5, 6, 7]], dtype=np.int32)}
+    for name, value in inputs.items():
+        tensors[name] = value if isinstance(value, np.ndarray) else np.array(
+            [[value]], dtype=np.bool_ if isinstance(value, bool)
+            else np.float32 if isinstance(value, float) else np.int32)
+    return tensors
+
+
+def _sampling(**inputs):
+    return convert_request(_request(**inputs), Defaults(), VOCAB)[0].sampling
+
+
+def test_greedy_unless_sampling_is_asked():
+    assert _sampling().temperature == 0.0
+    assert _sampling(runtime_top_k=1).temperature == 0.0
+    assert _sampling(runtime_top_p=0.0).temperature == 0.0          # <= 0 means unset
+    assert _sampling(temperature=0.0, runtime_top_p=1.0).temperature == 0.0
+    top_k = _sampling(runtime_top_k=40)
+    assert (top_k.temperature, top_k.top_k) == (1.0, 40)
+    top_p = _sampling(runtime_top_p=0.9)
+    assert top_p.temperature == 1.0 and abs(top_p.top_p - 0.9) < 1e-6
+    assert abs(_sampling(temperature=0.7).temperature - 0.7) < 1e-6
+
+
+def test_defaults_and_aliases():
+    row = convert_request(_request(), Defaults(max_tokens=7, exclude_input_in_output=True), VOCAB)[0]
+    assert row.sampling.max_tokens == 7 and row.exclude_input_in_output and not row.streaming
+    assert _sampling(min_length=3).min_tokens == 3
+    assert _sampling(min_tokens=4, min_length=3).min_tokens == 4
+    seeded = _sampling(random_seed=np.array([[11]], dtype=np.uint64))
+    assert seeded.seed == 11
+    no_end = _sampling(end_id=-1)
+    assert no_end.ignore_end_id and no_end.end_id is None
+    assert _sampling(end_id=2).end_id == 2
+
+
+def test_word_lists_bias_and_trimming():
+    stop = np.array([[[8, 9, 10], [2, 3, -1]]], dtype=np.int32)
+    bias = np.zeros((1, 20), dtype=np.float32)
+    bias[0, 4] = -2.5
+    row = convert_request(_request(stop_words_list=stop, embedding_bias=bias,
+                                   input_lengths=2), Defaults(), VOCAB)[0]
+    assert row.sampling.stop_token_ids == [[8, 9], [10]]
+    assert row.sampling.embedding_bias == {4: -2.5}
+    assert row.prompt_ids == [5, 6]
+
+
+def test_batch_rows():
+    tensors = {"input_ids": np.array([[5, 6, 0], [7, 8, 9]], dtype=np.int32),
+               "input_lengths": np.array([[2], [3]], dtype=np.int32)}
+    rows = convert_request(tensors, Defaults(), VOCAB)
+    assert [r.prompt_ids for r in rows] == [[5, 6], [7, 8, 9]]
+    assert [r.batch_index for r in rows] == [0, 1]
+
+
+@pytest.mark.parametrize("inputs, message", [
+    (dict(beam_width=4), "beam_width must be 1"),
+    (dict(num_return_sequences=2), "num_return_sequences must be 1"),
+    (dict(runtime_top_p=1.5), "top_p (input runtime_top_p) must be in (0, 1], got 1.5"),
+    (dict(runtime_top_k=-1), "top_k (input runtime_top_k) must be >= 0"),
+    (dict(request_output_len=0), "max_tokens (input request_output_len) must be >= 1"),
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be finite"),
+    (dict(input_lengths=9), "input_lengths must be in [0, 3]"),
+    (dict(input_lengths=0), "input_ids must not be empty"),
+    (dict(end_id=5000), "end_id must be < vocab size"),
+    (dict(return_context_logits=True), "return_context_logits is not supported"),
+    (dict(embedding_bias=np.zeros((1, 2000), dtype=np.float32)), "at most vocab size"),
+    (dict(stop_words_list=np.array([[[1, 2], [2, 1]]], dtype=np.int32)), "stop_words_list"),
+])
+def test_rejections_name_the_field(inputs, message):
+    with pytest.raises(ValueError) as err:
+        convert_request(_request(**inputs), Defaults(), VOCAB)
+    assert message in str(err.value)
+
+
+def test_stop_request():
+    assert is_stop_request({"stop": np.array([[True]])})
+    assert not is_stop_request({"stop": np.array([[False]])})
+    assert not is_stop_request({})
+
+
+def _outputs(ids: list[int], steps: list[int]) -> list[RequestOutput]:
+    outs, start = [], 0
+    for i, n in enumerate(steps):
+        new = ids[start:start + n]
+        start += n
+        outs.append(RequestOutput("r", new, [], start, finished=i == len(steps) - 1,
+                                  finish_reason=FinishReason.LENGTH if i == len(steps) - 1 else None))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from backend.model_loader import resolve_model
+    from preprocessing.tokenizer import load_tokenizer
+    return load_tokenizer(resolve_model("default"))
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_windows_rebuild_the_text(tokenizer, echo):
+    from postprocessing.detokenizer import text_delta
+    prompt = tokenizer.encode("Say it:")
+    generated = tokenizer.encode(" こんにちは 🌊 café déjà vu, 你好！", add_special_tokens=False)
+    steps = [1, 2, 1, 3, 1] + [1] * (len(generated) - 8)
+    assert sum(steps) == len(generated)
+
+    def run(streaming: bool) -> tuple[str, list[int]]:
+        stream = RowStream.start("r", 0, streaming, prompt, echo_prompt=echo)
+        text, ids = "", []
+        for out in _outputs(generated, steps):
+            stream.add(out)
+            if stream.ready(out):
+                t = stream.take(out)
+                ids += t["output_ids"][0].tolist()
+                assert t["detok_window_length"][0] == t["detok_window_ids"].shape[1]
+                text += text_delta(tokenizer, t["detok_window_ids"][0].tolist(),
+                                   int(t["detok_context_length"][0]), bool(t["detok_final"][0]))
+        return text, ids
+
+    streamed, streamed_ids = run(True)
+    whole, whole_ids = run(False)
+    expected_ids = (prompt if echo else []) + generated
+    assert streamed_ids == whole_ids == expected_ids
+    assert streamed == whole == tokenizer.decode(expected_ids, skip_special_tokens=True)
