@@ -17,6 +17,8 @@ import threading
 import time
 from dataclasses import replace
 
+import torch
+
 from backend.config import EngineConfig
 from backend.model_runner import ModelRunner
 from backend.output_processor import OutputCallback, OutputProcessor
@@ -143,6 +145,12 @@ class Executor:
 
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
+        # Every tensor the loop creates or updates (step inputs, logits, sampled ids) lives in
+        # inference mode: no autograd bookkeeping, and in-place updates of them stay legal.
+        with torch.inference_mode():
+            self._serve()
+
+    def _serve(self) -> None:
         pipeline = self.pipeline
         while True:
             with self._lock:

@@ -22,9 +22,10 @@ from backend.model_config import ModelConfig
 from backend.models.rotary import RotaryEmbedding
 
 try:  # the fused GPU kernel; CPU-only installs without Triton use the torch path
+    from backend.kernels.activation import silu_and_mul as fused_silu_and_mul
     from backend.kernels.rmsnorm import rms_norm as fused_rms_norm
 except ImportError:
-    fused_rms_norm = None
+    fused_rms_norm = fused_silu_and_mul = None
 
 
 class RMSNorm(nn.Module):
@@ -101,7 +102,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and fused_silu_and_mul is not None:
+            return self.down_proj(fused_silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -9,6 +9,7 @@ from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # no
 
 pytest.importorskip("triton")
 
+from backend.kernels.activation import silu_and_mul  # noqa: E402
 from backend.kernels.rmsnorm import rms_norm  # noqa: E402
 from backend.kernels.rope import apply_rotary_  # noqa: E402
 from backend.model_config import RopeConfig  # noqa: E402
@@ -76,3 +77,11 @@ def test_rotary_matches_torch_in_place_on_fused_qkv(num_heads, num_kv_heads, hea
     torch.testing.assert_close(q, expected_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k, expected_k, atol=1e-5, rtol=1e-5)
     assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)   # v untouched
+
+
+@pytest.mark.parametrize("size", [64, 1536])         # 1536: two column tiles, the last one masked
+def test_silu_and_mul_matches_torch(size):
+    torch.manual_seed(0)
+    gate_up = torch.randn(5, 2 * size, device=DEVICE) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
