@@ -82,16 +82,21 @@ def test_default_model_fp32_matches_transformers(smollm):
 
 
 @torch.inference_mode()
-def test_default_model_bf16_logprobs_close_to_fp32_transformers(smollm):
+def test_default_model_bf16_logprobs_close_to_transformers(smollm):
+    """Our bf16 log-probs of the chosen tokens against transformers' on the same sequences, in
+    bf16 (the same weights' precision; asserted) and in fp32 (reported)."""
     model_dir, _, model, prompts = smollm
     results = serve(model_dir, prompts, SamplingParams(max_tokens=32, return_log_probs=True), dtype="bfloat16",
                     max_batch_size=8)
-    worst = 0.0
+    model_bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    diffs = {"bf16": [], "fp32": []}
     for prompt, result in zip(prompts, results):
         ids = torch.tensor([prompt + result["token_ids"]], device="cuda")
-        logprobs = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
         n = len(prompt)
-        expected = [float(logprobs[n - 1 + i, t]) for i, t in enumerate(result["token_ids"])]
-        worst = max([worst] + [abs(a - b) for a, b in zip(result["logprobs"], expected)])
-    print(f"max |bf16 engine log-prob - fp32 transformers log-prob| = {worst:.4g}")
-    assert worst < 2e-2
+        for name, reference in (("bf16", model_bf16), ("fp32", model)):
+            logprobs = torch.log_softmax(reference(input_ids=ids).logits[0].float(), dim=-1)
+            expected = [float(logprobs[n - 1 + i, t]) for i, t in enumerate(result["token_ids"])]
+            diffs[name] += [abs(a - b) for a, b in zip(result["logprobs"], expected)]
+    for name, d in diffs.items():
+        print(f"|engine bf16 - transformers {name}| log-prob: max {max(d):.4g}, mean {sum(d) / len(d):.4g}")
+    assert max(diffs["bf16"]) < 2e-2

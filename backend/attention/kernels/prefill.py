@@ -111,12 +111,20 @@ def _prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _prefill_launch_config(group: int, head_dim: int) -> dict:
+SHARED_MEMORY_BUDGET = 160 * 1024   # bytes; Hopper allows 227 KiB per block, leave headroom
+
+
+def _prefill_launch_config(group: int, head_dim: int, element_size: int = 2) -> dict:
     """Tile shape. On H200 bf16 (benchmarks/attention_kernels.py --sweep) 64 x 64 with 4 warps and
     3 stages was best or within a few % for head_dim 64 and 128, long prompts, prefix chunks and
-    mixed batches (330 TFLOP/s on a 4096-token prompt, head_dim 128)."""
-    block_m = max(64, triton.next_power_of_2(group))
-    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3)
+    mixed batches (330 TFLOP/s on a 4096-token prompt, head_dim 128). Pipelining stages are capped
+    so the Q tile plus the staged K/V tiles fit in shared memory (fp32 with head_dim 128 does not
+    fit three stages: the launch fails with an out-of-resources error)."""
+    block_m, block_n = max(64, triton.next_power_of_2(group)), 64
+    q_bytes = block_m * head_dim * element_size
+    kv_stage_bytes = 2 * block_n * head_dim * element_size
+    stages = max(1, min(3, (SHARED_MEMORY_BUDGET - q_bytes) // kv_stage_bytes))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=stages)
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -135,7 +143,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    config = _prefill_launch_config(group, head_dim)
+    config = _prefill_launch_config(group, head_dim, k_cache.element_size())
     block_m = block_m or config["BLOCK_M"]
     block_n = block_n or config["BLOCK_N"]
     block_q = block_m // group
