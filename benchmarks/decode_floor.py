@@ -23,7 +23,7 @@ import torch
 from backend.config import EngineConfig
 from backend.executor import Executor
 from backend.sampling_params import SamplingParams
-from benchmarks.provenance import provenance
+from benchmarks.provenance import provenance, save_json
 
 
 def copy_rate_bytes_per_s(device: torch.device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
@@ -122,10 +122,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         "cuda_graphs": executor.config.cuda_graphs})
         print(json.dumps(results[-1]), flush=True)
     executor.shutdown()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results if len(results) > 1 else results[0], f, indent=2)
-            f.write("\n")
+    save_json(args.json, results if len(results) > 1 else results[0])
     return results
 
 

@@ -18,7 +18,7 @@ import torch
 from backend.config import EngineConfig
 from backend.executor import Executor
 from backend.sampling_params import SamplingParams
-from benchmarks.provenance import provenance
+from benchmarks.provenance import provenance, save_json
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -128,10 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
                       hf_output_tokens_per_s=round(sum(lengths[:k]) / hf_wall, 1))
         result["speedup_vs_hf"] = round(result["output_tokens_per_s"] / result["hf_output_tokens_per_s"], 2)
     print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
+    save_json(args.json, result)
     return result
 
 

@@ -16,7 +16,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.model_runner import ModelRunner, SequenceChunk
-from benchmarks.provenance import provenance
+from benchmarks.provenance import provenance, save_json
 
 
 def cuda_ms(fn, repeats: int = 100) -> float:
@@ -105,9 +105,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results = [{"benchmark": "profile_engine", "model": args.model, "batch": b, "isl": args.isl,
                     **engine_profile(args.model, b, args.isl)} for b in args.batch]
         print(json.dumps(results, indent=1), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
+        save_json(args.json, results)
         return results
     max_batch = max(args.batch)
     seq = args.isl + 64
@@ -133,10 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row.update(kernel_table(runner, inputs))
         results.append(row)
         print(json.dumps(row, indent=1), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
+    save_json(args.json, results)
     return results
 
 

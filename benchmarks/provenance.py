@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -40,3 +41,12 @@ def provenance(device) -> dict:
         "commit": git_commit(),
         "torch": torch.__version__,
     }
+
+
+def save_json(path: str | None, data) -> None:
+    """Write a result file (indented, newline-terminated); no-op without a path."""
+    if not path:
+        return
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")

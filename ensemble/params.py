@@ -84,3 +84,12 @@ def tokenizer_dir(params: dict[str, str]) -> str:
         return explicit
     from backend.model_loader import resolve_model  # noqa: PLC0415 - heavy, only when needed
     return resolve_model(get_str(params, "model_path", "default"))
+
+
+def invalid_argument(message: str):
+    """A Triton error with the INVALID_ARG code (HTTP 400) where the stub has it; only callable
+    inside the Python backend, which provides `triton_python_backend_utils`."""
+    import triton_python_backend_utils as pb_utils
+
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
+    return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)

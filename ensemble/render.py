@@ -27,7 +27,7 @@ def render_configs(settings: ServeSettings) -> dict[str, str]:
 
 
 def render_ensemble(s: ServeSettings) -> str:
-    lines = [f'name: "ensemble"', 'platform: "ensemble"', f"max_batch_size: {s.triton_max_batch_size}"]
+    lines = ['name: "ensemble"', 'platform: "ensemble"', f"max_batch_size: {s.triton_max_batch_size}"]
     lines += _tensors("input", ENSEMBLE.inputs) + _tensors("output", ENSEMBLE.outputs)
     lines.append("ensemble_scheduling {")
     lines.append("  step [")

@@ -2,7 +2,6 @@
 with chunked prefill, prefix reuse and preemption; log-probs of chosen tokens match within 1e-4."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch

@@ -11,15 +11,10 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ensemble.params import get_bool, parameters, tokenizer_dir
+from ensemble.params import get_bool, invalid_argument, parameters, tokenizer_dir
 from postprocessing.detokenizer import text_delta
 from preprocessing.tokenizer import load_tokenizer
 from stop_forwarder import StopForwarder
-
-
-def invalid_argument(message: str):
-    code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
-    return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
 
 
 class TritonPythonModel:

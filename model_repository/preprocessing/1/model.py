@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ensemble.params import get_bool, get_int, parameters, tokenizer_dir
+from ensemble.params import get_bool, get_int, invalid_argument, parameters, tokenizer_dir
 from preprocessing.tokenizer import default_end_id, default_pad_id, encode, load_tokenizer
 from preprocessing.word_lists import embedding_bias, encode_word_list, parse_words
 
@@ -16,11 +16,6 @@ FIELD = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_D
          "STOP_WORDS_DICT": "stop_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
          "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights", "END_ID": "end_id",
          "PAD_ID": "pad_id"}
-
-
-def invalid_argument(message: str):
-    code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
-    return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
 
 
 class TritonPythonModel:

@@ -1,0 +1,57 @@
+"""A tritonclient gRPC streaming client, written exactly as one for TensorRT-LLM's backend would be.
+
+    python -m benchmarks.client_example --url localhost:8001 --prompt "Write a haiku about the sea."
+"""
+from __future__ import annotations
+
+import argparse
+import queue
+import sys
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import np_to_triton_dtype
+
+
+def as_input(name: str, value: np.ndarray) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+    tensor.set_data_from_numpy(value)
+    return tensor
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", default="localhost:8001")
+    p.add_argument("--prompt", default="Write a haiku about the sea.")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    args = p.parse_args(argv)
+
+    inputs = [
+        as_input("text_input", np.array([[args.prompt.encode()]], dtype=object)),
+        as_input("max_tokens", np.array([[args.max_tokens]], dtype=np.int32)),
+        as_input("stream", np.array([[True]], dtype=bool)),
+        as_input("temperature", np.array([[args.temperature]], dtype=np.float32)),
+    ]
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(args.url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer("ensemble", inputs, request_id="1", enable_empty_final_response=True)
+    while True:
+        result, error = responses.get(timeout=300)
+        if error is not None:
+            print(f"\nerror: {error}", file=sys.stderr)
+            return 1
+        final = result.get_response().parameters.get("triton_final_response")
+        text = result.as_numpy("text_output")
+        if text is not None and text.size:
+            print(text.reshape(-1)[0].decode(), end="", flush=True)
+        if final is not None and final.bool_param:
+            break
+    client.stop_stream()
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
