@@ -7,6 +7,7 @@ libcudart.so.12 (PyPI `nvidia-cuda-runtime-cu12`, even with no GPU).
 
   python -m ensemble.perf_analyzer setup          # extract the binary, install libcudart
   python -m ensemble.perf_analyzer run -- -m ensemble -i grpc --streaming ...
+  eval "$(python -m ensemble.perf_analyzer env)"  # perf_analyzer on PATH, e.g. for genai-perf
 """
 from __future__ import annotations
 
@@ -86,6 +87,10 @@ def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["setup"]:
         print(f"perf_analyzer ready: {setup()}")
+        print(f"export LD_LIBRARY_PATH={cudart_dir()}:$LD_LIBRARY_PATH")
+        return 0
+    if argv[:1] == ["env"]:  # for tools that call perf_analyzer themselves (genai-perf)
+        print(f"export PATH={BINARY.parent}:$PATH")
         print(f"export LD_LIBRARY_PATH={cudart_dir()}:$LD_LIBRARY_PATH")
         return 0
     if argv[:1] == ["run"]:
