@@ -186,6 +186,7 @@ class TritonServer:
 def serve_forever(server: TritonServer) -> int:
     """Start, wait until ready, print how to call it, and stop cleanly on Ctrl-C or SIGTERM."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)   # also when started where SIGINT was ignored (e.g. `&`)
     server.start()
     try:
         server.wait_ready()
