@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from backend.validation import check_int
+
 SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
@@ -32,21 +34,18 @@ class EngineConfig:
 
     def validate(self) -> None:
         for name in ("max_batch_size", "max_num_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_int(name, getattr(self, name), low=1)
         for name in ("max_seq_len", "tokens_per_block", "max_tokens_in_paged_kv_cache"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or unset, got {value!r}")
-        if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
-            raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1], "
-                             f"got {self.kv_cache_free_gpu_mem_fraction}")
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), low=1)
+        fraction = self.kv_cache_free_gpu_mem_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+            raise ValueError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {fraction!r}")
         if self.batch_scheduler_policy not in SCHEDULER_POLICIES:
             raise ValueError(f"batch_scheduler_policy must be one of {SCHEDULER_POLICIES}, "
                              f"got {self.batch_scheduler_policy!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
-        if not isinstance(self.max_queue_size, int) or self.max_queue_size < 0:
-            raise ValueError(f"max_queue_size must be >= 0, got {self.max_queue_size!r}")
+        for name in ("max_queue_size", "seed"):
+            check_int(name, getattr(self, name), low=0)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+from backend.config import EngineConfig  # plain dataclasses: importing them loads no engine code
+from backend.validation import check_int
+
+_ENGINE = EngineConfig()  # the engine's defaults are the repository's defaults
 
 # Fields rendered as `parameters` of the `tensorrt_llm` model, in this order.
 ENGINE_FIELDS = (
@@ -27,23 +29,23 @@ ENGINE_FIELDS = (
 @dataclass
 class ServeSettings:
     # ---- engine (tensorrt_llm parameters) -----------------------------------------------------
-    model_path: str = "default"            # "default", a HF directory, a .gguf file or a preset
-    tokenizer_dir: str | None = None       # None = the model's own tokenizer
-    device: str = "auto"                   # "auto" = cuda when available, else cpu
-    dtype: str = "auto"                    # "auto" = bfloat16 on GPU, float32 on CPU
-    max_batch_size: int = 64               # engine running-request cap (in-flight batch)
-    max_num_tokens: int = 2048             # engine token budget per step
-    max_seq_len: int | None = None         # prompt + generated tokens; None = model limit
-    tokens_per_block: int | None = None
-    max_tokens_in_paged_kv_cache: int | None = None
-    kv_cache_free_gpu_mem_fraction: float = 0.9
-    enable_kv_cache_reuse: bool = True
-    enable_chunked_context: bool = True
-    batch_scheduler_policy: str = "guaranteed_no_evict"
-    max_queue_size: int = 0                # engine waiting-queue cap; 0 = unbounded
-    attention_backend: str = "auto"
-    cuda_graphs: bool = True
-    seed: int = 0                          # engine-wide generator for unseeded sampling
+    model_path: str = _ENGINE.model_path  # "default", a HF directory, a .gguf file or a preset
+    tokenizer_dir: str | None = _ENGINE.tokenizer_dir  # None = the model's own tokenizer
+    device: str = _ENGINE.device  # "auto" = cuda when available, else cpu
+    dtype: str = _ENGINE.dtype  # "auto" = bfloat16 on GPU, float32 on CPU
+    max_batch_size: int = _ENGINE.max_batch_size  # engine running-request cap (in-flight batch)
+    max_num_tokens: int = _ENGINE.max_num_tokens  # engine token budget per step
+    max_seq_len: int | None = _ENGINE.max_seq_len  # prompt + generated tokens; None = model limit
+    tokens_per_block: int | None = _ENGINE.tokens_per_block
+    max_tokens_in_paged_kv_cache: int | None = _ENGINE.max_tokens_in_paged_kv_cache
+    kv_cache_free_gpu_mem_fraction: float = _ENGINE.kv_cache_free_gpu_mem_fraction
+    enable_kv_cache_reuse: bool = _ENGINE.enable_kv_cache_reuse
+    enable_chunked_context: bool = _ENGINE.enable_chunked_context
+    batch_scheduler_policy: str = _ENGINE.batch_scheduler_policy
+    max_queue_size: int = _ENGINE.max_queue_size  # engine waiting-queue cap; 0 = unbounded
+    attention_backend: str = _ENGINE.attention_backend
+    cuda_graphs: bool = _ENGINE.cuda_graphs
+    seed: int = _ENGINE.seed  # engine-wide generator for unseeded sampling
     # ---- request defaults --------------------------------------------------------------------
     default_max_tokens: int = 64           # when a request has no max_tokens/request_output_len
     exclude_input_in_output: bool = True   # default of the per-request input of the same name
@@ -63,30 +65,16 @@ class ServeSettings:
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the rule for the first invalid value."""
-        positive = ("max_batch_size", "max_num_tokens", "default_max_tokens",
-                    "triton_max_batch_size", "preprocessing_instance_count", "bls_instance_count",
-                    "cancellation_check_period_ms", "stats_check_period_ms")
+        EngineConfig(**{name: getattr(self, name) for name in ENGINE_FIELDS}).validate()
+        positive = ("default_max_tokens", "triton_max_batch_size", "preprocessing_instance_count",
+                    "bls_instance_count", "cancellation_check_period_ms", "stats_check_period_ms")
         for name in positive:
-            _check_int(name, getattr(self, name), low=1)
-        for name in ("max_seq_len", "tokens_per_block", "max_tokens_in_paged_kv_cache"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), low=1)
-        for name in ("max_queue_size", "max_queue_delay_microseconds", "seed"):
-            _check_int(name, getattr(self, name), low=0)
+            check_int(name, getattr(self, name), low=1)
+        check_int("max_queue_delay_microseconds", self.max_queue_delay_microseconds, low=0)
         for name in ("http_port", "grpc_port", "metrics_port"):
-            _check_int(name, getattr(self, name), low=0)
+            check_int(name, getattr(self, name), low=0)
             if getattr(self, name) > 65535:
                 raise ValueError(f"{name} must be <= 65535, got {getattr(self, name)}")
-        fraction = self.kv_cache_free_gpu_mem_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
-                or not 0.0 < fraction <= 1.0:
-            raise ValueError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {fraction!r}")
-        if self.batch_scheduler_policy not in SCHEDULER_POLICIES:
-            raise ValueError(f"batch_scheduler_policy must be one of {SCHEDULER_POLICIES}, "
-                             f"got {self.batch_scheduler_policy!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
         for name in ("model_path", "device", "dtype"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
@@ -113,10 +101,3 @@ def to_param(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
-
-
-def _check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
