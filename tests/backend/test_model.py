@@ -13,7 +13,7 @@ from backend.config import EngineConfig
 from backend.model_config import ModelConfig, RopeConfig
 from backend.model_runner import ModelRunner, SequenceChunk
 from backend.models.rotary import inverse_frequencies
-from tests.conftest import LLAMA3_ROPE
+from tests.tiny_models import LLAMA3_ROPE
 
 TPB = 4   # tokens per block: small, so prompts span many blocks
 
