@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ensemble.params import get_bool, invalid_argument, parameters, tokenizer_dir
+from ensemble.params import get_bool, parameters, tokenizer_dir, triton_error
 from postprocessing.detokenizer import text_delta
 from preprocessing.tokenizer import load_tokenizer
 from stop_forwarder import StopForwarder
@@ -34,7 +34,7 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor("OUTPUT", text)]))
             except ValueError as exc:
-                responses.append(pb_utils.InferenceResponse(error=invalid_argument(str(exc))))
+                responses.append(pb_utils.InferenceResponse(error=triton_error(str(exc))))
         return responses
 
     def forward_cancellation(self, request, tensors: dict[str, np.ndarray]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ensemble.params import get_bool, get_int, invalid_argument, parameters, tokenizer_dir
+from ensemble.params import get_bool, get_int, parameters, tokenizer_dir, triton_error
 from preprocessing.tokenizer import default_end_id, default_pad_id, encode, load_tokenizer
 from preprocessing.word_lists import embedding_bias, encode_word_list, parse_words
 
@@ -36,7 +36,7 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[
                     pb_utils.Tensor(name, value) for name, value in self.convert(tensors).items()]))
             except ValueError as exc:
-                responses.append(pb_utils.InferenceResponse(error=invalid_argument(str(exc))))
+                responses.append(pb_utils.InferenceResponse(error=triton_error(str(exc))))
         return responses
 
     def convert(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -15,7 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.config import EngineConfig
 from backend.executor import Executor, QueueFullError
-from ensemble.params import engine_kwargs, get_bool, get_int, parameters
+from ensemble.params import engine_kwargs, get_bool, get_int, parameters, triton_error
 from llm_inputs import Defaults, convert_request, is_stop_request
 from llm_metrics import LlmMetrics
 from llm_responses import ResponseDispatcher
@@ -24,9 +24,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 def _error(message: str, code_name: str = "INVALID_ARG"):
-    code = getattr(pb_utils.TritonError, code_name, None)
-    error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
-    return pb_utils.InferenceResponse(error=error)
+    return pb_utils.InferenceResponse(error=triton_error(message, code_name))
 
 
 def exit_with_server(server_pid: int) -> subprocess.Popen:
