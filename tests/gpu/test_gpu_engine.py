@@ -83,20 +83,24 @@ def test_default_model_fp32_matches_transformers(smollm):
 
 @torch.inference_mode()
 def test_default_model_bf16_logprobs_close_to_transformers(smollm):
-    """Our bf16 log-probs of the chosen tokens against transformers' on the same sequences, in
-    bf16 (the same weights' precision; asserted) and in fp32 (reported)."""
+    """Our bf16 log-probs of the chosen tokens, against transformers in fp32 on the same sequences,
+    are as close as transformers' own bf16 log-probs are. (A fixed bound of 2e-2 on the max is met
+    by neither: on the H200, transformers bf16 vs fp32 differs by up to 0.14, mean 0.027.)"""
     model_dir, _, model, prompts = smollm
     results = serve(model_dir, prompts, SamplingParams(max_tokens=32, return_log_probs=True), dtype="bfloat16",
                     max_batch_size=8)
     model_bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-    diffs = {"bf16": [], "fp32": []}
+    ours, theirs = [], []
     for prompt, result in zip(prompts, results):
         ids = torch.tensor([prompt + result["token_ids"]], device="cuda")
-        n = len(prompt)
-        for name, reference in (("bf16", model_bf16), ("fp32", model)):
-            logprobs = torch.log_softmax(reference(input_ids=ids).logits[0].float(), dim=-1)
-            expected = [float(logprobs[n - 1 + i, t]) for i, t in enumerate(result["token_ids"])]
-            diffs[name] += [abs(a - b) for a, b in zip(result["logprobs"], expected)]
-    for name, d in diffs.items():
-        print(f"|engine bf16 - transformers {name}| log-prob: max {max(d):.4g}, mean {sum(d) / len(d):.4g}")
-    assert max(diffs["bf16"]) < 2e-2
+        n, tokens = len(prompt), result["token_ids"]
+        fp32 = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+        bf16 = torch.log_softmax(model_bf16(input_ids=ids).logits[0].float(), dim=-1)
+        reference = [float(fp32[n - 1 + i, t]) for i, t in enumerate(tokens)]
+        ours += [abs(a - b) for a, b in zip(result["logprobs"], reference)]
+        theirs += [abs(float(bf16[n - 1 + i, t]) - b) for i, (t, b) in enumerate(zip(tokens, reference))]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    print(f"|log-prob - fp32 transformers|: engine bf16 max {max(ours):.4g} mean {mean(ours):.4g}; "
+          f"transformers bf16 max {max(theirs):.4g} mean {mean(theirs):.4g}")
+    assert mean(ours) <= 1.25 * mean(theirs) + 1e-3
+    assert max(ours) <= 2 * max(theirs) + 1e-3
