@@ -87,9 +87,14 @@ class Executor:
             return True
 
     def stats(self) -> ExecutorStats:
+        """A snapshot. The last step's counts read 0 once the engine is idle (no step is running)."""
         with self._lock:
-            return replace(self._stats, kv=self.scheduler.kv_stats(), finish_reasons=dict(self._stats.finish_reasons),
-                           num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running)
+            stats = replace(self._stats, kv=self.scheduler.kv_stats(), finish_reasons=dict(self._stats.finish_reasons),
+                            num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running)
+            if not self.scheduler.has_work():
+                stats.last_num_context_requests = stats.last_num_generation_requests = 0
+                stats.last_num_scheduled_tokens = 0
+            return stats
 
     def shutdown(self) -> None:
         with self._lock:

@@ -87,6 +87,15 @@ def test_cancel_frees_blocks_and_sends_final(executor):
     assert not executor.cancel("long")  # already gone
 
 
+def test_idle_stats_after_requests(executor):
+    executor.generate([[3, 4, 5], [6, 7]], SamplingParams(max_tokens=5, ignore_end_id=True))
+    stats = executor.stats()
+    assert stats.num_completed == 2 and stats.num_generated_tokens == 10 and stats.num_iterations >= 5
+    assert (stats.num_running, stats.num_waiting, stats.last_num_scheduled_tokens,
+            stats.last_num_context_requests, stats.last_num_generation_requests) == (0, 0, 0, 0, 0)
+    assert stats.kv.free_blocks == stats.kv.max_blocks
+
+
 def test_stop_sequence_ends_where_the_stop_starts(executor):
     prompt = [11, 12, 13, 14]
     free = executor.generate([prompt], SamplingParams(max_tokens=20, ignore_end_id=True))[0]["token_ids"]
