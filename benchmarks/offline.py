@@ -78,6 +78,42 @@ def run_hf(model_dir: str, device, dtype, prompts, lengths, batch_size: int) -> 
     return time.perf_counter() - start
 
 
+def profile_run(executor: Executor, prompts, lengths, top: int = 12) -> dict:
+    """The same run again, with its steps counted by kind and its GPU kernels timed by name
+    (torch.profiler, CUDA activity only): where the wall time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = {"prefill_only": 0, "mixed": 0, "decode_only": 0}
+    decode_batch = {"1-16": 0, "17-64": 0, "65-128": 0, "129+": 0}
+    run = executor.pipeline.run
+
+    def counting_run(output):
+        decodes = sum(1 for c in output.chunks if c.num_tokens == 1)
+        kind = "decode_only" if decodes == len(output.chunks) else "prefill_only" if not decodes else "mixed"
+        steps[kind] += 1
+        if kind == "decode_only":
+            n = len(output.chunks)
+            decode_batch["1-16" if n <= 16 else "17-64" if n <= 64 else "65-128" if n <= 128 else "129+"] += 1
+        return run(output)
+
+    executor.pipeline.run = counting_run
+    try:
+        if executor.runner.device.type != "cuda":        # no kernel timings on CPU
+            return {"profiled_wall_s": round(run_engine(executor, prompts, lengths), 3), "steps": steps,
+                    "decode_steps_by_batch": decode_batch}
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            wall = run_engine(executor, prompts, lengths)
+    finally:
+        executor.pipeline.run = run
+    rows = [(e.key, e.count, getattr(e, "self_device_time_total", 0.0)) for e in prof.key_averages()]
+    rows = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])
+    busy_s = sum(r[2] for r in rows) / 1e6
+    return {"profiled_wall_s": round(wall, 3), "gpu_busy_s": round(busy_s, 3),
+            "gpu_busy_fraction": round(busy_s / wall, 3), "steps": steps, "decode_steps_by_batch": decode_batch,
+            "top_kernels": [{"kernel": k[:80], "count": c, "s": round(t / 1e6, 3), "share": round(t / 1e6 / busy_s, 3)}
+                            for k, c, t in rows[:top]]}
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -97,6 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--profile", action="store_true",
+                   help="run once more under torch.profiler: steps by kind, GPU busy time, top kernels")
     p.add_argument("--json", default=None, help="write the result here")
     args = p.parse_args(argv)
 
@@ -118,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
                    "kv_blocks": executor.runner.num_kv_blocks, "tokens_per_block": executor.runner.tokens_per_block,
                    "preemptions": executor.stats().num_preemptions},
     }
+    if args.profile:
+        result["profile"] = profile_run(executor, prompts, lengths)
     device, dtype, model_dir = executor.runner.device, executor.runner.dtype, executor.model_dir
     executor.shutdown()
     del executor

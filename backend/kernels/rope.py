@@ -7,6 +7,10 @@ with cos/sin of the token's position read from the float32 cache of
 vector repeated twice, so only its first half is read). One program per token rotates all query
 and kv heads; q and k may be strided views into the fused QKV projection output, which is then
 updated without copies. Arithmetic is float32 with one rounding to the activation dtype.
+
+With `kv_write`, the same program also stores the token's rotated keys and its values at its
+paged-cache slot (the layout of `backend.attention.metadata`; slot -1, a padded row, is skipped),
+which saves the separate KV-write kernel per layer.
 """
 from __future__ import annotations
 
@@ -16,48 +20,87 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(ptr, token, stride_t, stride_h, cos, sin,
-                  NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
+def _rotate_heads(ptr, token, stride_t, stride_h, cos, sin, cache_ptr, stride_c_h, cache_ok,
+                  NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+                  TO_CACHE: tl.constexpr):
+    """Rotate one token's heads in place; with TO_CACHE also store them at `cache_ptr` (where
+    `cache_ok`)."""
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF)[None, :]
     mask = heads < NUM_HEADS
     first = ptr + token * stride_t + heads * stride_h + dims
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
-    tl.store(first + HALF, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
+    y1 = (x1 * cos - x2 * sin).to(ptr.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(ptr.dtype.element_ty)
+    tl.store(first, y1, mask=mask)
+    tl.store(first + HALF, y2, mask=mask)
+    if TO_CACHE:
+        cached = cache_ptr + heads * stride_c_h + dims
+        tl.store(cached, y1.to(cache_ptr.dtype.element_ty), mask=mask & cache_ok)
+        tl.store(cached + HALF, y2.to(cache_ptr.dtype.element_ty), mask=mask & cache_ok)
 
 
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, cos_sin_ptr, positions_ptr,
+    v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_cs_pos, stride_cs_kind,
+    stride_v_t, stride_v_h, stride_c_block, stride_c_offset, stride_c_head,
     NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+    WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_sin_ptr + position * stride_cs_pos + dims)
     sin = tl.load(cos_sin_ptr + position * stride_cs_pos + stride_cs_kind + dims)
-    _rotate_heads(q_ptr, token, stride_q_t, stride_q_h, cos, sin, NUM_HEADS, HEADS_PAD, HALF)
-    _rotate_heads(k_ptr, token, stride_k_t, stride_k_h, cos, sin, NUM_KV_HEADS, KV_HEADS_PAD, HALF)
+    _rotate_heads(q_ptr, token, stride_q_t, stride_q_h, cos, sin, q_ptr, 0, False,
+                  NUM_HEADS, HEADS_PAD, HALF, False)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    slot_ok = slot >= 0
+    slot = tl.where(slot_ok, slot, 0)
+    cache_offset = (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_offset
+    _rotate_heads(k_ptr, token, stride_k_t, stride_k_h, cos, sin, k_cache_ptr + cache_offset,
+                  stride_c_head, slot_ok, NUM_KV_HEADS, KV_HEADS_PAD, HALF, WRITE_KV)
+    if WRITE_KV:
+        heads = tl.arange(0, KV_HEADS_PAD)[:, None]
+        full_dims = tl.arange(0, 2 * HALF)[None, :]
+        mask = (heads < NUM_KV_HEADS) & slot_ok
+        value = tl.load(v_ptr + token * stride_v_t + heads * stride_v_h + full_dims, mask=mask)
+        tl.store(v_cache_ptr + cache_offset + heads * stride_c_head + full_dims,
+                 value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
-                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, heads, D] and k [T, kv_heads, D] in place; cos_sin [P, 2, D] float32."""
+                  positions: torch.Tensor, kv_write: tuple | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, heads, D] and k [T, kv_heads, D] in place; cos_sin [P, 2, D] float32.
+
+    kv_write = (v [T, kv_heads, D], k_cache, v_cache, slot_mapping [T]): also store the rotated
+    keys and the values in the paged cache ([blocks, block_size, kv_heads, D] each).
+    """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == (num_tokens, num_kv_heads, head_dim) and cos_sin.shape[1:] == (2, head_dim)
     assert head_dim & (head_dim - 1) == 0, "head_dim must be a power of two"
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1
+    if kv_write is not None:
+        v, k_cache, v_cache, slot_mapping = kv_write
+        assert v.shape == k.shape and v.stride(-1) == 1
+        assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+        assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(-1) == 1
+    else:
+        v, k_cache, v_cache, slot_mapping = k, k, k, positions       # unused
     if num_tokens:
         _rope_kernel[(num_tokens,)](
-            q, k, cos_sin, positions,
+            q, k, cos_sin, positions, v, k_cache, v_cache, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0), cos_sin.stride(1),
+            v.stride(0), v.stride(1), *(k_cache.stride()[:3] if kv_write is not None else (0, 0, 0)),
             NUM_HEADS=num_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
             NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-            HALF=head_dim // 2, num_warps=4,
+            HALF=head_dim // 2, WRITE_KV=kv_write is not None,
+            BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1, num_warps=4,
         )
     return q, k

@@ -21,11 +21,12 @@ from backend.attention import AttentionBackend, AttentionMetadata, get_attention
 from backend.model_config import ModelConfig
 from backend.models.rotary import RotaryEmbedding
 
-try:  # the fused GPU kernel; CPU-only installs without Triton use the torch path
+try:  # the fused GPU kernels; CPU-only installs without Triton use the torch path
+    from backend.kernels import skinny_gemm
     from backend.kernels.activation import silu_and_mul as fused_silu_and_mul
     from backend.kernels.rmsnorm import rms_norm as fused_rms_norm
 except ImportError:
-    fused_rms_norm = fused_silu_and_mul = None
+    fused_rms_norm = fused_silu_and_mul = skinny_gemm = None
 
 
 class RMSNorm(nn.Module):
@@ -79,16 +80,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.attention = attention
 
-    def forward(self, hidden: torch.Tensor, rotate, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, rotation, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        out = self.attend(self.qkv_proj(hidden), rotation, k_cache, v_cache, meta)
+        return self.o_proj(out)
+
+    def attend(self, qkv: torch.Tensor, rotation, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """qkv [T, q|k|v] -> attention output [T, q_size]; the new keys and values are written to
+        the cache first."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotate(q, k)
-        self.attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = rotation.rotate_and_write_kv(q, k, v, k_cache, v_cache, meta.slot_mapping,
+                                         self.attention.write_kv)
         out = self.attention.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return out.reshape(-1, self.q_size)
 
 
 class MLP(nn.Module):
@@ -117,14 +125,28 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, residual, rotate, k_cache, v_cache, meta):
+    def forward(self, hidden, residual, rotation, k_cache, v_cache, meta):
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rotate, k_cache, v_cache, meta)
+        hidden = self.self_attn(hidden, rotation, k_cache, v_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def forward_few_tokens(self, stream, rotation, k_cache, v_cache, meta):
+        """The same layer for steps of at most 16 tokens (GPU, bf16/fp16) in four fused
+        weight-streaming kernels (`backend.kernels.skinny_gemm`) plus attention. `stream` is the
+        residual stream itself, updated in place: the norms run in the qkv and gate_up
+        projections' prologues, the residual adds in the o and down projections' epilogues."""
+        attn, mlp, linear = self.self_attn, self.mlp, skinny_gemm.skinny_linear
+        qkv = linear(stream, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                     norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps)
+        out = attn.attend(qkv, rotation, k_cache, v_cache, meta)
+        linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=stream, out=stream)
+        gate_up = linear(stream, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
+                         eps=self.post_attention_layernorm.eps)
+        return linear(gate_up, mlp.down_proj.weight, silu_mul=True, residual=stream, out=stream)
 
 
 class LlamaModel(nn.Module):
@@ -139,13 +161,27 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_cache, meta):
         hidden = self.embed_tokens(input_ids)
-        rotate = self.rotary.rotator(positions, hidden.dtype)
+        rotation = self.rotary.rotator(positions, hidden.dtype)
+        if self.takes_few_token_path(hidden):
+            for i, layer in enumerate(self.layers):
+                hidden = layer.forward_few_tokens(hidden, rotation, kv_cache[i, 0], kv_cache[i, 1], meta)
+            return self.norm(hidden)
         residual = None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, rotate, kv_cache[i, 0], kv_cache[i, 1],
+            hidden, residual = layer(hidden, residual, rotation, kv_cache[i, 0], kv_cache[i, 1],
                                      meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def takes_few_token_path(self, hidden: torch.Tensor) -> bool:
+        """Whether this step runs `DecoderLayer.forward_few_tokens`: on GPU, in bf16/fp16, with at
+        most 16 tokens and projection widths the kernel tiles (multiples of 64)."""
+        if skinny_gemm is None or not hidden.is_cuda or not self.layers:
+            return False
+        layer = self.layers[0]
+        return all(skinny_gemm.supports(hidden, w) for w in (
+            layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+            layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight))
 
 
 class LlamaForCausalLM(nn.Module):

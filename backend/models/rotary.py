@@ -97,10 +97,33 @@ class RotaryEmbedding(nn.Module):
         cos_sin = self.cos_sin[positions].to(dtype)
         return cos_sin[:, 0, None, :], cos_sin[:, 1, None, :]
 
-    def rotator(self, positions: torch.Tensor, dtype: torch.dtype):
-        """A function rotate(q, k) -> (q, k) for this step's positions. On GPU it is the fused
-        in-place Triton kernel; elsewhere cos/sin are looked up once and applied in torch."""
+    def rotator(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rotation":
+        """This step's rotation. On GPU it is the fused in-place Triton kernel; elsewhere cos/sin
+        are looked up once and applied in torch."""
         if positions.is_cuda and fused_rope is not None and self.head_dim & (self.head_dim - 1) == 0:
-            return lambda q, k: fused_rope(q, k, self.cos_sin, positions)
+            return Rotation(positions, self.cos_sin, None, None)
         cos, sin = self(positions, dtype)
-        return lambda q, k: apply_rotary(q, k, cos, sin)
+        return Rotation(positions, None, cos, sin)
+
+
+class Rotation:
+    """One step's rotary embedding, shared by every layer: `rotate_and_write_kv` rotates q and k
+    and stores the new keys and values in the paged cache. With the fused kernel (`cos_sin` set)
+    that is one launch; otherwise torch rotates and the attention backend's `write_kv` stores."""
+
+    def __init__(self, positions, cos_sin, cos, sin):
+        self.positions, self.cos_sin, self.cos, self.sin = positions, cos_sin, cos, sin
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor):
+        if self.cos_sin is not None:
+            return fused_rope(q, k, self.cos_sin, self.positions)
+        return apply_rotary(q, k, self.cos, self.sin)
+
+    def rotate_and_write_kv(self, q, k, v, k_cache, v_cache, slot_mapping, write_kv) -> torch.Tensor:
+        """-> rotated q; the rotated k and v are in the cache afterwards."""
+        if self.cos_sin is not None and k_cache.is_cuda:
+            fused_rope(q, k, self.cos_sin, self.positions, (v, k_cache, v_cache, slot_mapping))
+            return q
+        q, k = self(q, k)
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q

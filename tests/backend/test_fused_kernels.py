@@ -85,3 +85,32 @@ def test_silu_and_mul_matches_torch(size):
     gate_up = torch.randn(5, 2 * size, device=DEVICE) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_with_kv_write_stores_rotated_keys_and_values_at_their_slots():
+    torch.manual_seed(3)
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 4
+    rope = RopeConfig(type="default", theta=10000.0, factor=1.0, low_freq_factor=1.0,
+                      high_freq_factor=4.0, original_max_position_embeddings=64)
+    rotary = RotaryEmbedding(rope, head_dim, max_position_embeddings=64, max_positions=64)
+    rotary.build_cache(DEVICE)
+    positions = torch.tensor([0, 5, 9, 3], device=DEVICE)
+    slots = torch.tensor([6, 1, -1, 10], device=DEVICE)           # -1: a padded row, skipped
+    qkv = torch.randn(4, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).half()
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q, k, v = (t.view(4, -1, head_dim) for t in (q, k, v))
+    cos, sin = rotary(positions, torch.float16)
+    expected_q, expected_k = apply_rotary(q.clone(), k.clone(), cos, sin)
+    k_cache = torch.zeros(3, block_size, num_kv_heads, head_dim, device=DEVICE).half()
+    v_cache = torch.zeros_like(k_cache)
+
+    apply_rotary_(q, k, rotary.cos_sin, positions, (v, k_cache, v_cache, slots))
+    torch.testing.assert_close(q, expected_q, atol=2e-3, rtol=2e-3)
+    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            torch.testing.assert_close(flat_k[slot], expected_k[row], atol=2e-3, rtol=2e-3)
+            assert torch.equal(flat_v[slot], v[row])
+    written = set(s for s in slots.tolist() if s >= 0)
+    untouched = [s for s in range(flat_k.shape[0]) if s not in written]
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()

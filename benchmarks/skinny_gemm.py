@@ -1,0 +1,96 @@
+"""The few-token linear kernel (backend/kernels/skinny_gemm.py) against cuBLAS, on a GPU.
+
+For the projections of a preset model at M = 1..16 tokens: time per call (triton.testing.do_bench
+median, L2 flushed between calls, as in a decode step where 16 layers of weights pass through),
+the weight-read rate, and that rate as a fraction of the device-to-device copy rate measured in
+the same run. `--sweep` also times a grid of tile shapes, warps and pipeline stages per shape and
+reports the fastest, which is what `launch_config` is tuned from.
+
+    python -m benchmarks.skinny_gemm --model llama-3.2-1b [--tokens 1 4 16] [--sweep] --json OUT
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from backend.kernels.skinny_gemm import launch_config, skinny_linear
+from backend.model_config import ModelConfig
+from backend.model_loader import resolve_model
+from benchmarks.decode_floor import copy_rate_bytes_per_s
+from benchmarks.provenance import provenance, save_json
+
+SWEEP = dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 256, 512], num_warps=[4, 8], num_stages=[3, 4, 5])
+
+
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of the weight."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {"qkv": (q + 2 * kv, config.hidden_size), "o": (config.hidden_size, q),
+            "gate_up": (2 * config.intermediate_size, config.hidden_size),
+            "down": (config.hidden_size, config.intermediate_size),
+            "lm_head": (config.vocab_size, config.hidden_size)}
+
+
+def time_us(fn) -> float:
+    return do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e3
+
+
+def configs(k: int):
+    for values in itertools.product(*SWEEP.values()):
+        config = dict(zip(SWEEP, values))
+        if k % config["BLOCK_K"] == 0:
+            yield config
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.skinny_gemm", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    config = ModelConfig.from_dir(resolve_model(args.model))
+    copy_rate = copy_rate_bytes_per_s(device)
+    results = []
+    for name, (n, k) in projection_shapes(config).items():
+        weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5
+        weight_bytes = weight.numel() * weight.element_size()
+        for m in args.tokens:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            expected = F.linear(x, weight)
+            got = skinny_linear(x, weight)
+            error = float((got.float() - expected.float()).abs().max())
+            row = {"benchmark": "skinny_gemm", "model": args.model, "projection": name, "n": n, "k": k,
+                   "tokens": m, "weight_mb": round(weight_bytes / 1e6, 1), "max_abs_diff_vs_cublas": error,
+                   "cublas_us": round(time_us(lambda: F.linear(x, weight)), 2),
+                   "skinny_us": round(time_us(lambda: skinny_linear(x, weight)), 2),
+                   "default_config": launch_config(m, n, k)}
+            if args.sweep:
+                timings = []
+                for c in configs(k):
+                    try:
+                        timings.append((time_us(lambda: skinny_linear(x, weight, config=c)), c))
+                    except Exception as exc:       # e.g. out of shared memory for this tile shape
+                        timings.append((float("inf"), {**c, "error": type(exc).__name__}))
+                timings.sort(key=lambda t: t[0])
+                row["best_us"], row["best_config"] = round(timings[0][0], 2), timings[0][1]
+                row["next_best"] = [{"us": round(t, 2), **c} for t, c in timings[1:4]]
+            for key in ("cublas_us", "skinny_us", "best_us"):
+                if key in row:
+                    rate = weight_bytes / (row[key] * 1e-6)
+                    row[key.replace("_us", "_fraction_of_copy_rate")] = round(rate / copy_rate, 3)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            save_json(args.json, {**provenance(device), "copy_rate_tb_s": round(copy_rate / 1e12, 3),
+                                  "rows": results})        # after every row: a cut-off run keeps its rows
+    return results
+
+
+if __name__ == "__main__":
+    main()
