@@ -1,10 +1,11 @@
 """The few-token linear kernel (backend/kernels/skinny_gemm.py) against cuBLAS, on a GPU.
 
-For the projections of a preset model at M = 1..16 tokens: time per call (triton.testing.do_bench
-median, L2 flushed between calls, as in a decode step where 16 layers of weights pass through),
-the weight-read rate, and that rate as a fraction of the device-to-device copy rate measured in
-the same run. `--sweep` also times a grid of tile shapes, warps and pipeline stages per shape and
-reports the fastest, which is what `launch_config` is tuned from.
+For the projections of a preset model at M = 1..16 tokens: time per call, measured as in a decode
+step: one CUDA graph runs the product over as many distinct weight copies as the model has layers
+(so weights come from memory, not L2, and there is no launch gap from the host), replayed and
+timed with CUDA events. Reported with the weight-read rate as a fraction of the device-to-device
+copy rate measured in the same run. `--sweep` also times a grid of tile shapes, warps and pipeline
+stages per shape and reports the fastest, which is what `launch_config` is tuned from.
 
     python -m benchmarks.skinny_gemm --model llama-3.2-1b [--tokens 1 4 16] [--sweep] --json OUT
 """
@@ -16,7 +17,6 @@ import json
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 from backend.kernels.skinny_gemm import launch_config, skinny_linear
 from backend.model_config import ModelConfig
@@ -24,7 +24,8 @@ from backend.model_loader import resolve_model
 from benchmarks.decode_floor import copy_rate_bytes_per_s
 from benchmarks.provenance import provenance, save_json
 
-SWEEP = dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 256, 512], num_warps=[4, 8], num_stages=[3, 4, 5])
+SWEEP_FEW = dict(BLOCK_N=[4, 8, 16, 32], BLOCK_K=[256, 512], num_warps=[4, 8], num_stages=[2, 4])
+SWEEP_DOT = dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 256], num_warps=[4], num_stages=[3, 4])
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -36,13 +37,33 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
             "lm_head": (config.vocab_size, config.hidden_size)}
 
 
-def time_us(fn) -> float:
-    return do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e3
+def time_us(product, x, weights, replays: int = 20) -> float:
+    """Per-call GPU time of `product(x, w)` over every weight copy, from one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights:              # compile / pick algorithms outside the capture
+            product(x, w)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for w in weights:
+                product(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays / len(weights)
 
 
-def configs(k: int):
-    for values in itertools.product(*SWEEP.values()):
-        config = dict(zip(SWEEP, values))
+def configs(num_tokens: int, k: int):
+    grid = SWEEP_DOT if num_tokens > 8 else SWEEP_FEW
+    block_m = 16 if num_tokens > 8 else 1 << (num_tokens - 1).bit_length()
+    for values in itertools.product(*grid.values()):
+        config = {"BLOCK_M": block_m, **dict(zip(grid, values))}
         if k % config["BLOCK_K"] == 0:
             yield config
 
@@ -59,23 +80,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     copy_rate = copy_rate_bytes_per_s(device)
     results = []
     for name, (n, k) in projection_shapes(config).items():
-        weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5
-        weight_bytes = weight.numel() * weight.element_size()
+        copies = config.num_layers if name != "lm_head" else 2
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
+        weight_bytes = weights[0].numel() * weights[0].element_size()
         for m in args.tokens:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            expected = F.linear(x, weight)
-            got = skinny_linear(x, weight)
+            expected = F.linear(x, weights[0])
+            got = skinny_linear(x, weights[0])
             error = float((got.float() - expected.float()).abs().max())
             row = {"benchmark": "skinny_gemm", "model": args.model, "projection": name, "n": n, "k": k,
                    "tokens": m, "weight_mb": round(weight_bytes / 1e6, 1), "max_abs_diff_vs_cublas": error,
-                   "cublas_us": round(time_us(lambda: F.linear(x, weight)), 2),
-                   "skinny_us": round(time_us(lambda: skinny_linear(x, weight)), 2),
+                   "cublas_us": round(time_us(F.linear, x, weights), 2),
+                   "skinny_us": round(time_us(skinny_linear, x, weights), 2),
                    "default_config": launch_config(m, n, k)}
             if args.sweep:
                 timings = []
-                for c in configs(k):
+                for c in configs(m, k):
                     try:
-                        timings.append((time_us(lambda: skinny_linear(x, weight, config=c)), c))
+                        timings.append((time_us(lambda a, w: skinny_linear(a, w, config=c), x, weights), c))
                     except Exception as exc:       # e.g. out of shared memory for this tile shape
                         timings.append((float("inf"), {**c, "error": type(exc).__name__}))
                 timings.sort(key=lambda t: t[0])

@@ -34,6 +34,8 @@ def test_plain_product_with_bias(dtype, num_tokens, n, k):
     assert supports(x, weight)
     _close(skinny_linear(x, weight), F.linear(x.float(), weight.float()).to(dtype), dtype)
     _close(skinny_linear(x, weight, bias), F.linear(x.float(), weight.float(), bias.float()).to(dtype), dtype)
+    dot = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64)      # the tensor-core variant at any token count
+    _close(skinny_linear(x, weight, bias, config=dot), F.linear(x.float(), weight.float(), bias.float()).to(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
