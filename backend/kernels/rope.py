@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+
 
 @triton.jit
 def _rotate_heads(ptr, token, stride_t, stride_h, cos, sin, cache_ptr, stride_c_h, cache_ok,
@@ -49,8 +51,11 @@ def _rope_kernel(
     stride_v_t, stride_v_h, stride_c_block, stride_c_offset, stride_c_head,
     NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
-    WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF)[None, :]
@@ -102,5 +107,6 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
             NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
             HALF=head_dim // 2, WRITE_KV=kv_write is not None,
             BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1, num_warps=4,
+            **launch_options(),
         )
     return q, k

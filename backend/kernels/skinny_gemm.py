@@ -4,8 +4,8 @@ At batch 1-16 a decode step's projections read their weights once and do almost 
 cuBLAS streamed Llama-3.2-1B's qkv, o and down weights at 43-60% of the copy rate on H200, and
 each projection came with a separate norm, activation or residual kernel. Here one program owns
 BLOCK_N output features and walks the whole of K, so every weight row is read exactly once, there
-is no split-K reduction. Up to 8 token rows multiply elementwise (for one row the products are
-summed over K once, at the end); 9 to 16 rows ride along in one 16-row tensor-core dot.
+is no split-K reduction. One token row multiplies elementwise (the products are summed over K once,
+at the end); 2 to 16 rows ride along in one 16-row tensor-core dot.
 
 Fusions, each saving a kernel launch and a round trip of the activations:
 - prologue "norm": the operand is RMSNorm(x) * norm_weight. Each program computes the rows'
@@ -26,6 +26,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 MAX_TOKENS = 16
 # Triton's CPU interpreter multiplies bf16 tiles wrongly in tl.dot; there the operands are widened
@@ -58,8 +60,11 @@ def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_rm, stride_om, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    WIDEN_DOT: tl.constexpr, USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WIDEN_DOT: tl.constexpr, USE_DOT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,7 +91,7 @@ def _skinny_gemm_kernel(
             if WIDEN_DOT:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             acc += tl.dot(a, tl.trans(w))
-    elif BLOCK_M == 1:  # one token: elementwise products, summed over K once at the end
+    else:              # one token: elementwise products, summed over K once at the end
         partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
@@ -94,14 +99,8 @@ def _skinny_gemm_kernel(
             w = tl.load(w_rows + k[None, :])
             partial += w.to(tl.float32) * a.to(tl.float32)
         acc = tl.sum(partial, 1)[None, :]
-    else:              # a few tokens: products summed per tile
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            a = _operand_tile(x_ptr, norm_w_ptr, rows, row_ok, k, stride_xm, K, rstd, PROLOGUE)
-            w = tl.load(w_rows + k[None, :])
-            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-
+    if PDL:
+        gdc_launch_dependents()
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
     y = acc.to(out_ptr.dtype.element_ty)
@@ -119,12 +118,19 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def launch_config(num_tokens: int, n: int, k: int) -> dict:
-    """Tile and launch shape: enough programs to cover the SMs about twice, wide K tiles so each
-    load is long and contiguous; the tensor-core dot from 9 tokens up."""
-    block_k = next(b for b in (256, 128, 64) if k % b == 0)
-    block_n = 16 if n <= 4096 else 32 if n <= 32768 else 64
-    block_m = MAX_TOKENS if num_tokens > 8 else triton.next_power_of_2(max(1, num_tokens))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
+    """Tile and launch shape, from `python -m benchmarks.skinny_gemm --sweep` on H200 (Llama-3.2-1B
+    shapes, products timed back to back in a CUDA graph): for one token, narrow column tiles
+    (4 features) on the 2048-3072-wide projections so 500-800 programs stream the weights, 16 on
+    the wide ones; for 2-16 tokens, 32- or 64-wide tiles for the dot."""
+    def widest_k(*choices):
+        return next((b for b in choices if k % b == 0), 64)
+    if num_tokens <= 1:
+        if n <= 4096:
+            return dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=widest_k(512, 256, 128), num_warps=8, num_stages=4)
+        return dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=widest_k(256, 128), num_warps=8, num_stages=2)
+    if n <= 4096:
+        return dict(BLOCK_M=MAX_TOKENS, BLOCK_N=32, BLOCK_K=widest_k(256, 128), num_warps=4, num_stages=4)
+    return dict(BLOCK_M=MAX_TOKENS, BLOCK_N=64, BLOCK_K=widest_k(128), num_warps=4, num_stages=4)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -147,7 +153,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out
     config = {**launch_config(num_tokens, n, k), **(config or {})}
     assert k % config["BLOCK_K"] == 0, "K must be a multiple of BLOCK_K"
-    assert num_tokens <= config["BLOCK_M"] and config["BLOCK_M"] in (1, 2, 4, 8, MAX_TOKENS)
+    assert num_tokens <= config["BLOCK_M"] and config["BLOCK_M"] in (1, MAX_TOKENS)
     prologue = SILU_MUL if silu_mul else NORM if norm_weight is not None else NO_PROLOGUE
     _skinny_gemm_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight,
@@ -156,6 +162,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         num_tokens, n, k, x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), eps,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        WIDEN_DOT=_WIDEN_DOT, USE_DOT=config["BLOCK_M"] == MAX_TOKENS, **config,
+        WIDEN_DOT=_WIDEN_DOT, USE_DOT=config["BLOCK_M"] == MAX_TOKENS, **config, **launch_options(),
     )
     return out

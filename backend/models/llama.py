@@ -206,6 +206,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_cache, attn_meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.lm_head.weight
+        if (skinny_gemm is not None and hidden.is_cuda and hidden.shape[0] == 1
+                and skinny_gemm.supports(hidden, weight)):       # batch 1: ~6% faster than cuBLAS
+            return skinny_gemm.skinny_linear(hidden, weight).float()
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from backend.attention.kernels.tile import attend_key_tile
+from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 LOG2_E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64
@@ -72,8 +73,10 @@ def _decode_split_kernel(
     stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -105,6 +108,8 @@ def _decode_split_kernel(
             BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
             MASK_KEYS=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
 
+    if PDL:
+        gdc_launch_dependents()
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if SINGLE_SPLIT:
@@ -122,8 +127,11 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, query_start_ptr,
     num_splits, stride_o_t, stride_o_h,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -192,13 +200,13 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config["BLOCK_N"],
         SINGLE_SPLIT=single, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **launch_options(),
     )
     if not single:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, query_start_loc,
             num_splits, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4 if head_dim >= 128 else 2,
+            num_warps=4 if head_dim >= 128 else 2, **launch_options(),
         )
     return out
