@@ -8,16 +8,18 @@ is no split-K reduction. One token row multiplies elementwise (the products are 
 at the end); 2 to 16 rows ride along in one 16-row tensor-core dot.
 
 Fusions, each saving a kernel launch and a round trip of the activations:
-- prologue "norm": the operand is RMSNorm(x) * norm_weight. Each program computes the rows'
-  statistics itself (x is only M x K); float32 mean square, normalised rows rounded to the
-  activation dtype before the weight multiply, as `backend.models.llama.RMSNorm` does.
+- prologue "norm": the operand is RMSNorm(x) * norm_weight. The norm is folded into the one pass
+  over K: the rows' sums of squares accumulate beside the product of x * norm_weight, and the
+  result is scaled by rsqrt(mean square + eps) at the end. (A statistics pass before the weights
+  stream would stall every program; the rounding differs from RMSNorm-then-GEMM by activation-dtype
+  ulps, fewer roundings rather than more.)
 - prologue "silu_mul": x is [M, 2K] = gate | up and the operand is silu(gate) * up, rounded as
   `backend.kernels.activation.silu_and_mul` rounds.
 - epilogue residual: out = round(x @ weight^T + bias) + residual, rounded once more, as torch's
   add of the two rounded tensors. `out` may be `residual` itself (each program reads and writes
   only its own columns).
 The float32 sums run in a different order than cuBLAS's, so results agree with the torch path up
-to the last bit of the activation dtype, not exactly.
+to the last bits of the activation dtype, not exactly.
 """
 from __future__ import annotations
 
@@ -37,22 +39,21 @@ NO_PROLOGUE, NORM, SILU_MUL = 0, 1, 2
 
 
 @triton.jit
-def _operand_tile(x_ptr, norm_w_ptr, rows, row_ok, k, stride_xm, K, rstd,
-                  PROLOGUE: tl.constexpr):
-    """The [BLOCK_M, BLOCK_K] operand tile at columns `k`, after the prologue."""
+def _operand_tile(x_ptr, norm_w_ptr, rows, row_ok, k, stride_xm, K, PROLOGUE: tl.constexpr):
+    """The float32 [BLOCK_M, BLOCK_K] operand tile at columns `k` after the prologue, and the
+    tile's sum of squares per row (for the norm; zeros otherwise)."""
     dtype = x_ptr.dtype.element_ty
     offsets = rows[:, None] * stride_xm + k[None, :]
-    x = tl.load(x_ptr + offsets, mask=row_ok[:, None], other=0.0)
+    x = tl.load(x_ptr + offsets, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    square_sum = tl.zeros([x.shape[0]], tl.float32)
     if PROLOGUE == 1:
-        norm_w = tl.load(norm_w_ptr + k).to(tl.float32)
-        normed = (x.to(tl.float32) * rstd[:, None]).to(dtype)
-        x = (normed.to(tl.float32) * norm_w[None, :]).to(dtype)
+        square_sum = tl.sum(x * x, 1)
+        x = x * tl.load(norm_w_ptr + k).to(tl.float32)[None, :]
     if PROLOGUE == 2:
-        up = tl.load(x_ptr + offsets + K, mask=row_ok[:, None], other=0.0)
-        gate = x.to(tl.float32)
-        activated = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-        x = (activated.to(tl.float32) * up.to(tl.float32)).to(dtype)
-    return x
+        up = tl.load(x_ptr + offsets + K, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        activated = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
+        x = (activated * up).to(dtype).to(tl.float32)
+    return x, square_sum
 
 
 @triton.jit
@@ -65,42 +66,40 @@ def _skinny_gemm_kernel(
 ):
     if PDL:
         gdc_wait()
+    dtype = x_ptr.dtype.element_ty
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     cols_in = tl.where(col_ok, cols, 0).to(tl.int64)          # masked columns read row 0
     ks = tl.arange(0, BLOCK_K)
-
-    rstd = tl.zeros([BLOCK_M], tl.float32)
-    if PROLOGUE == 1:
-        square_sum = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :],
-                        mask=row_ok[:, None], other=0.0).to(tl.float32)
-            square_sum += tl.sum(x * x, 1)
-        rstd = tl.rsqrt(square_sum / K + eps)
-
     w_rows = w_ptr + cols_in[:, None] * stride_wn
+    square_sum = tl.zeros([BLOCK_M], tl.float32)
+
     if USE_DOT:        # 16 token rows: one tensor-core dot per weight tile
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
-            a = _operand_tile(x_ptr, norm_w_ptr, rows, row_ok, k, stride_xm, K, rstd, PROLOGUE)
+            a, tile_squares = _operand_tile(x_ptr, norm_w_ptr, rows, row_ok, k, stride_xm, K, PROLOGUE)
+            square_sum += tile_squares
             w = tl.load(w_rows + k[None, :])
             if WIDEN_DOT:
-                a, w = a.to(tl.float32), w.to(tl.float32)
-            acc += tl.dot(a, tl.trans(w))
+                acc += tl.dot(a.to(dtype).to(tl.float32), tl.trans(w.to(tl.float32)))
+            else:
+                acc += tl.dot(a.to(dtype), tl.trans(w))
     else:              # one token: elementwise products, summed over K once at the end
         partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + ks
-            a = _operand_tile(x_ptr, norm_w_ptr, rows, row_ok, k, stride_xm, K, rstd, PROLOGUE)
+            a, tile_squares = _operand_tile(x_ptr, norm_w_ptr, rows, row_ok, k, stride_xm, K, PROLOGUE)
+            square_sum += tile_squares
             w = tl.load(w_rows + k[None, :])
-            partial += w.to(tl.float32) * a.to(tl.float32)
+            partial += w.to(tl.float32) * a
         acc = tl.sum(partial, 1)[None, :]
     if PDL:
         gdc_launch_dependents()
+    if PROLOGUE == 1:
+        acc = acc * tl.rsqrt(square_sum / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
     y = acc.to(out_ptr.dtype.element_ty)

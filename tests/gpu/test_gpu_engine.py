@@ -119,7 +119,8 @@ def test_few_token_path_matches_general_path_in_bf16(batch, tmp_path, monkeypatc
     save_tiny_hf_model(tmp_path, "qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=1000)
     runner = ModelRunner(EngineConfig(model_path=str(tmp_path), device="cuda", dtype="bfloat16",
-                                      max_batch_size=16, max_seq_len=128, tokens_per_block=16))
+                                      max_batch_size=16, max_seq_len=128, tokens_per_block=16,
+                                      max_tokens_in_paged_kv_cache=16 * 128))
     assert runner.decode_graphs is not None
     prompts = random_prompts(batch, 1000, seed=2, low=5, high=60)
     blocks = [list(range(i * 8, i * 8 + 8)) for i in range(batch)]
