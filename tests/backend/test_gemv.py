@@ -1,4 +1,4 @@
-"""The few-token linear kernel (and its norm / silu·mul / residual fusions) against torch."""
+"""The one-token linear kernel (GEMV, with its norm / silu·mul / residual fusions) against torch."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # no
 
 pytest.importorskip("triton")
 
-from backend.kernels.skinny_gemm import skinny_linear, supports  # noqa: E402
+from backend.kernels.gemv import gemv, supports  # noqa: E402
 from backend.models.llama import RMSNorm  # noqa: E402
 
 pytestmark = [
@@ -25,23 +25,24 @@ def _close(got, expected, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens,n,k", [(1, 48, 64), (3, 40, 192), (16, 72, 128)])
-def test_plain_product_with_bias(dtype, num_tokens, n, k):
+@pytest.mark.parametrize("n,k", [(48, 64), (40, 192), (72, 1024)])
+def test_plain_product_with_bias(dtype, n, k):
+    num_tokens = 1
     torch.manual_seed(0)
     x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
     weight = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(dtype)
     bias = torch.randn(n, device=DEVICE).to(dtype)
     assert supports(x, weight)
-    _close(skinny_linear(x, weight), F.linear(x.float(), weight.float()).to(dtype), dtype)
-    _close(skinny_linear(x, weight, bias), F.linear(x.float(), weight.float(), bias.float()).to(dtype), dtype)
-    dot = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64)      # the tensor-core variant at any token count
-    _close(skinny_linear(x, weight, bias, config=dot), F.linear(x.float(), weight.float(), bias.float()).to(dtype), dtype)
+    _close(gemv(x, weight), F.linear(x.float(), weight.float()).to(dtype), dtype)
+    _close(gemv(x, weight, bias), F.linear(x.float(), weight.float(), bias.float()).to(dtype), dtype)
+    wide = dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2)
+    _close(gemv(x, weight, bias, config=wide), F.linear(x.float(), weight.float(), bias.float()).to(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_norm_prologue_matches_rms_norm_module(dtype):
     torch.manual_seed(1)
-    num_tokens, n, k = 5, 32, 128
+    num_tokens, n, k = 1, 32, 128
     norm = RMSNorm(k, eps=1e-5).to(DEVICE)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
@@ -49,13 +50,13 @@ def test_norm_prologue_matches_rms_norm_module(dtype):
     x = (torch.randn(num_tokens, 2 * k, device=DEVICE) * 4).to(dtype)[:, :k]   # strided rows
     weight = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(dtype)
     expected = F.linear(norm(x).float(), weight.float()).to(dtype)
-    _close(skinny_linear(x, weight, norm_weight=norm.weight.detach(), eps=1e-5), expected, dtype)
+    _close(gemv(x, weight, norm_weight=norm.weight.detach(), eps=1e-5), expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_silu_mul_prologue_and_in_place_residual(dtype):
     torch.manual_seed(2)
-    num_tokens, n, k = 7, 48, 64
+    num_tokens, n, k = 1, 48, 64
     gate_up = torch.randn(num_tokens, 2 * k, device=DEVICE).to(dtype)
     weight = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(dtype)
     residual = torch.randn(num_tokens, n, device=DEVICE).to(dtype)
@@ -63,24 +64,25 @@ def test_silu_mul_prologue_and_in_place_residual(dtype):
     activated = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
     expected = (F.linear(activated.float(), weight.float()).to(dtype).float() + residual.float()).to(dtype)
     before = residual.clone()
-    got = skinny_linear(gate_up, weight, silu_mul=True, residual=residual, out=residual)
+    got = gemv(gate_up, weight, silu_mul=True, residual=residual, out=residual)
     assert got.data_ptr() == residual.data_ptr()
     _close(got, expected, dtype)
     assert not torch.equal(residual, before)
 
 
 def test_refuses_what_it_does_not_take():
-    x = torch.randn(17, 64).half()
-    assert not supports(x, torch.randn(8, 64).half())              # too many tokens
+    x = torch.randn(2, 64).half()
+    assert supports(x[:1], torch.randn(8, 64).half())
+    assert not supports(x, torch.randn(8, 64).half())              # two tokens
     assert not supports(x[:4].float(), torch.randn(8, 64))          # float32
     assert not supports(x[:4, :48], torch.randn(8, 48).half())      # K not in 64-wide tiles
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])     # qwen2: qkv bias
-def test_few_token_layers_match_the_general_layers(model_type):
-    """The decoder run as fused few-token kernels (`forward_few_tokens`) against the general
-    layers, on a packed fp16 step: a 3-token prefill beside a decode at position 6. Same hidden
-    states up to fp16 rounding, same keys and values in the cache."""
+def test_one_token_layers_match_the_general_layers(model_type):
+    """The decoder run as fused one-token kernels (`forward_one_token`) against the general
+    layers, on an fp16 decode step at position 6 with 6 tokens of context in the cache. Same
+    hidden states up to fp16 rounding, same keys and values in the cache."""
     from backend.attention import AttentionMetadata, get_attention_backend
     from backend.model_config import ModelConfig
     from backend.model_loader import build_model, init_random_weights
@@ -92,16 +94,16 @@ def test_few_token_layers_match_the_general_layers(model_type):
     model = build_model(config, torch.device(DEVICE), torch.float16,
                         get_attention_backend("torch", DEVICE), 64)
     init_random_weights(model, seed=3)
-    input_ids = torch.tensor([5, 17, 42, 99], device=DEVICE)
-    positions = torch.tensor([0, 1, 2, 6], device=DEVICE)
+    input_ids = torch.tensor([99], device=DEVICE)
+    positions = torch.tensor([6], device=DEVICE)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor([0, 1, 2, 14], device=DEVICE),
-        query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor([3, 7], dtype=torch.int32, device=DEVICE),
-        block_tables=torch.tensor([[0, 0], [2, 1]], dtype=torch.int32, device=DEVICE),
-        max_query_len=3, max_seq_len=7, query_lens_cpu=[3, 1], seq_lens_cpu=[3, 7])
+        slot_mapping=torch.tensor([14], device=DEVICE),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([7], dtype=torch.int32, device=DEVICE),
+        block_tables=torch.tensor([[2, 1]], dtype=torch.int32, device=DEVICE),
+        max_query_len=1, max_seq_len=7, query_lens_cpu=[1], seq_lens_cpu=[7])
     caches = [torch.zeros(2, 2, 3, 8, 2, 32, dtype=torch.float16, device=DEVICE) for _ in range(2)]
-    for cache in caches:     # request 2's earlier context (slots 8..13), identical in both
+    for cache in caches:     # the request's earlier context (slots 8..13), identical in both
         cache[:, :, 1, :6] = torch.randn(2, 2, 6, 2, 32, generator=torch.Generator().manual_seed(4)).half()
 
     layers, rotary = model.model.layers, model.model.rotary
@@ -112,7 +114,7 @@ def test_few_token_layers_match_the_general_layers(model_type):
         fused = hidden.clone()
         for i, layer in enumerate(layers):
             general, residual = layer(general, residual, rotation, caches[0][i, 0], caches[0][i, 1], meta)
-            fused = layer.forward_few_tokens(fused, rotation, caches[1][i, 0], caches[1][i, 1], meta)
+            fused = layer.forward_one_token(fused, rotation, caches[1][i, 0], caches[1][i, 1], meta)
             _close(fused, general + residual, torch.float16)
             torch.testing.assert_close(caches[1][i], caches[0][i], atol=2e-3, rtol=2e-3)
             general, residual = fused.clone(), None     # same input to the next layer for both

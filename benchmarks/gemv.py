@@ -1,13 +1,13 @@
-"""The few-token linear kernel (backend/kernels/skinny_gemm.py) against cuBLAS, on a GPU.
+"""The one-token linear kernel (backend/kernels/gemv.py) against cuBLAS, on a GPU.
 
-For the projections of a preset model at M = 1..16 tokens: time per call, measured as in a decode
+For the projections of a preset model with one token: time per call, measured as in a decode
 step: one CUDA graph runs the product over as many distinct weight copies as the model has layers
 (so weights come from memory, not L2, and there is no launch gap from the host), replayed and
 timed with CUDA events. Reported with the weight-read rate as a fraction of the device-to-device
 copy rate measured in the same run. `--sweep` also times a grid of tile shapes, warps and pipeline
 stages per shape and reports the fastest, which is what `launch_config` is tuned from.
 
-    python -m benchmarks.skinny_gemm --model llama-3.2-1b [--tokens 1 4 16] [--sweep] --json OUT
+    python -m benchmarks.gemv --model llama-3.2-1b [--sweep] --json OUT
 """
 from __future__ import annotations
 
@@ -18,14 +18,13 @@ import json
 import torch
 import torch.nn.functional as F
 
-from backend.kernels.skinny_gemm import launch_config, skinny_linear
+from backend.kernels.gemv import gemv, launch_config
 from backend.model_config import ModelConfig
 from backend.model_loader import resolve_model
 from benchmarks.decode_floor import copy_rate_bytes_per_s
 from benchmarks.provenance import provenance, save_json
 
-SWEEP_FEW = dict(BLOCK_N=[4, 8, 16, 32], BLOCK_K=[256, 512], num_warps=[4, 8], num_stages=[2, 4])
-SWEEP_DOT = dict(BLOCK_N=[16, 32, 64], BLOCK_K=[128, 256], num_warps=[4], num_stages=[3, 4])
+SWEEP = dict(BLOCK_N=[4, 8, 16, 32], BLOCK_K=[256, 512], num_warps=[4, 8], num_stages=[2, 4])
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -59,19 +58,16 @@ def time_us(product, x, weights, replays: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / replays / len(weights)
 
 
-def configs(num_tokens: int, k: int):
-    grid = SWEEP_DOT if num_tokens > 8 else SWEEP_FEW
-    block_m = 16 if num_tokens > 8 else 1 << (num_tokens - 1).bit_length()
-    for values in itertools.product(*grid.values()):
-        config = {"BLOCK_M": block_m, **dict(zip(grid, values))}
+def configs(k: int):
+    for values in itertools.product(*SWEEP.values()):
+        config = dict(zip(SWEEP, values))
         if k % config["BLOCK_K"] == 0:
             yield config
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.skinny_gemm", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gemv", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.2-1b")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -83,27 +79,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
         copies = config.num_layers if name != "lm_head" else 2
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
         weight_bytes = weights[0].numel() * weights[0].element_size()
-        for m in args.tokens:
+        for m in (1,):
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             expected = F.linear(x, weights[0])
-            got = skinny_linear(x, weights[0])
+            got = gemv(x, weights[0])
             error = float((got.float() - expected.float()).abs().max())
-            row = {"benchmark": "skinny_gemm", "model": args.model, "projection": name, "n": n, "k": k,
-                   "tokens": m, "weight_mb": round(weight_bytes / 1e6, 1), "max_abs_diff_vs_cublas": error,
+            row = {"benchmark": "gemv", "model": args.model, "projection": name, "n": n, "k": k,
+                   "weight_mb": round(weight_bytes / 1e6, 1), "max_abs_diff_vs_cublas": error,
                    "cublas_us": round(time_us(F.linear, x, weights), 2),
-                   "skinny_us": round(time_us(skinny_linear, x, weights), 2),
-                   "default_config": launch_config(m, n, k)}
+                   "gemv_us": round(time_us(gemv, x, weights), 2),
+                   "default_config": launch_config(n, k)}
             if args.sweep:
                 timings = []
-                for c in configs(m, k):
+                for c in configs(k):
                     try:
-                        timings.append((time_us(lambda a, w: skinny_linear(a, w, config=c), x, weights), c))
+                        timings.append((time_us(lambda a, w: gemv(a, w, config=c), x, weights), c))
                     except Exception as exc:       # e.g. out of shared memory for this tile shape
                         timings.append((float("inf"), {**c, "error": type(exc).__name__}))
                 timings.sort(key=lambda t: t[0])
                 row["best_us"], row["best_config"] = round(timings[0][0], 2), timings[0][1]
                 row["next_best"] = [{"us": round(t, 2), **c} for t, c in timings[1:4]]
-            for key in ("cublas_us", "skinny_us", "best_us"):
+            for key in ("cublas_us", "gemv_us", "best_us"):
                 if key in row:
                     rate = weight_bytes / (row[key] * 1e-6)
                     row[key.replace("_us", "_fraction_of_copy_rate")] = round(rate / copy_rate, 3)

@@ -1,0 +1,132 @@
+"""Linear layers for one-token steps: out = x @ weight^T with x a single row (a GEMV).
+
+At batch 1 a decode step's projections read their weights once and do almost no arithmetic.
+cuBLAS streamed Llama-3.2-1B's qkv, o and down weights at 33-58% of the copy rate on H200 (timed
+back to back in a CUDA graph), and each projection came with a separate norm, activation or
+residual kernel. Here one program owns BLOCK_N output features and walks the whole of K: every
+weight row is read exactly once, there is no split-K reduction, and the products accumulate
+elementwise in float32 and are summed over K once, at the end.
+
+Fusions, each saving a kernel launch and a round trip of the activations:
+- prologue "norm": the operand is RMSNorm(x) * norm_weight. The norm is folded into the one pass
+  over K: the row's sum of squares accumulates beside the product with x * norm_weight, and the
+  result is scaled by rsqrt(mean square + eps) at the end. (A statistics pass before the weights
+  stream stalls every program; the rounding differs from RMSNorm-then-GEMM by activation-dtype
+  ulps, fewer roundings rather than more.)
+- prologue "silu_mul": x is [1, 2K] = gate | up and the operand is silu(gate) * up, rounded as
+  `backend.kernels.activation.silu_and_mul` rounds.
+- epilogue residual: out = round(x @ weight^T + bias) + residual, rounded once more, as torch's
+  add of the two rounded tensors. `out` may be `residual` itself (each program reads and writes
+  only its own columns).
+Launched with programmatic dependent launch where the GPU has it (`backend.kernels.pdl`).
+
+Two to sixteen rows were tried as one 16-row tensor-core dot with the same fusions: on H200 the
+fused prologues in the loop made it 2-3x slower than cuBLAS, so steps of several tokens keep the
+general layers.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+
+NO_PROLOGUE, NORM, SILU_MUL = 0, 1, 2
+
+
+@triton.jit
+def _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE: tl.constexpr):
+    """The float32 operand at columns `k` after the prologue, and its sum of squares (norm)."""
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + k).to(tl.float32)
+    square_sum = 0.0
+    if PROLOGUE == 1:
+        square_sum = tl.sum(x * x, 0)
+        x = x * tl.load(norm_w_ptr + k).to(tl.float32)
+    if PROLOGUE == 2:
+        up = tl.load(x_ptr + K + k).to(tl.float32)
+        activated = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
+        x = (activated * up).to(dtype).to(tl.float32)
+    return x, square_sum
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, N, K, stride_wn, eps,
+    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    if PDL:
+        gdc_wait()
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    cols_in = tl.where(col_ok, cols, 0).to(tl.int64)          # masked columns read row 0
+    ks = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + cols_in[:, None] * stride_wn
+    square_sum = tl.zeros([1], tl.float32)
+    partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        a, tile_squares = _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE)
+        square_sum += tile_squares
+        w = tl.load(w_rows + k[None, :])
+        partial += w.to(tl.float32) * a[None, :]
+    acc = tl.sum(partial, 1)
+    if PDL:
+        gdc_launch_dependents()
+    if PROLOGUE == 1:
+        acc = acc * tl.rsqrt(square_sum / K + eps)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols_in).to(tl.float32)
+    y = acc.to(out_ptr.dtype.element_ty)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + cols, mask=col_ok)
+        y = (y.to(tl.float32) + residual.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + cols, y, mask=col_ok)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `gemv` takes this product: one contiguous row, half precision, K in 64-wide tiles."""
+    return (x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and weight.shape[1] % 64 == 0)
+
+
+def launch_config(n: int, k: int) -> dict:
+    """Tile and launch shape, from `python -m benchmarks.gemv --sweep` on H200 (Llama-3.2-1B
+    shapes, products timed back to back in a CUDA graph): narrow column tiles (4 features) on
+    the 2048-3072-wide projections so 500-800 programs stream the weights, 16 on wider ones."""
+    def widest_k(*choices):
+        return next((b for b in choices if k % b == 0), 64)
+    if n <= 4096:
+        return dict(BLOCK_N=4, BLOCK_K=widest_k(512, 256, 128), num_warps=8, num_stages=4)
+    return dict(BLOCK_N=16, BLOCK_K=widest_k(256, 128), num_warps=8, num_stages=2)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
+         residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         config: dict | None = None) -> torch.Tensor:
+    """x [1, K] (or [1, 2K] with `silu_mul`), weight [N, K] -> [1, N].
+
+    `norm_weight`/`eps`: RMSNorm x first. `silu_mul`: x is gate | up, use silu(gate) * up.
+    `residual` [1, N]: add it to the result (`out=residual` updates it in place).
+    """
+    n, k = weight.shape
+    assert x.shape[0] == 1 and not (silu_mul and norm_weight is not None)
+    assert x.shape[1] == (2 * k if silu_mul else k), (tuple(x.shape), tuple(weight.shape))
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1
+    if out is None:
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    config = {**launch_config(n, k), **(config or {})}
+    assert k % config["BLOCK_K"] == 0, "K must be a multiple of BLOCK_K"
+    assert residual is None or residual.is_contiguous() and out.is_contiguous()
+    prologue = SILU_MUL if silu_mul else NORM if norm_weight is not None else NO_PROLOGUE
+    _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
+        x, weight, bias if bias is not None else weight,
+        norm_weight if norm_weight is not None else weight,
+        residual if residual is not None else out, out, n, k, weight.stride(0), eps,
+        PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        **config, **launch_options(),
+    )
+    return out
