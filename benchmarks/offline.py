@@ -144,7 +144,10 @@ def main(argv: list[str] | None = None) -> dict:
                           max_seq_len=max_seq)
     executor = Executor(config)
     prompts, lengths = make_requests(args.num_requests, args.isl, args.osl, executor.vocab_size, args.seed)
-    run_engine(executor, prompts[:4], [4] * 4)  # warm-up (kernels compile, graphs capture)
+    # Warm-up on other prompts of the same lengths (prefix reuse must not serve the measured ones):
+    # prefill and decode kernels compile for the shapes the run will meet.
+    warm, _ = make_requests(32, args.isl, args.osl, executor.vocab_size, args.seed + 1)
+    run_engine(executor, warm, [3] * len(warm))
     wall = run_engine(executor, prompts, lengths)
     result = {
         "benchmark": "offline", **provenance(executor.runner.device), "model": args.model,
@@ -156,8 +159,11 @@ def main(argv: list[str] | None = None) -> dict:
                    "kv_blocks": executor.runner.num_kv_blocks, "tokens_per_block": executor.runner.tokens_per_block,
                    "preemptions": executor.stats().num_preemptions},
     }
-    if args.profile:
-        result["profile"] = profile_run(executor, prompts, lengths)
+    if args.profile:     # fresh prompts of the same lengths: no prefix reuse from the timed run
+        fresh, _ = make_requests(args.num_requests, args.isl, args.osl, executor.vocab_size, args.seed)
+        rng = random.Random(args.seed + 2)
+        fresh = [[rng.randrange(100, executor.vocab_size - 100) for _ in p] for p in fresh]
+        result["profile"] = profile_run(executor, fresh, lengths)
     device, dtype, model_dir = executor.runner.device, executor.runner.dtype, executor.model_dir
     executor.shutdown()
     del executor

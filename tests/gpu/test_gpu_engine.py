@@ -32,6 +32,45 @@ def serve(model_dir, prompts, params, **config):
         executor.shutdown()
 
 
+def test_one_token_path_is_as_close_to_fp32_as_the_general_path(tmp_path, monkeypatch):
+    """Batch-1 decode steps run the fused one-token kernels (GEMVs with norm / silu·mul /
+    residual fusions, rotary+KV write, programmatic dependent launch) inside a CUDA graph. Its
+    bf16 logits are as close to the fp32 model's as the general layers' bf16 logits are.
+    (First in this file: the engines of later tests size their KV pools from free memory.)"""
+    from backend.model_runner import ModelRunner, SequenceChunk
+    from backend.models.llama import LlamaModel
+    from tests.tiny_models import save_tiny_hf_model
+
+    save_tiny_hf_model(tmp_path, "qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=1000)
+    prompt = random_prompts(1, 1000, seed=2, low=40, high=60)[0]
+    blocks = list(range(8))
+
+    def decode_logits(dtype: str, one_token: bool) -> torch.Tensor:
+        runner = ModelRunner(EngineConfig(model_path=str(tmp_path), device="cuda", dtype=dtype,
+                                          max_batch_size=4, max_seq_len=128, tokens_per_block=16,
+                                          max_tokens_in_paged_kv_cache=4 * 128))
+        with monkeypatch.context() as patch:
+            if not one_token:
+                patch.setattr(LlamaModel, "takes_one_token_path", lambda self, hidden: False)
+            runner.execute([SequenceChunk(prompt, 0, blocks, True)])
+            hidden = torch.zeros(1, 256, dtype=runner.dtype, device="cuda")
+            assert runner.model.model.takes_one_token_path(hidden) == (one_token and dtype == "bfloat16")
+            logits = runner.execute([SequenceChunk([7], len(prompt), blocks, True)]).float().clone()
+        del runner
+        torch.cuda.empty_cache()
+        return logits
+
+    reference = decode_logits("float32", False)
+    general = decode_logits("bfloat16", False)
+    fused = decode_logits("bfloat16", True)
+
+    def error(x):
+        return float((x - reference).norm() / reference.norm())
+    print(f"relative error vs fp32: one-token path {error(fused):.4g}, general path {error(general):.4g}")
+    assert error(fused) < 1.5 * error(general) + 1e-3
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "smollm-shape"])
 def test_random_weight_model_fp32_matches_transformers(kind, tmp_path):
     hf = make_tiny_model(kind, tmp_path).cuda()
@@ -104,41 +143,3 @@ def test_default_model_bf16_logprobs_close_to_transformers(smollm):
           f"transformers bf16 max {max(theirs):.4g} mean {mean(theirs):.4g}")
     assert mean(ours) <= 1.25 * mean(theirs) + 1e-3
     assert max(ours) <= 2 * max(theirs) + 1e-3
-
-
-def test_one_token_path_is_as_close_to_fp32_as_the_general_path(tmp_path, monkeypatch):
-    """Batch-1 decode steps run the fused one-token kernels (GEMVs with norm / silu·mul /
-    residual fusions, rotary+KV write, programmatic dependent launch) inside a CUDA graph. Its
-    bf16 logits are as close to the fp32 model's as the general layers' bf16 logits are."""
-    from backend.model_runner import ModelRunner, SequenceChunk
-    from backend.models.llama import LlamaModel
-    from tests.tiny_models import save_tiny_hf_model
-
-    save_tiny_hf_model(tmp_path, "qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=1000)
-    prompt = random_prompts(1, 1000, seed=2, low=40, high=60)[0]
-    blocks = list(range(8))
-
-    def decode_logits(dtype: str, one_token: bool) -> torch.Tensor:
-        runner = ModelRunner(EngineConfig(model_path=str(tmp_path), device="cuda", dtype=dtype,
-                                          max_batch_size=4, max_seq_len=128, tokens_per_block=16,
-                                          max_tokens_in_paged_kv_cache=4 * 128))
-        with monkeypatch.context() as patch:
-            if not one_token:
-                patch.setattr(LlamaModel, "takes_one_token_path", lambda self, hidden: False)
-            runner.execute([SequenceChunk(prompt, 0, blocks, True)])
-            hidden = torch.zeros(1, 256, dtype=runner.dtype, device="cuda")
-            assert runner.model.model.takes_one_token_path(hidden) == (one_token and dtype == "bfloat16")
-            logits = runner.execute([SequenceChunk([7], len(prompt), blocks, True)]).float().clone()
-        del runner
-        torch.cuda.empty_cache()
-        return logits
-
-    reference = decode_logits("float32", False)
-    general = decode_logits("bfloat16", False)
-    fused = decode_logits("bfloat16", True)
-
-    def error(x):
-        return float((x - reference).norm() / reference.norm())
-    print(f"relative error vs fp32: one-token path {error(fused):.4g}, general path {error(general):.4g}")
-    assert error(fused) < 1.5 * error(general) + 1e-3
