@@ -1,6 +1,11 @@
-"""Triton-language kernels for the model's elementwise/row-wise steps (GPU path).
+"""Triton-language kernels for the model's GPU path (the torch code in backend/models is the
+reference and the CPU path).
 
 - `rmsnorm.rms_norm`: RMSNorm with an optional fused residual add.
-- `rope.apply_rotary_`: rotary embedding of q and k in place, from the float32 cos/sin cache.
+- `rope.apply_rotary_`: rotary embedding of q and k in place, from the float32 cos/sin cache;
+  optionally storing the rotated keys and the values in the paged KV cache in the same pass.
 - `activation.silu_and_mul`: SwiGLU's silu(gate) * up in one pass.
+- `gemv.gemv`: one-token linear layers with RMSNorm / silu·mul prologues and a residual epilogue
+  (the batch-1 decode path, `DecoderLayer.forward_one_token`).
+- `pdl`: programmatic dependent launch for the decode kernel chain (Hopper and later).
 """
