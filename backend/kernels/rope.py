@@ -22,11 +22,11 @@ from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 
 @triton.jit
-def _rotate_heads(ptr, token, stride_t, stride_h, cos, sin, cache_ptr, stride_c_h, cache_ok,
+def _rotate_heads(ptr, token, stride_t, stride_h, cos, sin, cache_ptr, stride_c_h, slot,
                   NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
                   TO_CACHE: tl.constexpr):
-    """Rotate one token's heads in place; with TO_CACHE also store them at `cache_ptr` (where
-    `cache_ok`)."""
+    """Rotate one token's heads in place; with TO_CACHE also store them at `cache_ptr` (unless
+    `slot` < 0, a padded row)."""
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF)[None, :]
     mask = heads < NUM_HEADS
@@ -39,8 +39,9 @@ def _rotate_heads(ptr, token, stride_t, stride_h, cos, sin, cache_ptr, stride_c_
     tl.store(first + HALF, y2, mask=mask)
     if TO_CACHE:
         cached = cache_ptr + heads * stride_c_h + dims
-        tl.store(cached, y1.to(cache_ptr.dtype.element_ty), mask=mask & cache_ok)
-        tl.store(cached + HALF, y2.to(cache_ptr.dtype.element_ty), mask=mask & cache_ok)
+        cache_mask = mask & (slot >= 0)
+        tl.store(cached, y1.to(cache_ptr.dtype.element_ty), mask=cache_mask)
+        tl.store(cached + HALF, y2.to(cache_ptr.dtype.element_ty), mask=cache_mask)
 
 
 @triton.jit
@@ -61,18 +62,17 @@ def _rope_kernel(
     dims = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_sin_ptr + position * stride_cs_pos + dims)
     sin = tl.load(cos_sin_ptr + position * stride_cs_pos + stride_cs_kind + dims)
-    _rotate_heads(q_ptr, token, stride_q_t, stride_q_h, cos, sin, q_ptr, 0, False,
+    _rotate_heads(q_ptr, token, stride_q_t, stride_q_h, cos, sin, q_ptr, 0, -1,
                   NUM_HEADS, HEADS_PAD, HALF, False)
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    slot_ok = slot >= 0
-    slot = tl.where(slot_ok, slot, 0)
-    cache_offset = (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_offset
+    in_cache = tl.where(slot >= 0, slot, 0)
+    cache_offset = (in_cache // BLOCK_SIZE) * stride_c_block + (in_cache % BLOCK_SIZE) * stride_c_offset
     _rotate_heads(k_ptr, token, stride_k_t, stride_k_h, cos, sin, k_cache_ptr + cache_offset,
-                  stride_c_head, slot_ok, NUM_KV_HEADS, KV_HEADS_PAD, HALF, WRITE_KV)
+                  stride_c_head, slot, NUM_KV_HEADS, KV_HEADS_PAD, HALF, WRITE_KV)
     if WRITE_KV:
         heads = tl.arange(0, KV_HEADS_PAD)[:, None]
         full_dims = tl.arange(0, 2 * HALF)[None, :]
-        mask = (heads < NUM_KV_HEADS) & slot_ok
+        mask = (heads < NUM_KV_HEADS) & (slot >= 0)
         value = tl.load(v_ptr + token * stride_v_t + heads * stride_v_h + full_dims, mask=mask)
         tl.store(v_cache_ptr + cache_offset + heads * stride_c_head + full_dims,
                  value.to(v_cache_ptr.dtype.element_ty), mask=mask)
