@@ -38,10 +38,10 @@ def _rotate_heads(ptr, token, stride_t, stride_h, cos, sin, cache_ptr, stride_c_
     tl.store(first, y1, mask=mask)
     tl.store(first + HALF, y2, mask=mask)
     if TO_CACHE:
-        cached = cache_ptr + heads * stride_c_h + dims
-        cache_mask = mask & (slot >= 0)
-        tl.store(cached, y1.to(cache_ptr.dtype.element_ty), mask=cache_mask)
-        tl.store(cached + HALF, y2.to(cache_ptr.dtype.element_ty), mask=cache_mask)
+        if slot >= 0:
+            cached = cache_ptr + heads * stride_c_h + dims
+            tl.store(cached, y1.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(cached + HALF, y2.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -70,12 +70,13 @@ def _rope_kernel(
     _rotate_heads(k_ptr, token, stride_k_t, stride_k_h, cos, sin, k_cache_ptr + cache_offset,
                   stride_c_head, slot, NUM_KV_HEADS, KV_HEADS_PAD, HALF, WRITE_KV)
     if WRITE_KV:
-        heads = tl.arange(0, KV_HEADS_PAD)[:, None]
-        full_dims = tl.arange(0, 2 * HALF)[None, :]
-        mask = (heads < NUM_KV_HEADS) & (slot >= 0)
-        value = tl.load(v_ptr + token * stride_v_t + heads * stride_v_h + full_dims, mask=mask)
-        tl.store(v_cache_ptr + cache_offset + heads * stride_c_head + full_dims,
-                 value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        if slot >= 0:
+            heads = tl.arange(0, KV_HEADS_PAD)[:, None]
+            full_dims = tl.arange(0, 2 * HALF)[None, :]
+            mask = heads < NUM_KV_HEADS
+            value = tl.load(v_ptr + token * stride_v_t + heads * stride_v_h + full_dims, mask=mask)
+            tl.store(v_cache_ptr + cache_offset + heads * stride_c_head + full_dims,
+                     value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,

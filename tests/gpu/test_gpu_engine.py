@@ -3,6 +3,8 @@ CUDA graphs equals transformers token for token in fp32, on a random-weight mode
 default model; in bf16 its log-probs stay within 2e-2 of transformers' fp32 log-probs."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -15,6 +17,15 @@ from tests.hf_reference import hf_greedy
 from tests.tiny_models import TINY, make_tiny_model, random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """Engines size their KV pools from free GPU memory: give it back after each test (an engine
+    that has shut down is only freed once the garbage collector breaks its reference cycles)."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
            "List three colours:", "Once upon a time, in a small village,", "Explain gravity to a child.",
@@ -35,8 +46,7 @@ def serve(model_dir, prompts, params, **config):
 def test_one_token_path_is_as_close_to_fp32_as_the_general_path(tmp_path, monkeypatch):
     """Batch-1 decode steps run the fused one-token kernels (GEMVs with norm / silu·mul /
     residual fusions, rotary+KV write, programmatic dependent launch) inside a CUDA graph. Its
-    bf16 logits are as close to the fp32 model's as the general layers' bf16 logits are.
-    (First in this file: the engines of later tests size their KV pools from free memory.)"""
+    bf16 logits are as close to the fp32 model's as the general layers' bf16 logits are."""
     from backend.model_runner import ModelRunner, SequenceChunk
     from backend.models.llama import LlamaModel
     from tests.tiny_models import save_tiny_hf_model
