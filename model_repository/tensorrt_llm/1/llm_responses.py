@@ -4,6 +4,12 @@ The executor calls `on_output` from its own thread; the call only enqueues. One 
 builds the tensors and sends them, so each request's responses leave in order and the engine loop
 never waits on a response-send round trip. Every request ends with the FINAL flag: after its last
 row finishes, errors and cancellations included.
+
+A request is polled for cancellation only while its FINAL response has not been sent: the final
+send releases the request's response factory in the server, and asking a released factory
+whether it was cancelled crashed tritonserver 2.51 (SIGSEGV in
+TRITONBACKEND_ResponseFactoryIsCancelled, seen once under 32 concurrent streams). The poll and the
+final send take one lock, so they never overlap.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ class LiveRequest:
     requested: frozenset[str]              # empty = every output
     engine_ids: list[str] = field(default_factory=list)
     pending: int = 0
+    closed: bool = False                   # its FINAL response was sent
 
 
 @dataclass
@@ -55,6 +62,7 @@ class ResponseDispatcher:
         self._rows: dict[str, LiveRow] = {}
         self._requests: dict[int, LiveRequest] = {}
         self._lock = threading.Lock()
+        self._final_lock = threading.Lock()        # a cancellation poll vs a FINAL send
         self._ids = itertools.count()
         self._prefix = f"llm-{uuid.uuid4().hex[:8]}-"          # engine ids never look like users'
 
@@ -114,10 +122,13 @@ class ResponseDispatcher:
         with self._lock:
             live = list(self._requests.values())
         for request in live:
-            try:
-                cancelled = request.request.is_cancelled()
-            except Exception:  # the sender is already closed
-                continue
+            with self._final_lock:
+                if request.closed:
+                    continue
+                try:
+                    cancelled = request.request.is_cancelled()
+                except Exception:  # the sender is already closed
+                    continue
             if cancelled:
                 for engine_id in request.engine_ids:
                     self._executor.cancel(engine_id)
@@ -189,8 +200,16 @@ class ResponseDispatcher:
                    if not requested or name in requested]
         return pb_utils.InferenceResponse(output_tensors=outputs)
 
+    def _send(self, live: LiveRequest, response, flags: int) -> None:
+        if flags & FINAL:
+            with self._final_lock:
+                live.closed = True
+                self._send_now(live, response, flags)
+        else:
+            self._send_now(live, response, flags)
+
     @staticmethod
-    def _send(live: LiveRequest, response, flags: int) -> None:
+    def _send_now(live: LiveRequest, response, flags: int) -> None:
         try:
             if response is None:
                 live.sender.send(flags=flags)

@@ -68,11 +68,11 @@ class TritonPythonModel:
         try:
             self.generate(tensors, sender, llm_id)
         except StepError as exc:
-            self.send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), FINAL)
+            self.send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), FINAL, llm_id)
         except Exception as exc:  # never leave a request without its FINAL flag
             pb_utils.Logger.log_error(f"tensorrt_llm_bls: {exc!r}")
             error = pb_utils.TritonError(f"internal error: {exc}")
-            self.send(sender, pb_utils.InferenceResponse(error=error), FINAL)
+            self.send(sender, pb_utils.InferenceResponse(error=error), FINAL, llm_id)
         finally:
             with self.lock:
                 self.live.pop(llm_id, None)
@@ -89,21 +89,27 @@ class TritonPythonModel:
             merged = {**step_tensors, **outputs_of(POST, call(POST, step_tensors))}
             self.send(sender, pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor(name, merged[name]) for name in OUTPUT_NAMES]), 0)
-        self.send(sender, None, FINAL)
+        self.send(sender, None, FINAL, llm_id)
 
     def watch(self) -> None:
-        """Stop the LLM request of every client that went away (streaming or not)."""
+        """Stop the LLM request of every client that went away (streaming or not). A sender is
+        asked only while it is live, under the lock its FINAL send takes: asking after the final
+        response (which releases the response factory) crashed tritonserver 2.51."""
         while not self.stopping.wait(0.1):
             with self.lock:
-                live = list(self.live.items())
-            for llm_id, sender in live:
-                try:
-                    if sender.is_cancelled():
-                        with self.lock:
-                            self.live.pop(llm_id, None)
-                        self.stop(llm_id)
-                except Exception as exc:
-                    pb_utils.Logger.log_warn(f"tensorrt_llm_bls: cancel check failed: {exc!r}")
+                live = list(self.live)
+            for llm_id in live:
+                with self.lock:
+                    sender = self.live.get(llm_id)
+                    try:
+                        cancelled = sender is not None and sender.is_cancelled()
+                    except Exception as exc:
+                        pb_utils.Logger.log_warn(f"tensorrt_llm_bls: cancel check failed: {exc!r}")
+                        cancelled = False
+                    if cancelled:
+                        self.live.pop(llm_id, None)
+                if cancelled:
+                    self.stop(llm_id)
 
     @staticmethod
     def stop(llm_id: str) -> None:
@@ -113,8 +119,17 @@ class TritonPythonModel:
         for _ in request.exec(decoupled=True):
             pass
 
+    def send(self, sender, response, flags: int, llm_id: str | None = None) -> None:
+        """Send one response; a FINAL one leaves `live` first, under the watcher's lock."""
+        if flags & FINAL:
+            with self.lock:
+                self.live.pop(llm_id, None)
+                self._send_now(sender, response, flags)
+        else:
+            self._send_now(sender, response, flags)
+
     @staticmethod
-    def send(sender, response, flags: int) -> None:
+    def _send_now(sender, response, flags: int) -> None:
         try:
             if response is None:
                 sender.send(flags=flags)
