@@ -65,6 +65,32 @@ def configs(k: int):
             yield config
 
 
+def measure(name: str, n: int, k: int, copies: int, sweep: bool, copy_rate: float) -> dict:
+    """One projection: cuBLAS and the GEMV per call, and with `sweep` the fastest configs."""
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
+    weight_bytes = weights[0].numel() * weights[0].element_size()
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    error = float((gemv(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max())
+    row = {"projection": name, "n": n, "k": k, "weight_mb": round(weight_bytes / 1e6, 1),
+           "max_abs_diff_vs_cublas": error, "cublas_us": round(time_us(F.linear, x, weights), 2),
+           "gemv_us": round(time_us(gemv, x, weights), 2), "default_config": launch_config(n, k)}
+    if sweep:
+        timings = []
+        for c in configs(k):
+            try:
+                timings.append((time_us(lambda a, w: gemv(a, w, config=c), x, weights), c))
+            except Exception as exc:       # e.g. out of shared memory for this tile shape
+                timings.append((float("inf"), {**c, "error": type(exc).__name__}))
+        timings.sort(key=lambda t: t[0])
+        row["best_us"], row["best_config"] = round(timings[0][0], 2), timings[0][1]
+        row["next_best"] = [{"us": round(t, 2), **c} for t, c in timings[1:4]]
+    for key in ("cublas_us", "gemv_us", "best_us"):
+        if key in row:
+            rate = weight_bytes / (row[key] * 1e-6)
+            row[key.replace("_us", "_fraction_of_copy_rate")] = round(rate / copy_rate, 3)
+    return row
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gemv", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.2-1b")
@@ -77,36 +103,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     for name, (n, k) in projection_shapes(config).items():
         copies = config.num_layers if name != "lm_head" else 2
-        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
-        weight_bytes = weights[0].numel() * weights[0].element_size()
-        for m in (1,):
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            expected = F.linear(x, weights[0])
-            got = gemv(x, weights[0])
-            error = float((got.float() - expected.float()).abs().max())
-            row = {"benchmark": "gemv", "model": args.model, "projection": name, "n": n, "k": k,
-                   "weight_mb": round(weight_bytes / 1e6, 1), "max_abs_diff_vs_cublas": error,
-                   "cublas_us": round(time_us(F.linear, x, weights), 2),
-                   "gemv_us": round(time_us(gemv, x, weights), 2),
-                   "default_config": launch_config(n, k)}
-            if args.sweep:
-                timings = []
-                for c in configs(k):
-                    try:
-                        timings.append((time_us(lambda a, w: gemv(a, w, config=c), x, weights), c))
-                    except Exception as exc:       # e.g. out of shared memory for this tile shape
-                        timings.append((float("inf"), {**c, "error": type(exc).__name__}))
-                timings.sort(key=lambda t: t[0])
-                row["best_us"], row["best_config"] = round(timings[0][0], 2), timings[0][1]
-                row["next_best"] = [{"us": round(t, 2), **c} for t, c in timings[1:4]]
-            for key in ("cublas_us", "gemv_us", "best_us"):
-                if key in row:
-                    rate = weight_bytes / (row[key] * 1e-6)
-                    row[key.replace("_us", "_fraction_of_copy_rate")] = round(rate / copy_rate, 3)
-            results.append(row)
-            print(json.dumps(row), flush=True)
-            save_json(args.json, {**provenance(device), "copy_rate_tb_s": round(copy_rate / 1e12, 3),
-                                  "rows": results})        # after every row: a cut-off run keeps its rows
+        row = {"benchmark": "gemv", "model": args.model,
+               **measure(name, n, k, copies, args.sweep, copy_rate)}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        save_json(args.json, {**provenance(device), "copy_rate_tb_s": round(copy_rate / 1e12, 3),
+                              "rows": results})        # after every row: a cut-off run keeps its rows
     return results
 
 
