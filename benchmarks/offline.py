@@ -29,18 +29,22 @@ def parse_range(text: str) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
+def random_ids(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab - 100) for _ in range(length)]
+
+
 def make_requests(num: int, isl: tuple[int, int], osl: tuple[int, int], vocab: int, seed: int):
     rng = random.Random(seed)
     prompts, lengths = [], []
     for _ in range(num):
-        prompts.append([rng.randrange(100, vocab - 100) for _ in range(rng.randint(*isl))])
+        prompts.append(random_ids(rng, rng.randint(*isl), vocab))
         lengths.append(rng.randint(*osl))
     return prompts, lengths
 
 
 def same_lengths_other_ids(prompts, vocab: int, seed: int):
     rng = random.Random(seed)
-    return [[rng.randrange(100, vocab - 100) for _ in p] for p in prompts]
+    return [random_ids(rng, len(p), vocab) for p in prompts]
 
 
 def run_engine(executor: Executor, prompts, lengths) -> float:

@@ -114,16 +114,11 @@ class Rotation:
     def __init__(self, positions, cos_sin, cos, sin):
         self.positions, self.cos_sin, self.cos, self.sin = positions, cos_sin, cos, sin
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor):
-        if self.cos_sin is not None:
-            return fused_rope(q, k, self.cos_sin, self.positions)
-        return apply_rotary(q, k, self.cos, self.sin)
-
     def rotate_and_write_kv(self, q, k, v, k_cache, v_cache, slot_mapping, write_kv) -> torch.Tensor:
         """-> rotated q; the rotated k and v are in the cache afterwards."""
-        if self.cos_sin is not None and k_cache.is_cuda:
+        if self.cos_sin is not None:
             fused_rope(q, k, self.cos_sin, self.positions, (v, k_cache, v_cache, slot_mapping))
             return q
-        q, k = self(q, k)
+        q, k = apply_rotary(q, k, self.cos, self.sin)
         write_kv(k, v, k_cache, v_cache, slot_mapping)
         return q
