@@ -55,25 +55,34 @@ def _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE: tl.constexpr):
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, N, K, stride_wn, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
 ):
-    if PDL:
-        gdc_wait()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     cols_in = tl.where(col_ok, cols, 0).to(tl.int64)          # masked columns read row 0
-    ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols_in[:, None] * stride_wn
+    if PDL and EARLY_LAUNCH:
+        gdc_launch_dependents()
+    if PREFETCH_K > 0:      # the weights are never written by a kernel: read them before waiting
+        w_first = tl.load(w_rows + tl.arange(0, PREFETCH_K)[None, :])
+    if PDL:
+        gdc_wait()
     square_sum = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    if PREFETCH_K > 0:
+        a_first, first_squares = _operand_tile(x_ptr, norm_w_ptr, tl.arange(0, PREFETCH_K), K, PROLOGUE)
+        square_sum += first_squares
+        acc += tl.sum(w_first.to(tl.float32) * a_first[None, :], 1)
+    ks = tl.arange(0, BLOCK_K)
     partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(PREFETCH_K, K, BLOCK_K):
         k = k0 + ks
         a, tile_squares = _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE)
         square_sum += tile_squares
         w = tl.load(w_rows + k[None, :])
         partial += w.to(tl.float32) * a[None, :]
-    acc = tl.sum(partial, 1)
-    if PDL:
+    acc += tl.sum(partial, 1)
+    if PDL and not EARLY_LAUNCH:
         gdc_launch_dependents()
     if PROLOGUE == 1:
         acc = acc * tl.rsqrt(square_sum / K + eps)
@@ -93,14 +102,33 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def launch_config(n: int, k: int) -> dict:
-    """Tile and launch shape, from `python -m benchmarks.gemv --sweep` on H200 (Llama-3.2-1B
-    shapes, products timed back to back in a CUDA graph): narrow column tiles (4 features) on
-    the 2048-3072-wide projections so 500-800 programs stream the weights, 16 on wider ones."""
+    """Tile and launch shape, from a sweep on H200 of one decode step's whole chain of products
+    (Llama-3.2-1B shapes: qkv, o, gate_up, down per layer, then lm_head, in one CUDA graph).
+
+    What made the chain fastest (889 -> 755 us against a 579 us copy-rate floor):
+    - each program reads its first PREFETCH_K weight columns before it waits for the previous
+      kernel, so with programmatic dependent launch the weights stream while the previous kernel
+      finishes; with K <= 2048 that is the whole row (at most 128 values a thread held);
+    - EARLY_LAUNCH: let the next kernel start as soon as this one starts, except after the long-K
+      down projection, where it was slower;
+    - narrow tiles (4 features, 4 warps) on hidden-sized K; the vocabulary-wide lm_head keeps
+      16-feature tiles and a short prefetch.
+    """
     def widest_k(*choices):
         return next((b for b in choices if k % b == 0), 64)
-    if n <= 4096:
-        return dict(BLOCK_N=4, BLOCK_K=widest_k(512, 256, 128), num_warps=8, num_stages=4)
-    return dict(BLOCK_N=16, BLOCK_K=widest_k(256, 128), num_warps=8, num_stages=2)
+    if n > 32768:
+        config = dict(BLOCK_N=16, BLOCK_K=widest_k(256, 128), num_warps=8, num_stages=2, EARLY_LAUNCH=True)
+        prefetch = 512
+    elif k <= 2048:
+        config = dict(BLOCK_N=4, BLOCK_K=widest_k(512, 256, 128), num_warps=4, num_stages=4, EARLY_LAUNCH=True)
+        prefetch = k
+    else:
+        config = dict(BLOCK_N=8, BLOCK_K=widest_k(512, 256, 128), num_warps=8, num_stages=2, EARLY_LAUNCH=False)
+        prefetch = 4096
+    held = 128 * 32 * config["num_warps"] // config["BLOCK_N"]    # at most 128 values a thread
+    prefetch = 1 << (min(prefetch, k, held).bit_length() - 1)    # a power of two ...
+    config["PREFETCH_K"] = prefetch if prefetch >= config["BLOCK_K"] else 0   # ... of whole tiles
+    return config
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -119,7 +147,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     config = {**launch_config(n, k), **(config or {})}
-    assert k % config["BLOCK_K"] == 0, "K must be a multiple of BLOCK_K"
+    prefetch = config["PREFETCH_K"]
+    assert k % config["BLOCK_K"] == 0 and prefetch <= k and prefetch % config["BLOCK_K"] == 0, (k, config)
+    assert prefetch & (prefetch - 1) == 0, "PREFETCH_K must be 0 or a power of two"
     assert residual is None or residual.is_contiguous() and out.is_contiguous()
     prologue = SILU_MUL if silu_mul else NORM if norm_weight is not None else NO_PROLOGUE
     _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](

@@ -1,4 +1,4 @@
-"""Triton RMSNorm (+ residual) and rotary-embedding kernels against the model's torch code."""
+"""Triton RMSNorm (+ residual), rotary-embedding, activation and argmax kernels against torch."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +10,7 @@ from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # no
 pytest.importorskip("triton")
 
 from backend.kernels.activation import silu_and_mul  # noqa: E402
+from backend.kernels.argmax import CHUNK, argmax_rows  # noqa: E402
 from backend.kernels.rmsnorm import rms_norm  # noqa: E402
 from backend.kernels.rope import apply_rotary_  # noqa: E402
 from backend.model_config import RopeConfig  # noqa: E402
@@ -114,3 +115,16 @@ def test_rotary_with_kv_write_stores_rotated_keys_and_values_at_their_slots():
     written = set(s for s in slots.tolist() if s >= 0)
     untouched = [s for s in range(flat_k.shape[0]) if s not in written]
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+def test_argmax_matches_torch_with_ties_inside_and_across_chunks():
+    torch.manual_seed(5)
+    vocab = 2 * CHUNK + 1000                           # three chunks, the last one partial
+    logits = torch.randn(5, vocab, device=DEVICE)
+    logits[1, [7, CHUNK + 3, 2 * CHUNK + 9]] = 50.0    # equal maxima in three chunks: first wins
+    logits[2, [CHUNK + 10, CHUNK + 11]] = 50.0          # equal maxima in one chunk
+    logits[3, :] = float("-inf")                      # nothing allowed: index 0, as torch
+    logits[4, -1] = 50.0                              # the very last column
+    wide = torch.randn(2, vocab + 64, device=DEVICE)[:, 64:]  # rows with a stride, not contiguous
+    for x in (logits, wide, logits[:1]):
+        torch.testing.assert_close(argmax_rows(x).cpu(), x.argmax(dim=-1).cpu(), rtol=0, atol=0)

@@ -37,6 +37,10 @@ def test_plain_product_with_bias(dtype, n, k):
     _close(gemv(x, weight, bias), F.linear(x.float(), weight.float(), bias.float()).to(dtype), dtype)
     wide = dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2)
     _close(gemv(x, weight, bias, config=wide), F.linear(x.float(), weight.float(), bias.float()).to(dtype), dtype)
+    for prefetch in {64, 1 << (k.bit_length() - 1)}:    # read before the loop: part of K, or all
+        prefetched = dict(wide, PREFETCH_K=prefetch)
+        _close(gemv(x, weight, bias, config=prefetched),
+               F.linear(x.float(), weight.float(), bias.float()).to(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -51,6 +55,8 @@ def test_norm_prologue_matches_rms_norm_module(dtype):
     weight = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(dtype)
     expected = F.linear(norm(x).float(), weight.float()).to(dtype)
     _close(gemv(x, weight, norm_weight=norm.weight.detach(), eps=1e-5), expected, dtype)
+    prefetched = dict(BLOCK_N=8, BLOCK_K=64, PREFETCH_K=64)       # the norm's sum spans both parts
+    _close(gemv(x, weight, norm_weight=norm.weight.detach(), eps=1e-5, config=prefetched), expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -64,7 +70,9 @@ def test_silu_mul_prologue_and_in_place_residual(dtype):
     activated = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
     expected = (F.linear(activated.float(), weight.float()).to(dtype).float() + residual.float()).to(dtype)
     before = residual.clone()
-    got = gemv(gate_up, weight, silu_mul=True, residual=residual, out=residual)
+    got = gemv(gate_up, weight, silu_mul=True, residual=residual.clone())
+    _close(got, expected, dtype)
+    got = gemv(gate_up, weight, silu_mul=True, residual=residual, out=residual, config=dict(PREFETCH_K=k))
     assert got.data_ptr() == residual.data_ptr()
     _close(got, expected, dtype)
     assert not torch.equal(residual, before)
