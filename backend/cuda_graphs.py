@@ -2,8 +2,9 @@
 
 A decode step launches a few hundred small kernels; at small batch sizes launching them from
 Python costs more than running them. So decode-only steps (every request computes one token) are
-captured once per padded batch size and replayed: the step's inputs are copied into static
-buffers, the graph runs forward + logits, and the first `n` logit rows are the answer.
+captured once per padded batch size and replayed: the step's inputs are copied from the host
+straight into the graph's input buffer (`stage`), the graph runs forward + logits, and the first
+`n` logit rows are the answer.
 
 Padded rows have slot -1 (the KV write skips them) and context length 0 (attention writes zeros
 for them); their logits are computed and ignored. The attention kernels size their grids from the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from backend.attention.metadata import AttentionMetadata
@@ -36,17 +38,31 @@ class DecodeGraphs:
         self.max_seq_len = max_seq_len
         self.sizes = capture_sizes(max_batch_size)
         n, blocks = max_batch_size, -(-max_seq_len // tokens_per_block)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        # Every per-step input lives in one device buffer, so that a step's inputs arrive in one
+        # host-to-device copy (`stage`): separate small device-to-device copies into the graph's
+        # inputs cost ~12 us of GPU time each on H200, 6% of a batch-1 step of Llama-3.2-1B.
+        # The block table comes last: a step copies only its own rows of it.
+        fields = [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)),
+                  ("slot_mapping", torch.int64, (n,)), ("fill_rows", torch.int64, (n,)),
+                  ("fill_src", torch.int64, (n,)), ("seq_lens", torch.int32, (n,)),
+                  ("block_tables", torch.int32, (n, blocks))]
+        sizes = [_nbytes(dtype, shape) for _, dtype, shape in fields]
+        self.offsets = {name: sum(sizes[:i]) for i, (name, _, _) in enumerate(fields)}
+        self.buffer = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+        for (name, dtype, shape), size in zip(fields, sizes):
+            start = self.offsets[name]
+            setattr(self, name, self.buffer[start:start + size].view(dtype).view(shape))
+        self.slot_mapping.fill_(-1)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, blocks, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
     def max_batch_size(self) -> int:
         return self.sizes[-1]
+
+    def size_for(self, n: int) -> int:
+        """The padded batch size (captured graph) that runs n rows."""
+        return next(s for s in self.sizes if s >= n)
 
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -76,18 +92,53 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Replay the smallest graph that fits; returns float32 logits [n, vocab]."""
-        n = input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= n)
-        graph, logits = self.graphs[size]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
-        if size > n:
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].zero_()
+    def stage(self, staging, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+              seq_lens: np.ndarray, block_tables: np.ndarray, fill_rows: np.ndarray,
+              fill_src: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Copy one decode step of n rows into the graph's inputs through `staging` (a
+        `StagingBuffer`), padded to the graph size: padded rows get slot -1 (the KV write skips
+        them) and context length 0 (attention writes zeros for them); their logits are ignored.
+        `fill_rows`/`fill_src`: rows whose input id is the previous step's sampled id at
+        `fill_src` (written by `fill`). Returns the input ids, positions and metadata, as views."""
+        n, size = len(input_ids), self.size_for(len(input_ids))
+
+        def padded(a: np.ndarray, value: int, dtype) -> np.ndarray:
+            out = np.full((size,) + a.shape[1:], value, dtype=dtype)
+            out[:n] = a
+            return out
+
+        table = np.zeros((size, self.block_tables.shape[1]), dtype=np.int32)
+        table[:n, :block_tables.shape[1]] = block_tables
+        placed = [(self.offsets["input_ids"], padded(input_ids, 0, np.int64)),
+                  (self.offsets["positions"], padded(positions, 0, np.int64)),
+                  (self.offsets["slot_mapping"], padded(slots, -1, np.int64)),
+                  (self.offsets["seq_lens"], padded(seq_lens, 0, np.int32)),
+                  (self.offsets["block_tables"], table)]
+        if len(fill_rows):
+            placed += [(self.offsets["fill_rows"], fill_rows.astype(np.int64)),
+                       (self.offsets["fill_src"], fill_src.astype(np.int64))]
+        staging.to_device_at(placed, self.buffer)
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[:n + 1],
+            seq_lens=self.seq_lens[:n], block_tables=self.block_tables[:n, :block_tables.shape[1]],
+            max_query_len=1, max_seq_len=int(seq_lens.max()), query_lens_cpu=[1] * n,
+            seq_lens_cpu=seq_lens.tolist())
+        return self.input_ids[:n], self.positions[:n], meta
+
+    def fill(self, count: int, prev_sampled: torch.Tensor) -> None:
+        """Input ids of the staged fill rows from the previous step's sampled ids, on the device."""
+        self.input_ids[self.fill_rows[:count]] = prev_sampled[self.fill_src[:count]]
+
+    def replay(self, n: int) -> torch.Tensor:
+        """Run the staged step (n rows) in the smallest graph that fits; float32 logits [n, vocab]."""
+        graph, logits = self.graphs[self.size_for(n)]
         graph.replay()
         return logits[:n]
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a field, rounded up to 16 so that every field starts aligned."""
+    count = 1
+    for dim in shape:
+        count *= dim
+    return -(-count * torch.empty(0, dtype=dtype).element_size() // 16) * 16

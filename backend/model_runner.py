@@ -57,6 +57,7 @@ class StepInputs:
     positions: torch.Tensor       # [T] int64
     attn_meta: AttentionMetadata
     logits_indices: torch.Tensor  # [N] int64, rows of the last token of each needs_logits chunk
+    in_graph: bool = False        # staged in the decode CUDA graph's inputs: replay it
 
 
 def pick_device(name: str) -> torch.device:
@@ -119,9 +120,8 @@ class ModelRunner:
         inputs = self.prepare(chunks, prev_sampled)
         with torch.inference_mode():
             graphs = self.decode_graphs
-            if (graphs is not None and inputs.attn_meta.is_decode_only and len(chunks) <= graphs.max_batch_size
-                    and all(c.needs_logits for c in chunks)):
-                return graphs.run(inputs.input_ids, inputs.positions, inputs.attn_meta)
+            if inputs.in_graph:
+                return graphs.replay(len(chunks))
             hidden = self._run_model(inputs)
             return self.model.compute_logits(hidden[inputs.logits_indices])
 
@@ -183,14 +183,24 @@ class ModelRunner:
         wants_logits = np.fromiter(map(_needs_logits, chunks), dtype=bool, count=n)
         logits_indices = (query_start_loc[1:] - 1)[wants_logits]
 
-        arrays = [input_ids, positions, slots, query_start_loc.astype(np.int32), seq_lens.astype(np.int32),
-                  block_tables.astype(np.int32), logits_indices]
         prev_rows = np.fromiter(map(_prev_row, chunks), dtype=np.int64, count=n)
         from_prev = prev_rows >= 0
-        if from_prev.any():
-            if prev_sampled is None:
-                raise ValueError("chunks read the previous step's sampled ids but none were given")
-            arrays += [(query_start_loc[1:] - 1)[from_prev], prev_rows[from_prev]]
+        fill_rows, fill_src = (query_start_loc[1:] - 1)[from_prev], prev_rows[from_prev]
+        if fill_rows.size and prev_sampled is None:
+            raise ValueError("chunks read the previous step's sampled ids but none were given")
+        graphs = self.decode_graphs
+        if (graphs is not None and total == n and n <= graphs.max_batch_size and wants_logits.all()):
+            staging = self._next_staging()
+            ids_d, pos_d, meta = graphs.stage(staging, input_ids, positions, slots, seq_lens, block_tables,
+                                              fill_rows, fill_src)
+            self._staged(staging)
+            if fill_rows.size:
+                graphs.fill(fill_rows.size, prev_sampled)
+            return StepInputs(ids_d, pos_d, meta, graphs.query_start_loc[:n], in_graph=True)
+        arrays = [input_ids, positions, slots, query_start_loc.astype(np.int32), seq_lens.astype(np.int32),
+                  block_tables.astype(np.int32), logits_indices]
+        if fill_rows.size:
+            arrays += [fill_rows, fill_src]
         ids_d, pos_d, slots_d, qsl_d, seq_d, bt_d, li_d, *fill = self._to_device(arrays)
         if fill:    # placeholders take their values from the previous step, on the device
             ids_d[fill[0]] = prev_sampled[fill[1]]
@@ -202,16 +212,26 @@ class ModelRunner:
         return StepInputs(ids_d, pos_d, meta, li_d)
 
     def _to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        staging = self._next_staging()
+        tensors = staging.to_device(arrays)
+        self._staged(staging)
+        return tensors
+
+    def _next_staging(self) -> StagingBuffer:
+        """The staging buffer whose turn it is, once its previous copy is done."""
         turn = self._num_prepared % 2
-        self._num_prepared += 1
         done = self._staging_done[turn]
         if done is not None:
             done.synchronize()
-        tensors = self._staging[turn].to_device(arrays)
+        return self._staging[turn]
+
+    def _staged(self, staging: StagingBuffer) -> None:
+        """Mark `staging`'s copy as queued: it may be refilled once the device has done it."""
+        turn = self._num_prepared % 2
+        self._num_prepared += 1
         if self.device.type == "cuda":
-            done = self._staging_done[turn] = done or torch.cuda.Event()
+            done = self._staging_done[turn] = self._staging_done[turn] or torch.cuda.Event()
             done.record()
-        return tensors
 
     # ---- sizing ------------------------------------------------------------------------------
     def _pick_max_seq_len(self) -> int:

@@ -7,5 +7,8 @@ reference and the CPU path).
 - `activation.silu_and_mul`: SwiGLU's silu(gate) * up in one pass.
 - `gemv.gemv`: one-token linear layers with RMSNorm / silu·mul prologues and a residual epilogue
   (the batch-1 decode path, `DecoderLayer.forward_one_token`).
+- `qkv_rope.qkv_rope_gemv`: that path's qkv projection with rotary and the KV-cache write in its
+  epilogue.
+- `argmax.argmax_rows`: row-wise argmax for greedy sampling on GPU.
 - `pdl`: programmatic dependent launch for the decode kernel chain (Hopper and later).
 """

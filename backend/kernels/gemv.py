@@ -52,15 +52,13 @@ def _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, N, K, stride_wn, eps,
-    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
-):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    cols_in = tl.where(col_ok, cols, 0).to(tl.int64)          # masked columns read row 0
-    w_rows = w_ptr + cols_in[:, None] * stride_wn
+def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps,
+                    PROLOGUE: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr):
+    """float32 [BLOCK_N]: weight rows `rows` (int64) dotted with the operand over all of K, the
+    norm's scale applied. Waits for the previous kernel (PDL) after reading the first PREFETCH_K
+    weight columns, and lets the next one launch early (EARLY_LAUNCH) or after the loop."""
+    w_rows = w_ptr + rows[:, None] * stride_wn
     if PDL and EARLY_LAUNCH:
         gdc_launch_dependents()
     if PREFETCH_K > 0:      # the weights are never written by a kernel: read them before waiting
@@ -86,6 +84,20 @@ def _gemv_kernel(
         gdc_launch_dependents()
     if PROLOGUE == 1:
         acc = acc * tl.rsqrt(square_sum / K + eps)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, N, K, stride_wn, eps,
+    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    cols_in = tl.where(col_ok, cols, 0).to(tl.int64)          # masked columns read row 0
+    acc = stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, cols_in, K, stride_wn, eps, PROLOGUE, PDL,
+                          BLOCK_N, BLOCK_K, PREFETCH_K, EARLY_LAUNCH)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)
     y = acc.to(out_ptr.dtype.element_ty)
@@ -131,6 +143,15 @@ def launch_config(n: int, k: int) -> dict:
     return config
 
 
+def checked_config(n: int, k: int, overrides: dict | None) -> dict:
+    """`launch_config(n, k)` with `overrides` applied, checked against K."""
+    config = {**launch_config(n, k), **(overrides or {})}
+    prefetch = config["PREFETCH_K"]
+    assert k % config["BLOCK_K"] == 0 and prefetch <= k and prefetch % config["BLOCK_K"] == 0, (k, config)
+    assert prefetch & (prefetch - 1) == 0, "PREFETCH_K must be 0 or a power of two"
+    return config
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
          residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -146,10 +167,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    config = {**launch_config(n, k), **(config or {})}
-    prefetch = config["PREFETCH_K"]
-    assert k % config["BLOCK_K"] == 0 and prefetch <= k and prefetch % config["BLOCK_K"] == 0, (k, config)
-    assert prefetch & (prefetch - 1) == 0, "PREFETCH_K must be 0 or a power of two"
+    config = checked_config(n, k, config)
     assert residual is None or residual.is_contiguous() and out.is_contiguous()
     prologue = SILU_MUL if silu_mul else NORM if norm_weight is not None else NO_PROLOGUE
     _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](

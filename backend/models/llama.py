@@ -23,10 +23,11 @@ from backend.models.rotary import RotaryEmbedding
 
 try:  # the fused GPU kernels; CPU-only installs without Triton use the torch path
     from backend.kernels import gemv as one_token
+    from backend.kernels.qkv_rope import qkv_rope_gemv
     from backend.kernels.activation import silu_and_mul as fused_silu_and_mul
     from backend.kernels.rmsnorm import rms_norm as fused_rms_norm
 except ImportError:
-    fused_rms_norm = fused_silu_and_mul = one_token = None
+    fused_rms_norm = fused_silu_and_mul = one_token = qkv_rope_gemv = None
 
 
 # The one-token path pays where per-kernel latency dominates the weight reads. On H200 it took the
@@ -101,8 +102,24 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q = rotation.rotate_and_write_kv(q, k, v, k_cache, v_cache, meta.slot_mapping,
                                          self.attention.write_kv)
+        return self.attend_rotated(q, k_cache, v_cache, meta)
+
+    def attend_rotated(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of rotated queries [T, heads, D] over the cache, which already holds the new
+        keys and values -> [T, q_size]."""
         out = self.attention.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return out.reshape(-1, self.q_size)
+
+    def qkv_one_token(self, stream: torch.Tensor, norm: "RMSNorm", rotation, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One token's rotated queries [1, heads, D] from the residual stream: RMSNorm, projection,
+        rotary and the KV-cache write in one kernel (`backend.kernels.qkv_rope`)."""
+        qkv = qkv_rope_gemv(stream, self.qkv_proj.weight, self.qkv_proj.bias, num_heads=self.num_heads,
+                            num_kv_heads=self.num_kv_heads, cos_sin=rotation.cos_sin,
+                            positions=rotation.positions, k_cache=k_cache, v_cache=v_cache,
+                            slot_mapping=meta.slot_mapping, norm_weight=norm.weight, eps=norm.eps)
+        return qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
 
 
 class MLP(nn.Module):
@@ -142,13 +159,13 @@ class DecoderLayer(nn.Module):
 
     def forward_one_token(self, stream, rotation, k_cache, v_cache, meta):
         """The same layer for one-token steps (GPU, bf16/fp16) in four fused weight-streaming
-        GEMVs (`backend.kernels.gemv`) plus rotary+KV write and attention. `stream` [1, hidden] is
-        the residual stream itself, updated in place: the norms run in the qkv and gate_up
-        projections' prologues, the residual adds in the o and down projections' epilogues."""
+        GEMVs (`backend.kernels.gemv`, `backend.kernels.qkv_rope`) and attention. `stream`
+        [1, hidden] is the residual stream itself, updated in place: the norms run in the qkv and
+        gate_up projections' prologues, rotary and the KV write in the qkv projection's epilogue,
+        the residual adds in the o and down projections' epilogues."""
         attn, mlp, linear = self.self_attn, self.mlp, one_token.gemv
-        qkv = linear(stream, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                     norm_weight=self.input_layernorm.weight, eps=self.input_layernorm.eps)
-        out = attn.attend(qkv, rotation, k_cache, v_cache, meta)
+        q = attn.qkv_one_token(stream, self.input_layernorm, rotation, k_cache, v_cache, meta)
+        out = attn.attend_rotated(q, k_cache, v_cache, meta)
         linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=stream, out=stream)
         gate_up = linear(stream, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
                          eps=self.post_attention_layernorm.eps)
@@ -182,9 +199,10 @@ class LlamaModel(nn.Module):
     def takes_one_token_path(self, hidden: torch.Tensor) -> bool:
         """Whether this step runs `DecoderLayer.forward_one_token`: on GPU, in bf16/fp16, one
         token (a batch-1 decode step), a hidden size up to ONE_TOKEN_MAX_HIDDEN, projection widths
-        the kernel tiles (multiples of 64)."""
+        the kernel tiles (multiples of 64), a power-of-two head size (the fused rotary's)."""
+        head_dim = self.rotary.head_dim
         if (one_token is None or not hidden.is_cuda or not self.layers
-                or hidden.shape[-1] > ONE_TOKEN_MAX_HIDDEN):
+                or hidden.shape[-1] > ONE_TOKEN_MAX_HIDDEN or head_dim & (head_dim - 1)):
             return False
         layer = self.layers[0]
         return all(one_token.supports(hidden, w) for w in (

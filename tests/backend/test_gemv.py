@@ -94,6 +94,7 @@ def test_one_token_layers_match_the_general_layers(model_type):
     from backend.attention import AttentionMetadata, get_attention_backend
     from backend.model_config import ModelConfig
     from backend.model_loader import build_model, init_random_weights
+    from backend.models.rotary import Rotation
 
     config = ModelConfig.from_dict({
         "model_type": model_type, "vocab_size": 300, "hidden_size": 128, "intermediate_size": 192,
@@ -118,11 +119,53 @@ def test_one_token_layers_match_the_general_layers(model_type):
     with torch.inference_mode():
         hidden = model.model.embed_tokens(input_ids)
         rotation = rotary.rotator(positions, hidden.dtype)
+        fused_rotation = Rotation(positions, rotary.cos_sin, None, None)   # what CUDA steps get
         general, residual = hidden, None
         fused = hidden.clone()
         for i, layer in enumerate(layers):
             general, residual = layer(general, residual, rotation, caches[0][i, 0], caches[0][i, 1], meta)
-            fused = layer.forward_one_token(fused, rotation, caches[1][i, 0], caches[1][i, 1], meta)
+            fused = layer.forward_one_token(fused, fused_rotation, caches[1][i, 0], caches[1][i, 1], meta)
             _close(fused, general + residual, torch.float16)
             torch.testing.assert_close(caches[1][i], caches[0][i], atol=2e-3, rtol=2e-3)
             general, residual = fused.clone(), None     # same input to the next layer for both
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_n", [(4, 2, 32, 4), (6, 2, 64, 8), (2, 2, 16, 2)])
+@pytest.mark.parametrize("slot", [11, -1])        # -1: a padded row, nothing written to the cache
+def test_qkv_rope_matches_norm_projection_rotary_and_cache_write(num_heads, num_kv_heads, head_dim, block_n, slot):
+    from backend.kernels.qkv_rope import qkv_rope_gemv
+    from backend.model_config import RopeConfig
+    from backend.models.rotary import RotaryEmbedding, apply_rotary
+
+    torch.manual_seed(6)
+    dtype, hidden, position = torch.float16, 128, 9
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    x = torch.randn(1, hidden, device=DEVICE).to(dtype)
+    norm = RMSNorm(hidden, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    norm = norm.to(dtype)
+    weight = (torch.randn(q_size + 2 * kv_size, hidden, device=DEVICE) / hidden ** 0.5).to(dtype)
+    bias = torch.randn(q_size + 2 * kv_size, device=DEVICE).to(dtype)
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 64, 64).to(DEVICE)
+    k_cache = torch.zeros(3, 8, num_kv_heads, head_dim, device=DEVICE, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    positions = torch.tensor([position], device=DEVICE)
+    slots = torch.tensor([slot], device=DEVICE)
+
+    got = qkv_rope_gemv(x, weight, bias, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                        cos_sin=rotary.cos_sin, positions=positions, k_cache=k_cache, v_cache=v_cache,
+                        slot_mapping=slots, norm_weight=norm.weight.detach(), eps=1e-5,
+                        config=dict(BLOCK_N=block_n, BLOCK_K=64))
+
+    qkv = F.linear(norm(x).float(), weight.float(), bias.float()).to(dtype)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    cos, sin = rotary.cos_sin[positions, 0, None, :], rotary.cos_sin[positions, 1, None, :]
+    q, k = apply_rotary(q.view(1, num_heads, head_dim).float(), k.view(1, num_kv_heads, head_dim).float(), cos, sin)
+    _close(got, torch.cat([q.reshape(1, -1), k.reshape(1, -1), v.float()], dim=-1).to(dtype), dtype)
+    if slot < 0:
+        assert not k_cache.any() and not v_cache.any()
+    else:
+        _close(k_cache[slot // 8, slot % 8], got[0, q_size:q_size + kv_size].view(num_kv_heads, head_dim), dtype)
+        _close(v_cache[slot // 8, slot % 8], got[0, q_size + kv_size:].view(num_kv_heads, head_dim), dtype)
+        assert k_cache.count_nonzero() == k_cache[slot // 8, slot % 8].count_nonzero()   # nowhere else

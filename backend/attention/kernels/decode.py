@@ -75,14 +75,14 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:
-        gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq_len = tl.load(seq_lens_ptr + seq)
-    row = tl.load(query_start_ptr + seq).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq)             # step inputs, which no kernel writes: read
+    row = tl.load(query_start_ptr + seq).to(tl.int64)  # them before waiting for the previous kernel
+    if PDL:
+        gdc_wait()
     num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
     tiles_per_split = (num_tiles + num_splits - 1) // num_splits
     tile_lo = split * tiles_per_split

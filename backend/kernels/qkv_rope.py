@@ -1,0 +1,102 @@
+"""The one-token qkv projection with rotary embedding and the KV-cache write in its epilogue.
+
+At batch 1 the rotary kernel between the qkv projection and attention is one more launch per
+layer for 4 KB of data. Here the projection (`backend.kernels.gemv`'s weight-streaming dot, with
+the input RMSNorm as its prologue) computes each program's features in rotary pairs: a program of
+BLOCK_N features of a query or key head owns BLOCK_N / 2 dims of the head's first half and the
+same dims of its second half, so it can rotate them itself ("rotate half", as
+`backend.kernels.rope`), with the cos/sin of the token's position from the float32 cache. Value
+heads are taken in plain contiguous runs. The rotated keys and the values also go to the paged
+cache at the token's slot (slot -1 is skipped).
+
+Rounding is the unfused path's: the product (plus bias) is rounded to the activation dtype, then
+rotated in float32 and rounded again.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from backend.kernels.gemv import checked_config, stream_rows_dot
+from backend.kernels.pdl import launch_options
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    x_ptr, w_ptr, bias_ptr, norm_w_ptr, out_ptr, cos_sin_ptr, positions_ptr, slot_ptr,
+    k_cache_ptr, v_cache_ptr, K, stride_wn, eps, stride_cs_pos, stride_cs_kind,
+    stride_c_block, stride_c_offset, stride_c_head,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    head = tl.program_id(0) // (HEAD_DIM // BLOCK_N)
+    part = tl.program_id(0) % (HEAD_DIM // BLOCK_N)
+    rotated = head < NUM_HEADS + NUM_KV_HEADS
+    lane = tl.arange(0, BLOCK_N)
+    # Feature of the head: rotated heads take dims part*PAIRS.. of both halves, values a plain run.
+    dim = tl.where(rotated, (lane // PAIRS) * HALF + part * PAIRS + lane % PAIRS, part * BLOCK_N + lane)
+    rows = head.to(tl.int64) * HEAD_DIM + dim
+    # Position, cos/sin and slot are step inputs no kernel writes: read them before the wait too.
+    position = tl.load(positions_ptr).to(tl.int64)
+    half_dim = part * PAIRS + lane % PAIRS
+    cos = tl.load(cos_sin_ptr + position * stride_cs_pos + half_dim)
+    sin = tl.load(cos_sin_ptr + position * stride_cs_pos + stride_cs_kind + half_dim)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    acc = stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps, PROLOGUE, PDL,
+                          BLOCK_N, BLOCK_K, PREFETCH_K, EARLY_LAUNCH)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows).to(tl.float32)
+    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+    if rotated:
+        pairs = tl.reshape(y, (2, PAIRS))
+        second = tl.arange(0, 2)[:, None] == 1
+        x1 = tl.sum(tl.where(second, 0.0, pairs), 0)           # [PAIRS], first-half dims
+        x2 = tl.sum(tl.where(second, pairs, 0.0), 0)           # the same dims of the second half
+        is_second = lane >= PAIRS
+        partner = tl.reshape(tl.where(second, x1[None, :], x2[None, :]), (BLOCK_N,))
+        y = tl.where(is_second, y * cos + partner * sin, y * cos - partner * sin)
+    y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows, y)
+    if (head >= NUM_HEADS) & (slot >= 0):
+        in_cache = (slot // CACHE_BLOCK) * stride_c_block + (slot % CACHE_BLOCK) * stride_c_offset
+        if rotated:
+            kv_head = head - NUM_HEADS
+            tl.store(k_cache_ptr + in_cache + kv_head * stride_c_head + dim, y.to(k_cache_ptr.dtype.element_ty))
+        else:
+            kv_head = head - NUM_HEADS - NUM_KV_HEADS
+            tl.store(v_cache_ptr + in_cache + kv_head * stride_c_head + dim, y.to(v_cache_ptr.dtype.element_ty))
+
+
+def qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                  num_heads: int, num_kv_heads: int, cos_sin: torch.Tensor, positions: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                  config: dict | None = None) -> torch.Tensor:
+    """x [1, hidden], weight [(heads + 2 kv_heads) * D, hidden] -> qkv [1, (heads + 2 kv_heads) * D]
+    with q and k rotated for `positions` [1]; the rotated keys and the values are also stored at
+    `slot_mapping` [1] in k_cache / v_cache ([blocks, block_size, kv_heads, D]).
+    `norm_weight`/`eps`: RMSNorm x first. cos_sin [P, 2, D] float32 (`RotaryEmbedding.cos_sin`)."""
+    n, k = weight.shape
+    head_dim = cos_sin.shape[-1]
+    assert x.shape == (1, k) and x.stride(-1) == 1 and weight.stride(-1) == 1
+    assert n == (num_heads + 2 * num_kv_heads) * head_dim and cos_sin.stride(-1) == 1
+    assert positions.numel() == 1 and slot_mapping.numel() == 1
+    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(-1) == 1
+    config = checked_config(n, k, config)
+    assert config["BLOCK_N"] >= 2 and (head_dim // 2) % (config["BLOCK_N"] // 2) == 0, \
+        "a program's features must be whole rotary pairs within one head"
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _qkv_rope_kernel[(n // config["BLOCK_N"],)](
+        x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
+        out, cos_sin, positions, slot_mapping, k_cache, v_cache, k, weight.stride(0), eps,
+        cos_sin.stride(0), cos_sin.stride(1), *k_cache.stride()[:3],
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, CACHE_BLOCK=k_cache.shape[1],
+        PROLOGUE=1 if norm_weight is not None else 0, HAS_BIAS=bias is not None,
+        **config, **launch_options(),
+    )
+    return out
