@@ -47,8 +47,9 @@ class DecodeGraphs:
                   ("fill_src", torch.int64, (n,)), ("seq_lens", torch.int32, (n,)),
                   ("block_tables", torch.int32, (n, blocks))]
         sizes = [_nbytes(dtype, shape) for _, dtype, shape in fields]
-        self.offsets = {name: sum(sizes[:i]) for i, (name, _, _) in enumerate(fields)}
-        self.buffer = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+        aligned = [-(-size // 16) * 16 for size in sizes]         # every field starts 16-aligned
+        self.offsets = {name: sum(aligned[:i]) for i, (name, _, _) in enumerate(fields)}
+        self.buffer = torch.zeros(sum(aligned), dtype=torch.uint8, device=device)
         for (name, dtype, shape), size in zip(fields, sizes):
             start = self.offsets[name]
             setattr(self, name, self.buffer[start:start + size].view(dtype).view(shape))
@@ -137,8 +138,7 @@ class DecodeGraphs:
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    """Bytes of a field, rounded up to 16 so that every field starts aligned."""
     count = 1
     for dim in shape:
         count *= dim
-    return -(-count * torch.empty(0, dtype=dtype).element_size() // 16) * 16
+    return count * torch.empty(0, dtype=dtype).element_size()

@@ -29,7 +29,7 @@ class StagingBuffer:
             self._grow(capacity)
 
     def _grow(self, nbytes: int) -> None:
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         self.dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
