@@ -117,14 +117,13 @@ def launch_config(n: int, k: int) -> dict:
     """Tile and launch shape, from a sweep on H200 of one decode step's whole chain of products
     (Llama-3.2-1B shapes: qkv, o, gate_up, down per layer, then lm_head, in one CUDA graph).
 
-    What made the chain fastest (889 -> 755 us against a 579 us copy-rate floor):
+    What made the chain fastest (889 -> 733 us against a 583 us copy-rate floor):
     - each program reads its first PREFETCH_K weight columns before it waits for the previous
       kernel, so with programmatic dependent launch the weights stream while the previous kernel
-      finishes; with K <= 2048 that is the whole row (at most 128 values a thread held);
-    - EARLY_LAUNCH: let the next kernel start as soon as this one starts, except after the long-K
-      down projection, where it was slower;
-    - narrow tiles (4 features, 4 warps) on hidden-sized K; the vocabulary-wide lm_head keeps
-      16-feature tiles and a short prefetch.
+      finishes; for Llama-3.2-1B that is each program's whole rows (at most 128 values a thread);
+    - EARLY_LAUNCH: let the next kernel start (and prefetch) as soon as this one starts;
+    - narrow tiles (4 features; 4 warps on hidden-sized K, 8 on the 8192-long down projection);
+      the vocabulary-wide lm_head keeps 16-feature tiles and a short prefetch.
     """
     def widest_k(*choices):
         return next((b for b in choices if k % b == 0), 64)
@@ -135,8 +134,8 @@ def launch_config(n: int, k: int) -> dict:
         config = dict(BLOCK_N=4, BLOCK_K=widest_k(512, 256, 128), num_warps=4, num_stages=4, EARLY_LAUNCH=True)
         prefetch = k
     else:
-        config = dict(BLOCK_N=8, BLOCK_K=widest_k(512, 256, 128), num_warps=8, num_stages=2, EARLY_LAUNCH=False)
-        prefetch = 4096
+        config = dict(BLOCK_N=4, BLOCK_K=widest_k(512, 256, 128), num_warps=8, num_stages=2, EARLY_LAUNCH=True)
+        prefetch = k
     held = 128 * 32 * config["num_warps"] // config["BLOCK_N"]    # at most 128 values a thread
     prefetch = 1 << (min(prefetch, k, held).bit_length() - 1)    # a power of two ...
     config["PREFETCH_K"] = prefetch if prefetch >= config["BLOCK_K"] else 0   # ... of whole tiles
