@@ -5,9 +5,15 @@ step: one CUDA graph runs the product over as many distinct weight copies as the
 (so weights come from memory, not L2, and there is no launch gap from the host), replayed and
 timed with CUDA events. Reported with the weight-read rate as a fraction of the device-to-device
 copy rate measured in the same run. `--sweep` also times a grid of tile shapes, warps and pipeline
-stages per shape and reports the fastest, which is what `launch_config` is tuned from.
+stages per shape and reports the fastest.
 
-    python -m benchmarks.gemv --model llama-3.2-1b [--sweep] --json OUT
+`--chain` times what a batch-1 decode step runs instead: per layer qkv (+RMSNorm), o (+residual),
+gate_up (+RMSNorm), down (+silu·mul, +residual), then lm_head, all in one CUDA graph, where a
+kernel's start overlaps its predecessor's end (prefetch, early launch). With `--sweep` it improves
+the per-projection configs one projection at a time (one pass of coordinate descent) from
+`launch_config`'s; that is what `launch_config` is tuned from.
+
+    python -m benchmarks.gemv --model llama-3.2-1b [--chain] [--sweep] --json OUT
 """
 from __future__ import annotations
 
@@ -91,15 +97,80 @@ def measure(name: str, n: int, k: int, copies: int, sweep: bool, copy_rate: floa
     return row
 
 
+CHAIN_GRID = dict(BLOCK_N=[4, 8], num_warps=[4, 8], num_stages=[2, 4], EARLY_LAUNCH=[False, True])
+
+
+def chain_candidates(n: int, k: int):
+    """Configs for one projection of the chain: the grid, prefetching 0, 2048 or all of K (at
+    most 256 values a thread held)."""
+    for values in itertools.product(*CHAIN_GRID.values()):
+        config = dict(zip(CHAIN_GRID, values), BLOCK_K=512 if k % 512 == 0 else 64)
+        for prefetch in sorted({0, min(2048, k), k}):
+            fits = config["BLOCK_N"] * prefetch <= 256 * 32 * config["num_warps"]
+            if fits and prefetch % config["BLOCK_K"] == 0 and prefetch & (prefetch - 1) == 0:
+                yield {**config, "PREFETCH_K": prefetch}
+
+
+def measure_chain(config: ModelConfig, sweep: bool, copy_rate: float) -> dict:
+    """The one-token projection chain of a decode step over every layer's own weights."""
+    shapes = projection_shapes(config)
+    hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
+    layers = [{name: torch.randn(*shapes[name], device="cuda", dtype=torch.bfloat16) / shapes[name][1] ** 0.5
+               for name in ("qkv", "o", "gate_up", "down")} for _ in range(config.num_layers)]
+    lm_head = torch.randn(*shapes["lm_head"], device="cuda", dtype=torch.bfloat16) / hidden ** 0.5
+    norm = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    stream = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    nbytes = sum(w.numel() * w.element_size() for layer in layers for w in layer.values())
+    nbytes += lm_head.numel() * lm_head.element_size()
+
+    def step(configs):
+        def run(x, _):
+            for layer in layers:
+                qkv = gemv(x, layer["qkv"], norm_weight=norm, eps=1e-5, config=configs["qkv"])
+                gemv(qkv[:, :q_size], layer["o"], residual=x, out=x, config=configs["o"])
+                gate_up = gemv(x, layer["gate_up"], norm_weight=norm, eps=1e-5, config=configs["gate_up"])
+                gemv(gate_up, layer["down"], silu_mul=True, residual=x, out=x, config=configs["down"])
+            return gemv(x, lm_head, config=configs["lm_head"])
+        return time_us(run, stream, [None])
+
+    best = {name: launch_config(*shapes[name]) for name in shapes}
+    floor_us = nbytes / copy_rate * 1e6
+    row = {"projections": "qkv, o, gate_up, down per layer; lm_head", "weight_mb": round(nbytes / 1e6, 1),
+           "floor_us": round(floor_us, 1), "default_us": round(step(best), 1), "default_configs": dict(best)}
+    if sweep:
+        best_us, tried = row["default_us"], 0
+        for name in ("down", "gate_up", "qkv", "o"):
+            for candidate in chain_candidates(*shapes[name]):
+                trial = {**best, name: candidate}
+                try:
+                    us = step(trial)
+                except Exception:      # e.g. out of registers or shared memory for this shape
+                    continue
+                tried += 1
+                if us < best_us * 0.995:
+                    best_us, best = us, trial
+        row.update(best_us=round(best_us, 1), best_configs=best, configs_tried=tried,
+                   best_fraction_of_floor=round(floor_us / best_us, 3))
+    row["default_fraction_of_floor"] = round(floor_us / row["default_us"], 3)
+    return row
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gemv", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--chain", action="store_true", help="time a decode step's whole chain of products")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda")
     config = ModelConfig.from_dir(resolve_model(args.model))
     copy_rate = copy_rate_bytes_per_s(device)
+    if args.chain:
+        row = {"benchmark": "gemv_chain", **provenance(device), "model": args.model,
+               "copy_rate_tb_s": round(copy_rate / 1e12, 3), **measure_chain(config, args.sweep, copy_rate)}
+        print(json.dumps(row), flush=True)
+        save_json(args.json, row)
+        return [row]
     results = []
     for name, (n, k) in projection_shapes(config).items():
         copies = config.num_layers if name != "lm_head" else 2
