@@ -18,7 +18,10 @@ Fusions, each saving a kernel launch and a round trip of the activations:
 - epilogue residual: out = round(x @ weight^T + bias) + residual, rounded once more, as torch's
   add of the two rounded tensors. `out` may be `residual` itself (each program reads and writes
   only its own columns).
-Launched with programmatic dependent launch where the GPU has it (`backend.kernels.pdl`).
+Launched with programmatic dependent launch where the GPU has it (`backend.kernels.pdl`): each
+program reads its first PREFETCH_K weight columns before it waits for the previous kernel (weights
+are never written by a kernel), so a kernel's weights stream while its predecessor drains.
+`stream_rows_dot` is that weight-streaming dot, shared with `backend.kernels.qkv_rope`.
 
 Two to sixteen rows were tried as one 16-row tensor-core dot with the same fusions: on H200 the
 fused prologues in the loop made it 2-3x slower than cuBLAS, so steps of several tokens keep the
