@@ -15,7 +15,7 @@ from tests.hf_reference import hf_greedy
 from tests.tiny_models import TINY, TINY_CONFIGS, make_tiny_model, random_prompts
 
 def serve(model_dir, prompts, max_tokens, ignore_end_id=False, logprobs=False, **config) -> tuple[list[dict], Executor]:
-    executor = Executor(EngineConfig(model_path=str(model_dir), **config))
+    executor = Executor(EngineConfig(model_path=str(model_dir), device="cpu", **config))
     try:
         params = SamplingParams(max_tokens=max_tokens, ignore_end_id=ignore_end_id, return_log_probs=logprobs)
         results = executor.generate(prompts, params, timeout=600)
@@ -109,7 +109,7 @@ def test_default_model_chunked_prefix_reuse_and_preemption(smollm):
     assert [r["token_ids"] for r in chunked] == expected
 
     # Serve one request first so that its system-prompt blocks are cached, then the rest.
-    executor = Executor(EngineConfig(model_path=str(model_dir), tokens_per_block=16))
+    executor = Executor(EngineConfig(model_path=str(model_dir), device="cpu", tokens_per_block=16))
     try:
         first = executor.generate(prompts[:1], SamplingParams(max_tokens=32))
         rest = executor.generate(prompts[1:], SamplingParams(max_tokens=32))

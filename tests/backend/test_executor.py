@@ -27,7 +27,8 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture
 def executor(tiny_dir):
-    ex = Executor(EngineConfig(model_path=str(tiny_dir), max_seq_len=256, tokens_per_block=8, max_batch_size=8))
+    ex = Executor(EngineConfig(model_path=str(tiny_dir), device="cpu", max_seq_len=256, tokens_per_block=8,
+                               max_batch_size=8))
     yield ex
     ex.shutdown()
 
@@ -119,7 +120,8 @@ def test_end_id_finishes_and_is_not_delivered(executor):
 
 
 def test_queue_full_is_refused_explicitly(tiny_dir):
-    ex = Executor(EngineConfig(model_path=str(tiny_dir), max_batch_size=1, max_queue_size=1, tokens_per_block=8))
+    ex = Executor(EngineConfig(model_path=str(tiny_dir), device="cpu", max_batch_size=1, max_queue_size=1,
+                               tokens_per_block=8))
     try:
         first, second = Collector(), Collector()
         ex.submit("a", [3, 4], SamplingParams(max_tokens=100, ignore_end_id=True), first)
@@ -144,7 +146,7 @@ class PoisonedRunner(ModelRunner):
 
 
 def test_a_failing_request_fails_alone(tiny_dir):
-    config = EngineConfig(model_path=str(tiny_dir), tokens_per_block=8)
+    config = EngineConfig(model_path=str(tiny_dir), device="cpu", tokens_per_block=8)
     clean = Executor(config)
     prompts = random_prompts(6, 512, seed=3)
     prompts = [[t for t in p if t != POISON] for p in prompts]

@@ -22,7 +22,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def executor_for(model_dir, overlap: bool, runner_class=ModelRunner, **config) -> Executor:
-    config = EngineConfig(model_path=str(model_dir), overlap_scheduling=overlap, **config)
+    config = EngineConfig(model_path=str(model_dir), device="cpu", overlap_scheduling=overlap, **config)
     executor = Executor(config, runner=runner_class(config))
     assert executor.overlap is overlap
     return executor
@@ -41,7 +41,7 @@ def assert_all_blocks_free(stats):
 
 
 def test_overlap_is_off_on_cpu_by_default(tiny_dir):
-    executor = Executor(EngineConfig(model_path=str(tiny_dir), tokens_per_block=8))
+    executor = Executor(EngineConfig(model_path=str(tiny_dir), device="cpu", tokens_per_block=8))
     try:
         assert executor.overlap is False
     finally:
