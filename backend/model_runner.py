@@ -56,7 +56,7 @@ class StepInputs:
     input_ids: torch.Tensor       # [T] int64
     positions: torch.Tensor       # [T] int64
     attn_meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] int64, rows of the last token of each needs_logits chunk
+    logits_indices: torch.Tensor  # [N] int, rows of the last token of each needs_logits chunk
     in_graph: bool = False        # staged in the decode CUDA graph's inputs: replay it
 
 
@@ -142,7 +142,8 @@ class ModelRunner:
     def prepare(self, chunks: list[SequenceChunk], prev_sampled: torch.Tensor | None = None) -> StepInputs:
         """Pack the chunks into one batch. No Python loop over requests beyond reading their
         lists: at batch 256 this runs every step, so block tables are filled with one masked
-        numpy assignment from all block ids chained together."""
+        numpy assignment from all block ids chained together. A step that a decode CUDA graph
+        will run is staged straight into the graph's inputs (`in_graph`)."""
         if not chunks:
             raise ValueError("execute() needs at least one chunk")
         bs = self.tokens_per_block
