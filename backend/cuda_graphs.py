@@ -14,6 +14,7 @@ graph serves every context length.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import torch
@@ -46,7 +47,7 @@ class DecodeGraphs:
                   ("slot_mapping", torch.int64, (n,)), ("fill_rows", torch.int64, (n,)),
                   ("fill_src", torch.int64, (n,)), ("seq_lens", torch.int32, (n,)),
                   ("block_tables", torch.int32, (n, blocks))]
-        sizes = [_nbytes(dtype, shape) for _, dtype, shape in fields]
+        sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in fields]
         aligned = [-(-size // 16) * 16 for size in sizes]         # every field starts 16-aligned
         self.offsets = {name: sum(aligned[:i]) for i, (name, _, _) in enumerate(fields)}
         self.buffer = torch.zeros(sum(aligned), dtype=torch.uint8, device=device)
@@ -135,10 +136,3 @@ class DecodeGraphs:
         graph, logits = self.graphs[self.size_for(n)]
         graph.replay()
         return logits[:n]
-
-
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count * torch.empty(0, dtype=dtype).element_size()
