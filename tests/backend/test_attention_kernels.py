@@ -124,21 +124,40 @@ def test_write_kv_converts_to_cache_dtype():
 # ---------------------------------------------------------------------------------------------
 # Decode (one query token per request)
 
-DECODE_SEQ_LENS = [1, 16, 23, 70]   # one token, exactly one block, partial blocks, several blocks
+# One token, exactly one block, partial blocks, several blocks; the cached context (all but the
+# step's own token) exactly one 64-key tile, one tile and one key, five tiles.
+DECODE_SEQ_LENS = [1, 16, 23, 70, 65, 66, 300]
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_matches_reference(num_heads, num_kv_heads, block_size, num_splits):
+@pytest.mark.parametrize("num_splits,min_tiles_per_split", [(1, 2), (3, 1), (3, 2), (8, 1)])
+def test_decode_matches_reference(num_heads, num_kv_heads, block_size, num_splits, min_tiles_per_split):
     head_dim = 32
-    k_cache, v_cache, meta = make_batch([1] * 4, DECODE_SEQ_LENS, num_kv_heads=num_kv_heads,
+    n = len(DECODE_SEQ_LENS)
+    k_cache, v_cache, meta = make_batch([1] * n, DECODE_SEQ_LENS, num_kv_heads=num_kv_heads,
                                         head_dim=head_dim, block_size=block_size)
-    query = random_query(4, num_heads, head_dim)
+    query = random_query(n, num_heads, head_dim)
     scale = head_dim ** -0.5
     out = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                           meta.query_start_loc, meta.max_seq_len, scale, num_splits=num_splits)
+                           meta.query_start_loc, meta.max_seq_len, scale, num_splits=num_splits,
+                           min_tiles_per_split=min_tiles_per_split)
     assert_matches_reference(out, query, k_cache, v_cache, meta, scale)
+
+
+def test_decode_split_merge_leaves_its_counters_at_zero():
+    """The last split of a request to finish merges the partial results and resets its arrival
+    counter, so the next launch (a CUDA graph replay reuses the same counters) merges again."""
+    from backend.attention.kernels.decode import arrival_counters
+    k_cache, v_cache, meta = make_batch([1] * 3, [300, 130, 1], num_kv_heads=2, head_dim=32,
+                                        block_size=16, seed=7)
+    query = random_query(3, 4, 32, seed=8)
+    runs = [decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                             meta.query_start_loc, meta.max_seq_len, 0.3, num_splits=4,
+                             min_tiles_per_split=1) for _ in range(3)]
+    assert not arrival_counters(query.device, 6).any()
+    assert_matches_reference(runs[0], query, k_cache, v_cache, meta, 0.3)
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
 
 
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 8, 2), (128, 4, 1)])

@@ -1,4 +1,4 @@
-"""Paged decode attention with split-K (flash-decoding).
+"""Paged decode attention with split-K (flash-decoding), in one kernel.
 
 Every request has one query token. With few requests, one program per (request, kv head) would
 leave most SMs idle while each walks a long context, so the context is also split:
@@ -6,16 +6,25 @@ leave most SMs idle while each walks a long context, so the context is also spli
     grid = (num_seqs, num_kv_heads, num_splits)
 
 A program takes the GQA group of query heads that share its kv head (padded to 16 rows for the
-tensor-core dot), so each K/V tile is read once per group. Its split is a contiguous range of key
-tiles of BLOCK_N tokens: the request's `cdiv(seq_len, BLOCK_N)` tiles are divided evenly among the
-splits in the kernel, from the request's own seq_len, so any context length works for any
-`num_splits` (a CUDA graph captured with a fixed split count stays valid). It runs the online
-softmax over its tiles in fp32 and writes a normalised partial output and its log-sum-exp;
-splits with no tiles write lse = -inf.
+tensor-core dot), so each K/V tile is read once per group. The request's cached context (all its
+tokens but the step's own, last one) is cut into key tiles of BLOCK_N tokens; a request uses at
+most one split per MIN_TILES_PER_SPLIT tiles, up to `num_splits`, and divides its tiles evenly
+among them, all from its own seq_len in the kernel, so any context length works for any
+`num_splits` (a CUDA graph captured with a fixed split count stays valid) and splits past the
+used ones exit at once. Each program runs the online softmax over its tiles in fp32; split 0 also
+takes the step's own token.
 
-The reduce kernel (grid = (num_seqs, num_heads)) merges the splits:
-    out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max).
-With one split the first kernel writes the final output itself and no reduce runs.
+Programmatic dependent launch: the cached context was written by earlier steps and the step
+inputs by the host, so a program reads them, its first key tile included, before it waits for the
+previous kernel; after the wait it reads the query and the step's own key and value, which that
+kernel (the KV write, or the fused qkv projection) has just written.
+
+With one split used, the program writes the output itself. Otherwise each split writes a
+normalised partial output and its log-sum-exp, and counts itself in on an arrival counter of its
+(request, kv head); the last to arrive merges the splits,
+    out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max),
+and sets the counter back to zero for the next launch. At batch 1 that saves a separate reduce
+kernel per layer, 16 launches a step on Llama-3.2-1B.
 
 `choose_num_splits` adds splits only while (requests x kv heads x splits) is short of about four
 programs per SM, and keeps at least MIN_TOKENS_PER_SPLIT context tokens per split; the count is
@@ -31,11 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.attention.kernels.tile import attend_key_tile
+from backend.attention.kernels.tile import attend_key_tile, attend_loaded_tile, load_key_tile
 from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
 LOG2_E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64
+MIN_TILES_PER_SPLIT = 1
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 CPU_NOMINAL_SMS = 8      # interpreter runs: keep the heuristic meaningful
@@ -63,93 +73,132 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_cou
 
 
 @triton.jit
-def _decode_split_kernel(
+def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
     qk_scale, num_splits,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_block, stride_kc_offset, stride_kc_head,
     stride_vc_block, stride_vc_offset, stride_vc_head,
     stride_bt,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_TILES_PER_SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq_len = tl.load(seq_lens_ptr + seq)             # step inputs, which no kernel writes: read
-    row = tl.load(query_start_ptr + seq).to(tl.int64)  # them before waiting for the previous kernel
-    if PDL:
-        gdc_wait()
-    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    tiles_per_split = (num_tiles + num_splits - 1) // num_splits
+    # Step inputs and the cached context are written by no kernel of this step: read them (and
+    # this split's first key tile) before waiting for the previous kernel.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    row = tl.load(query_start_ptr + seq).to(tl.int64)
+    cached = tl.maximum(seq_len - 1, 0)
+    cached_tiles = (cached + BLOCK_N - 1) // BLOCK_N
+    used = tl.minimum(tl.maximum((cached_tiles + MIN_TILES_PER_SPLIT - 1) // MIN_TILES_PER_SPLIT, 1),
+                      num_splits)
+    tiles_per_split = (cached_tiles + used - 1) // used
     tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-
-    group_rows = tl.arange(0, GROUP_PAD)
-    heads = kv_head * GROUP + group_rows
-    head_ok = group_rows < GROUP
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + row * stride_q_t + heads[:, None] * stride_q_h + dims[None, :],
-                mask=head_ok[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.full([GROUP_PAD], 0, tl.float32)
-    acc = tl.full([GROUP_PAD, HEAD_DIM], 0, tl.float32)
-    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for tile in range(tile_lo, tile_hi):
-        m_i, l_i, acc = attend_key_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
-            tile * BLOCK_N, seq_len, 0, qk_scale,
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, cached_tiles)
+    if split < used:
+        block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        first_k, first_v, first_ok = load_key_tile(
+            k_cache_ptr, v_cache_ptr, block_table_row, kv_head, tile_lo * BLOCK_N,
+            tl.minimum(tile_hi * BLOCK_N, cached),
             stride_kc_block, stride_kc_offset, stride_kc_head,
             stride_vc_block, stride_vc_offset, stride_vc_head,
-            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-            MASK_KEYS=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
+            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASK_KEYS=True)
+        newest = tl.maximum(seq_len - 1, 0)
+        newest_page = tl.load(block_table_row + newest // BLOCK_SIZE).to(tl.int64)
+        if PDL:
+            gdc_wait()
 
-    if PDL:
-        gdc_launch_dependents()
-    has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if SINGLE_SPLIT:
-        o_ptrs = out_ptr + row * stride_o_t + heads[:, None] * stride_o_h + dims[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-    else:
-        part = (seq * NUM_HEADS + heads) * num_splits + split            # [GROUP_PAD]
-        tl.store(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], out,
-                 mask=head_ok[:, None])
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=head_ok)
+        group_rows = tl.arange(0, GROUP_PAD)
+        heads = kv_head * GROUP + group_rows
+        head_ok = group_rows < GROUP
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + row * stride_q_t + heads[:, None] * stride_q_h + dims[None, :],
+                    mask=head_ok[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.full([GROUP_PAD], 0, tl.float32)
+        acc = tl.full([GROUP_PAD, HEAD_DIM], 0, tl.float32)
+        if tile_lo < tile_hi:
+            m_i, l_i, acc = attend_loaded_tile(
+                q, m_i, l_i, acc, first_k, first_v, first_ok, 0, 0, qk_scale,
+                BLOCK_N=BLOCK_N, MASK_KEYS=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
+        for tile in range(tile_lo + 1, tile_hi):
+            m_i, l_i, acc = attend_key_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
+                tile * BLOCK_N, cached, 0, qk_scale,
+                stride_kc_block, stride_kc_offset, stride_kc_head,
+                stride_vc_block, stride_vc_offset, stride_vc_head,
+                BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
+                MASK_KEYS=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
+        if (split == 0) & (seq_len > 0):
+            # The step's own token, whose key and value the previous kernel wrote.
+            in_page = newest % BLOCK_SIZE
+            k_new = tl.load(k_cache_ptr + newest_page * stride_kc_block + in_page * stride_kc_offset
+                            + kv_head * stride_kc_head + dims)
+            v_new = tl.load(v_cache_ptr + newest_page * stride_vc_block + in_page * stride_vc_offset
+                            + kv_head * stride_vc_head + dims)
+            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+            m_new = tl.maximum(m_i, score)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(score - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+            m_i = m_new
+        if PDL:
+            gdc_launch_dependents()
+
+        has_keys = l_i > 0
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        o_rows = out_ptr + row * stride_o_t + heads[:, None] * stride_o_h + dims[None, :]
+        if SINGLE_SPLIT:
+            tl.store(o_rows, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        elif used == 1:
+            tl.store(o_rows, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        else:
+            part = (seq * NUM_HEADS + heads) * num_splits + split            # [GROUP_PAD]
+            tl.store(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], out,
+                     mask=head_ok[:, None])
+            lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+            tl.store(part_lse_ptr + part, lse, mask=head_ok)
+            # The last split of this (request, kv head) to arrive merges them all: every thread's
+            # stores are done (barrier) before one thread's acq_rel increment publishes them.
+            tl.debug_barrier()
+            counter = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == used - 1:
+                tl.store(counter, 0)                 # ready for the next launch
+                _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, used,
+                              num_splits, stride_o_h, stride_o_t, NUM_HEADS, GROUP, HEAD_DIM,
+                              SPLITS_PAD)
 
 
 @triton.jit
-def _decode_reduce_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, query_start_ptr,
-    num_splits, stride_o_t, stride_o_h,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
-):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, used, num_splits,
+                  stride_o_h, stride_o_t, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max), per head of the group.
+    Loads bypass L1 (.cg): the partials were written by other programs."""
     splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < num_splits
+    split_ok = splits < used
     dims = tl.arange(0, HEAD_DIM)
-    base = (seq * NUM_HEADS + head).to(tl.int64) * num_splits
-
-    lse = tl.load(part_lse_ptr + base + splits, mask=split_ok, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weight = tl.exp2(lse - lse_max)
-    total = tl.sum(weight, 0)
-    parts = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-                    mask=split_ok[:, None], other=0.0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-
-    row = tl.load(query_start_ptr + seq).to(tl.int64)
-    tl.store(out_ptr + row * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty))
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        base = (seq * NUM_HEADS + head).to(tl.int64) * num_splits
+        lse = tl.load(part_lse_ptr + base + splits, mask=split_ok, other=float("-inf"),
+                      cache_modifier=".cg")
+        lse_max = tl.max(lse, 0)
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        weight = tl.exp2(lse - lse_max)
+        total = tl.sum(weight, 0)
+        parts = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+                        mask=split_ok[:, None], other=0.0, cache_modifier=".cg")
+        out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + row * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty))
 
 
 def _decode_launch_config(head_dim: int) -> dict:
@@ -159,14 +208,30 @@ def _decode_launch_config(head_dim: int) -> dict:
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
+_arrivals: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n zeroed int32 counters on `device`, one per (request, kv head). Each launch leaves them at
+    zero again, so one buffer serves every launch, CUDA graph replays included (launches on one
+    stream). Buffers are kept for the process's lifetime: a captured graph holds their address."""
+    held = _arrivals.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        held.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return held[-1]
+
+
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, max_seq_len: int, scale: float,
-                     num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, out: torch.Tensor | None = None,
+                     min_tiles_per_split: int | None = None) -> torch.Tensor:
     """One query token per request: query [T, heads, head_dim] -> [T, heads, head_dim].
 
     Request b's query row is query_start_loc[b]; its context is seq_lens[b] tokens (0 = padding
-    row, whose output is zeros). `num_splits` overrides the heuristic (fix it for CUDA graphs).
+    row, whose output is zeros), the last of them the step's own token. `num_splits` overrides
+    the heuristic (fix it for CUDA graphs); a request uses at most one split per
+    `min_tiles_per_split` key tiles of its cached context (default MIN_TILES_PER_SPLIT).
     """
     num_heads, head_dim = query.shape[1:]
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
@@ -182,31 +247,27 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device))
     single = num_splits == 1
     if single:
-        part_out = part_lse = out          # unused
+        part_out = part_lse = arrivals = out          # unused
     else:
         part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
                                device=query.device)
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
                                device=query.device)
+        arrivals = arrival_counters(query.device, num_seqs * num_kv_heads)
     config = _decode_launch_config(head_dim)
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        out, part_out, part_lse,
+        out, part_out, part_lse, arrivals,
         scale * LOG2_E, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config["BLOCK_N"],
-        SINGLE_SPLIT=single, DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_N=config["BLOCK_N"], MIN_TILES_PER_SPLIT=min_tiles_per_split or MIN_TILES_PER_SPLIT,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), SINGLE_SPLIT=single,
+        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=config["num_warps"], num_stages=config["num_stages"], **launch_options(),
     )
-    if not single:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, query_start_loc,
-            num_splits, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            num_warps=4 if head_dim >= 128 else 2, **launch_options(),
-        )
     return out

@@ -9,6 +9,8 @@ running state of the online (streaming) softmax, in fp32 and in base 2:
 physical block `block_table[j // BLOCK_SIZE]` at offset `j % BLOCK_SIZE`, so a tile may span several
 pages), scores them, rescales the state to the new max and adds the tile's contribution.
 The caller divides acc by l_i at the end (or keeps m_i + log2(l_i) as the log-sum-exp of a split).
+`load_key_tile` and `attend_loaded_tile` are the two halves, for a caller that loads a tile early
+(the decode kernel reads its first tile before waiting for the previous kernel).
 
 MASK_KEYS masks tokens at or past `key_end` (loads return 0 so stale cache rows, even NaN, never
 reach the sums); CAUSAL additionally hides keys above each row's absolute position `q_pos`.
@@ -21,18 +23,18 @@ import triton.language as tl
 
 
 @triton.jit
-def attend_key_tile(
-    q, m_i, l_i, acc,
-    k_cache_ptr, v_cache_ptr, block_table_row, kv_head, tile_start, key_end, q_pos, qk_scale,
+def load_key_tile(
+    k_cache_ptr, v_cache_ptr, block_table_row, kv_head, tile_start, key_end,
     stride_kc_block, stride_kc_offset, stride_kc_head,
     stride_vc_block, stride_vc_offset, stride_vc_head,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KEYS: tl.constexpr,
 ):
+    """Keys and values [BLOCK_N, HEAD_DIM] of context tokens tile_start.. (zeros at or past
+    key_end when MASK_KEYS), and which tokens are real ([BLOCK_N] bool)."""
     tokens = tile_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
+    key_ok = tokens < key_end
     if MASK_KEYS:
-        key_ok = tokens < key_end
         page = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
     else:
         page = tl.load(block_table_row + tokens // BLOCK_SIZE).to(tl.int64)
@@ -43,11 +45,22 @@ def attend_key_tile(
               + kv_head * stride_vc_head + dims[None, :])
     if MASK_KEYS:
         k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    return k, v, key_ok
 
+
+@triton.jit
+def attend_loaded_tile(
+    q, m_i, l_i, acc, k, v, key_ok, tile_start, q_pos, qk_scale,
+    BLOCK_N: tl.constexpr, MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The online-softmax update with one loaded tile (`load_key_tile`)."""
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [M, BLOCK_N]
     if CAUSAL:
+        tokens = tile_start + tl.arange(0, BLOCK_N)
         visible = tokens[None, :] <= q_pos[:, None]
         if MASK_KEYS:
             visible = visible & key_ok[None, :]
@@ -59,10 +72,25 @@ def attend_key_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-
-    if MASK_KEYS:
-        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
-    else:
-        v = tl.load(v_ptrs)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def attend_key_tile(
+    q, m_i, l_i, acc,
+    k_cache_ptr, v_cache_ptr, block_table_row, kv_head, tile_start, key_end, q_pos, qk_scale,
+    stride_kc_block, stride_kc_offset, stride_kc_head,
+    stride_vc_block, stride_vc_offset, stride_vc_head,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Load one tile and update the state with it."""
+    k, v, key_ok = load_key_tile(
+        k_cache_ptr, v_cache_ptr, block_table_row, kv_head, tile_start, key_end,
+        stride_kc_block, stride_kc_offset, stride_kc_head,
+        stride_vc_block, stride_vc_offset, stride_vc_head,
+        BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASK_KEYS=MASK_KEYS)
+    return attend_loaded_tile(q, m_i, l_i, acc, k, v, key_ok, tile_start, q_pos, qk_scale,
+                              BLOCK_N=BLOCK_N, MASK_KEYS=MASK_KEYS, CAUSAL=CAUSAL,
+                              DOT_PRECISION=DOT_PRECISION)
