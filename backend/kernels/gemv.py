@@ -103,11 +103,11 @@ def _gemv_kernel(
                           BLOCK_N, BLOCK_K, PREFETCH_K, EARLY_LAUNCH)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)
-    y = acc.to(out_ptr.dtype.element_ty)
+    y = acc.to(x_ptr.dtype.element_ty)              # rounded as the activations are
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + cols, mask=col_ok)
-        y = (y.to(tl.float32) + residual.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + cols, y, mask=col_ok)
+        y = (y.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -162,6 +162,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     `norm_weight`/`eps`: RMSNorm x first. `silu_mul`: x is gate | up, use silu(gate) * up.
     `residual` [1, N]: add it to the result (`out=residual` updates it in place).
+    `out` may be float32 where x is half precision: the result is rounded to x's dtype first, as
+    `linear(x).float()` would be, without a second kernel.
     """
     n, k = weight.shape
     assert x.shape[0] == 1 and not (silu_mul and norm_weight is not None)

@@ -234,7 +234,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.lm_head.weight
         if one_token is not None and hidden.is_cuda and one_token.supports(hidden, weight):
-            return one_token.gemv(hidden, weight).float()     # batch 1: ~5% faster than cuBLAS
+            logits = torch.empty((1, weight.shape[0]), dtype=torch.float32, device=hidden.device)
+            return one_token.gemv(hidden, weight, out=logits)   # batch 1: ~5% faster than cuBLAS
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

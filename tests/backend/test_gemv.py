@@ -44,6 +44,18 @@ def test_plain_product_with_bias(dtype, n, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_float32_out_is_the_half_precision_result_widened(dtype):
+    """Logits come out in float32 from the same kernel, rounded to the activation dtype first,
+    exactly as the half-precision result followed by .float()."""
+    torch.manual_seed(3)
+    x = torch.randn(1, 256, device=DEVICE).to(dtype)
+    weight = (torch.randn(80, 256, device=DEVICE) / 16).to(dtype)
+    wide = torch.empty(1, 80, dtype=torch.float32, device=DEVICE)
+    assert gemv(x, weight, out=wide) is wide
+    assert torch.equal(wide, gemv(x, weight).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_norm_prologue_matches_rms_norm_module(dtype):
     torch.manual_seed(1)
     num_tokens, n, k = 1, 32, 128
