@@ -145,7 +145,7 @@ def bench_decode(s: Setup, shapes, sweep):
             runs += [(None, n) for n in (1, 2, 4, 8, 16, 32, 64) if n != chosen]
             runs += [(cfg, chosen) for cfg in configs[1:]]
         for cfg, splits in runs:
-            decode._decode_launch_config = (lambda hd, c=cfg: c) if cfg else default
+            decode._decode_launch_config = (lambda hd, few=False, c=cfg: c) if cfg else default
             us = graph_us_per_call([
                 lambda m=m, n=splits: decode.decode_attention(
                     query, s.k_cache, s.v_cache, m.block_tables, m.seq_lens, m.query_start_loc,

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from backend.attention import reference  # noqa: E402
 from backend.attention import triton_backend  # noqa: E402
+from backend.attention.kernels import decode  # noqa: E402
 from backend.attention.kernels.decode import choose_num_splits, decode_attention  # noqa: E402
 from backend.attention.kernels.prefill import prefill_attention  # noqa: E402
 from backend.attention.metadata import AttentionMetadata  # noqa: E402
@@ -125,14 +126,19 @@ def test_write_kv_converts_to_cache_dtype():
 # Decode (one query token per request)
 
 # One token, exactly one block, partial blocks, several blocks; the cached context (all but the
-# step's own token) exactly one 64-key tile, one tile and one key, five tiles.
-DECODE_SEQ_LENS = [1, 16, 23, 70, 65, 66, 300]
+# step's own token) exactly one 64-key tile, one tile and one key, one 128-key tile, one 128-key
+# tile and one key, several tiles of either size.
+DECODE_SEQ_LENS = [1, 16, 23, 70, 65, 66, 129, 130, 300]
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_splits,min_tiles_per_split", [(1, 2), (3, 1), (3, 2), (8, 1)])
-def test_decode_matches_reference(num_heads, num_kv_heads, block_size, num_splits, min_tiles_per_split):
+@pytest.mark.parametrize("sms", [1, 1000], ids=["64-key tiles", "128-key tiles"])
+def test_decode_matches_reference(num_heads, num_kv_heads, block_size, num_splits, min_tiles_per_split,
+                                  sms, monkeypatch):
+    """Grids with fewer (request, kv head) pairs than SMs take 128-key tiles, others 64."""
+    monkeypatch.setattr(decode, "num_sms", lambda device: sms)
     head_dim = 32
     n = len(DECODE_SEQ_LENS)
     k_cache, v_cache, meta = make_batch([1] * n, DECODE_SEQ_LENS, num_kv_heads=num_kv_heads,
