@@ -204,9 +204,10 @@ def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, used, 
 def _decode_launch_config(head_dim: int, few_programs: bool = False) -> dict:
     """Key tile and launch shape. On H200 bf16 (benchmarks/attention_kernels.py --sweep) 64 tokens,
     4 warps, 2-3 stages was best for large batches; 128 tokens / 8 warps won ~10% on small
-    split-heavy batches but lost as much on large ones. So grids of fewer (request, kv head)
-    pairs than SMs take the 128-token tile: in a whole Llama-3.2-1B batch-1 step on H100 it
-    shortened the step by ~2% (1.095-1.107 -> 1.076 ms)."""
+    split-heavy batches but lost as much on large ones. In whole Llama-3.2-1B decode steps on
+    H100 the 128-token tile shortened batch 1 (8 (request, kv head) pairs) by ~2% (1.095-1.107 ->
+    1.076-1.088 ms) and lengthened batch 8 (64 pairs) by 11% (1.335 -> 1.490 ms); so only grids
+    of at most an eighth as many pairs as SMs take it."""
     if few_programs:
         return dict(BLOCK_N=128, num_warps=8, num_stages=3)
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
@@ -258,7 +259,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
                                device=query.device)
         arrivals = arrival_counters(query.device, num_seqs * num_kv_heads)
-    config = _decode_launch_config(head_dim, num_seqs * num_kv_heads < num_sms(query.device))
+    config = _decode_launch_config(head_dim, 8 * num_seqs * num_kv_heads <= num_sms(query.device))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, part_out, part_lse, arrivals,
