@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import sys
 
 import matplotlib
@@ -81,6 +82,14 @@ def headline(results_dir: str) -> str:
     return "\n".join(lines)
 
 
+def device_tag(device: str) -> str:
+    """'cpu', or the GPU's model number: 'NVIDIA H100 80GB HBM3' -> 'h100'."""
+    if device.startswith("CPU"):
+        return "cpu"
+    model = re.search(r"\b[A-Z]+\d{2,4}\b", device)
+    return model.group(0).lower() if model else re.sub(r"\W+", "_", device).strip("_").lower()
+
+
 def main(argv: list[str] | None = None) -> None:
     results_dir = (argv or sys.argv[1:] or ["benchmarks/results"])[0]
     for path in glob.glob(os.path.join(results_dir, "decode_floor*.json")):
@@ -88,9 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     groups: dict[str, list[str]] = {}
     for path in glob.glob(os.path.join(results_dir, "offline*.json")):
         groups.setdefault(load(path)[0]["device"], []).append(path)
-    for i, (device, paths) in enumerate(sorted(groups.items())):
-        name = "offline_cpu.png" if device.startswith("CPU") else f"offline_gpu{i}.png"
-        print("wrote", plot_offline(sorted(paths), os.path.join(results_dir, name)))
+    for device, paths in sorted(groups.items()):
+        print("wrote", plot_offline(sorted(paths), os.path.join(results_dir, f"offline_{device_tag(device)}.png")))
     print(headline(results_dir))
 
 
