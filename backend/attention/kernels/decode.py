@@ -111,8 +111,7 @@ def _decode_kernel(
             stride_kc_block, stride_kc_offset, stride_kc_head,
             stride_vc_block, stride_vc_offset, stride_vc_head,
             BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASK_KEYS=True)
-        newest = tl.maximum(seq_len - 1, 0)
-        newest_page = tl.load(block_table_row + newest // BLOCK_SIZE).to(tl.int64)
+        newest_page = tl.load(block_table_row + cached // BLOCK_SIZE).to(tl.int64)   # own token
         if PDL:
             gdc_wait()
 
@@ -138,8 +137,8 @@ def _decode_kernel(
                 BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
                 MASK_KEYS=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
         if (split == 0) & (seq_len > 0):
-            # The step's own token, whose key and value the previous kernel wrote.
-            in_page = newest % BLOCK_SIZE
+            # The step's own token (position `cached`), whose key and value the previous kernel wrote.
+            in_page = cached % BLOCK_SIZE
             k_new = tl.load(k_cache_ptr + newest_page * stride_kc_block + in_page * stride_kc_offset
                             + kv_head * stride_kc_head + dims)
             v_new = tl.load(v_cache_ptr + newest_page * stride_vc_block + in_page * stride_vc_offset
