@@ -38,6 +38,7 @@ class Executor:
     def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None):
         self.config = config or EngineConfig()
         self.config.validate()
+        self._owns_runner = runner is None
         self.runner = runner or ModelRunner(self.config)
         self.max_seq_len = self.runner.max_seq_len
         self.vocab_size = self.runner.vocab_size
@@ -97,10 +98,14 @@ class Executor:
             return stats
 
     def shutdown(self) -> None:
+        """Stop the loop; then free the model, KV cache and CUDA graphs of a runner this executor
+        built (an injected runner stays the caller's)."""
         with self._lock:
             self._stopping = True
             self._work.notify()
         self._thread.join(timeout=30)
+        if self._owns_runner and not self._thread.is_alive():
+            self.runner.release()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
                  timeout: float | None = None) -> list[dict]:

@@ -21,8 +21,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(autouse=True)
 def release_gpu_memory():
-    """Engines size their KV pools from free GPU memory: give it back after each test (an engine
-    that has shut down is only freed once the garbage collector breaks its reference cycles)."""
+    """Engines size their KV pools from free GPU memory: give back what a test left after each
+    one (an engine frees its own at shutdown; runners built directly and transformers models
+    are freed once collected)."""
     yield
     gc.collect()
     torch.cuda.empty_cache()
