@@ -11,9 +11,12 @@ stages per shape and reports the fastest.
 gate_up (+RMSNorm), down (+silu·mul, +residual), then lm_head, all in one CUDA graph, where a
 kernel's start overlaps its predecessor's end (prefetch, early launch). With `--sweep` it improves
 the per-projection configs one projection at a time (one pass of coordinate descent) from
-`launch_config`'s; that is what `launch_config` is tuned from.
+`launch_config`'s; that is what `launch_config` is tuned from. With `--wait-cost` it also times
+the chain with the kernels' waits for their predecessor skipped (a diagnostic: the results are
+wrong, the weights stream exactly as before), for every projection and for each kind alone: the
+difference is what waiting for the previous kernel costs.
 
-    python -m benchmarks.gemv --model llama-3.2-1b [--chain] [--sweep] --json OUT
+    python -m benchmarks.gemv --model llama-3.2-1b [--chain [--wait-cost]] [--sweep] --json OUT
 """
 from __future__ import annotations
 
@@ -111,7 +114,7 @@ def chain_candidates(n: int, k: int):
                 yield {**config, "PREFETCH_K": prefetch}
 
 
-def measure_chain(config: ModelConfig, sweep: bool, copy_rate: float) -> dict:
+def measure_chain(config: ModelConfig, sweep: bool, copy_rate: float, wait_cost: bool = False) -> dict:
     """The one-token projection chain of a decode step over every layer's own weights."""
     shapes = projection_shapes(config)
     hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
@@ -151,8 +154,22 @@ def measure_chain(config: ModelConfig, sweep: bool, copy_rate: float) -> dict:
                     best_us, best = us, trial
         row.update(best_us=round(best_us, 1), best_configs=best, configs_tried=tried,
                    best_fraction_of_floor=round(floor_us / best_us, 3))
+    if wait_cost:
+        row.update(wait_cost_us(step, best, row["default_us"]))
     row["default_fraction_of_floor"] = round(floor_us / row["default_us"], 3)
     return row
+
+
+def wait_cost_us(step, configs: dict, first_default_us: float) -> dict:
+    """The chain timed with the waits skipped: everywhere, then for one kind of projection at a
+    time; the defaults timed again at the end, and the faster of the two runs kept (the first
+    timing of a run tends to be the slowest)."""
+    def without_wait(names):
+        return step({n: {**c, "SKIP_WAIT": True} if n in names else c for n, c in configs.items()})
+    result = {"no_wait_us": round(without_wait(set(configs)), 1),
+              "no_wait_one_kind_us": {name: round(without_wait({name}), 1) for name in configs}}
+    result["default_us"] = round(min(first_default_us, step(configs)), 1)
+    return result
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -160,6 +177,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--chain", action="store_true", help="time a decode step's whole chain of products")
+    p.add_argument("--wait-cost", action="store_true",
+                   help="with --chain: also time it with the waits for the previous kernel skipped")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda")
@@ -167,7 +186,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     copy_rate = copy_rate_bytes_per_s(device)
     if args.chain:
         row = {"benchmark": "gemv_chain", **provenance(device), "model": args.model,
-               "copy_rate_tb_s": round(copy_rate / 1e12, 3), **measure_chain(config, args.sweep, copy_rate)}
+               "copy_rate_tb_s": round(copy_rate / 1e12, 3), **measure_chain(config, args.sweep, copy_rate, args.wait_cost)}
         print(json.dumps(row), flush=True)
         save_json(args.json, row)
         return [row]

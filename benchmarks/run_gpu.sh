@@ -16,7 +16,7 @@ fi
 $py -m benchmarks.decode_floor --model llama-3.2-1b --batch 1 8 64 256 --isl 128 --json "$out/decode_floor_llama1b.json"
 $py -m benchmarks.profile_step --model llama-3.2-1b --batch 1 --json "$out/profile_runner_llama1b.json"
 $py -m benchmarks.gemv --model llama-3.2-1b --json "$out/gemv_llama1b.json"
-$py -m benchmarks.gemv --model llama-3.2-1b --chain --sweep --json "$out/gemv_chain_llama1b.json"
+$py -m benchmarks.gemv --model llama-3.2-1b --chain --sweep --wait-cost --json "$out/gemv_chain_llama1b.json"
 $py -m benchmarks.offline --model llama-3.2-1b --num-requests 256 --isl 100:1024 --osl 100:1024 --seed 0 \
     --baseline hf --hf-requests 64 --hf-batch-size 64 --profile --json "$out/offline_llama1b.json"
 $py -m benchmarks.offline --model llama-3.1-8b --num-requests 256 --isl 100:1024 --osl 100:1024 --seed 0 \

@@ -57,16 +57,19 @@ def _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE: tl.constexpr):
 @triton.jit
 def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps,
                     PROLOGUE: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr):
+                    BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+                    SKIP_WAIT: tl.constexpr = False):
     """float32 [BLOCK_N]: weight rows `rows` (int64) dotted with the operand over all of K, the
     norm's scale applied. Waits for the previous kernel (PDL) after reading the first PREFETCH_K
-    weight columns, and lets the next one launch early (EARLY_LAUNCH) or after the loop."""
+    weight columns, and lets the next one launch early (EARLY_LAUNCH) or after the loop.
+    SKIP_WAIT is a diagnostic: no wait, so the operand may be stale and the result wrong; only
+    `benchmarks.gemv --chain --wait-cost` sets it, to time what the waits cost."""
     w_rows = w_ptr + rows[:, None] * stride_wn
     if PDL and EARLY_LAUNCH:
         gdc_launch_dependents()
     if PREFETCH_K > 0:      # the weights are never written by a kernel: read them before waiting
         w_first = tl.load(w_rows + tl.arange(0, PREFETCH_K)[None, :])
-    if PDL:
+    if PDL and not SKIP_WAIT:
         gdc_wait()
     square_sum = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_N], tl.float32)
@@ -95,12 +98,13 @@ def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, N, K, stride_wn, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+    SKIP_WAIT: tl.constexpr = False,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     cols_in = tl.where(col_ok, cols, 0).to(tl.int64)          # masked columns read row 0
     acc = stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, cols_in, K, stride_wn, eps, PROLOGUE, PDL,
-                          BLOCK_N, BLOCK_K, PREFETCH_K, EARLY_LAUNCH)
+                          BLOCK_N, BLOCK_K, PREFETCH_K, EARLY_LAUNCH, SKIP_WAIT)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)
     y = acc.to(x_ptr.dtype.element_ty)              # rounded as the activations are
