@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +26,7 @@ from triton.testing import do_bench
 from backend.attention import reference
 from backend.attention.kernels import decode, kv_write, prefill
 from backend.attention.metadata import AttentionMetadata
+from benchmarks.graph_timing import graph_us_per_call
 
 BLOCK_SIZE = 32
 CACHE_TOKENS = 1 << 20
@@ -56,27 +56,6 @@ def run_kernel(query, k_cache, v_cache, meta, scale, **kw):
                                        meta.query_start_loc, meta.max_seq_len, scale, **kw)
     return prefill.prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, scale, **kw)
-
-
-def graph_us_per_call(calls, reps=20):
-    """Median time of one call, from replays of a CUDA graph that runs all `calls` in turn."""
-    for call in calls:                       # compile and warm up outside the graph
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) * 1e3 / len(calls)
 
 
 class Setup:

@@ -31,6 +31,7 @@ from backend.kernels.gemv import gemv, launch_config
 from backend.model_config import ModelConfig
 from backend.model_loader import resolve_model
 from benchmarks.decode_floor import copy_rate_bytes_per_s
+from benchmarks.graph_timing import graph_us_per_call
 from benchmarks.provenance import provenance, save_json
 
 SWEEP = dict(BLOCK_N=[4, 8, 16, 32], BLOCK_K=[256, 512], num_warps=[4, 8], num_stages=[2, 4])
@@ -47,24 +48,7 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def time_us(product, x, weights, replays: int = 20) -> float:
     """Per-call GPU time of `product(x, w)` over every weight copy, from one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights:              # compile / pick algorithms outside the capture
-            product(x, w)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for w in weights:
-                product(x, w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays / len(weights)
+    return graph_us_per_call([lambda w=w: product(x, w) for w in weights], replays)
 
 
 def configs(k: int):
