@@ -48,7 +48,6 @@ class StagingBuffer:
         return [self.dev[start:start + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
                 for a, start in zip(arrays, offsets)]
 
-
     def to_device_at(self, placed: list[tuple[int, np.ndarray]], dest: torch.Tensor) -> None:
         """Write each (byte offset, array) at its offset of `dest` (a uint8 device tensor) with one
         host-to-device copy of bytes [0, end of the furthest array)."""
