@@ -16,11 +16,7 @@ the chain with the kernels' waits for their predecessor skipped (a diagnostic: t
 wrong, the weights stream exactly as before), for every projection and for each kind alone: the
 difference is what waiting for the previous kernel costs.
 
-The chain is also timed as the model runs it: every layer's MLP but the last as one kernel
-(`backend.kernels.fused_mlp`, its output pending for the next layer), with the down weight as
-stored ([hidden, I]) and transposed; with `--sweep`, that kernel's configs one parameter at a time.
-
-    python -m benchmarks.gemv --model llama-3.2-1b [--chain [--wait-cost] [--sweep-mlp]] [--sweep] --json OUT
+    python -m benchmarks.gemv --model llama-3.2-1b [--chain [--wait-cost]] [--sweep] --json OUT
 """
 from __future__ import annotations
 
@@ -31,8 +27,6 @@ import json
 import torch
 import torch.nn.functional as F
 
-from backend.kernels import fixed_point
-from backend.kernels.fused_mlp import fused_mlp, launch_config as mlp_launch_config, supports as mlp_supports
 from backend.kernels.gemv import gemv, launch_config
 from backend.model_config import ModelConfig
 from backend.model_loader import resolve_model
@@ -104,35 +98,23 @@ def chain_candidates(n: int, k: int):
                 yield {**config, "PREFETCH_K": prefetch}
 
 
-def measure_chain(config: ModelConfig, sweep: bool, copy_rate: float, wait_cost: bool = False,
-                  sweep_mlp: bool = False) -> dict:
+def measure_chain(config: ModelConfig, sweep: bool, copy_rate: float, wait_cost: bool = False) -> dict:
     """The one-token projection chain of a decode step over every layer's own weights."""
     shapes = projection_shapes(config)
     hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
     layers = [{name: torch.randn(*shapes[name], device="cuda", dtype=torch.bfloat16) / shapes[name][1] ** 0.5
                for name in ("qkv", "o", "gate_up", "down")} for _ in range(config.num_layers)]
-    for layer in layers:
-        layer["down_t"] = layer["down"].t().contiguous().t()     # the same values, transposed in memory
-    pending = fixed_point.zeros(hidden, "cuda")
     lm_head = torch.randn(*shapes["lm_head"], device="cuda", dtype=torch.bfloat16) / hidden ** 0.5
     norm = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
     stream = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
-    nbytes = sum(w.numel() * w.element_size() for layer in layers for n, w in layer.items() if n != "down_t")
+    nbytes = sum(w.numel() * w.element_size() for layer in layers for w in layer.values())
     nbytes += lm_head.numel() * lm_head.element_size()
 
-    def step(configs, mlp: dict | None = None):
-        """`mlp`: None for two GEMVs in every layer, else {"config":, "down":} for the one-kernel
-        MLP in all layers but the last, as the model runs them."""
+    def step(configs):
         def run(x, _):
-            for i, layer in enumerate(layers):
-                fold = mlp is not None and i > 0
-                qkv = gemv(x, layer["qkv"], norm_weight=norm, eps=1e-5, pending=pending if fold else None,
-                           config=configs["qkv"])
-                gemv(qkv[:, :q_size], layer["o"], residual=x, out=x, config=configs["o"],
-                     pending=pending if mlp is not None else None, fold_pending=fold)
-                if mlp is not None and i < len(layers) - 1:
-                    fused_mlp(x, norm, 1e-5, layer["gate_up"], layer[mlp["down"]], pending, config=mlp["config"])
-                    continue
+            for layer in layers:
+                qkv = gemv(x, layer["qkv"], norm_weight=norm, eps=1e-5, config=configs["qkv"])
+                gemv(qkv[:, :q_size], layer["o"], residual=x, out=x, config=configs["o"])
                 gate_up = gemv(x, layer["gate_up"], norm_weight=norm, eps=1e-5, config=configs["gate_up"])
                 gemv(gate_up, layer["down"], silu_mul=True, residual=x, out=x, config=configs["down"])
             return gemv(x, lm_head, config=configs["lm_head"])
@@ -160,44 +142,6 @@ def measure_chain(config: ModelConfig, sweep: bool, copy_rate: float, wait_cost:
     if wait_cost:
         row.update(wait_cost_us(step, defaults, row["default_us"]))
     row["default_fraction_of_floor"] = round(floor_us / row["default_us"], 3)
-    row.update(fused_mlp_chain(step, defaults, config, sweep or sweep_mlp, wait_cost, floor_us))
-    return row
-
-
-MLP_GRID = dict(BLOCK_J=[16, 32, 64], BLOCK_K=[64, 128, 256], BLOCK_H=[128, 256, 512], PREFETCH_K=[0, 256],
-                num_warps=[8, 16], num_stages=[2, 3, 4])
-
-
-def fused_mlp_chain(step, configs: dict, model: ModelConfig, sweep: bool, wait_cost: bool, floor_us: float) -> dict:
-    """The chain with the one-kernel MLP: the down weight as stored and transposed; with `sweep`
-    one pass of coordinate descent over MLP_GRID from the default config (transposed); with
-    `wait_cost` also with every wait skipped."""
-    hidden, intermediate = model.hidden_size, model.intermediate_size
-    mlp_config = mlp_launch_config(hidden, intermediate)
-    row = {"fused_mlp_config": mlp_config,
-           "fused_mlp_us": round(step(configs, {"config": mlp_config, "down": "down"}), 1),
-           "fused_mlp_transposed_us": round(step(configs, {"config": mlp_config, "down": "down_t"}), 1)}
-    if sweep:
-        best, best_us, tried = mlp_config, row["fused_mlp_transposed_us"], []
-        for name, values in MLP_GRID.items():
-            for value in values:
-                trial = {**best, name: value}
-                if value == best[name] or not mlp_supports(hidden, intermediate, trial):
-                    continue
-                try:
-                    us = step(configs, {"config": trial, "down": "down_t"})
-                except Exception:      # e.g. out of registers or shared memory for this shape
-                    continue
-                tried.append({"us": round(us, 1), **trial})
-                if us < best_us * 0.995:
-                    best, best_us = trial, us
-        row.update(fused_mlp_best_us=round(best_us, 1), fused_mlp_best_config=best, fused_mlp_tried=tried)
-    if wait_cost:
-        skipped = {n: {**c, "SKIP_WAIT": True} for n, c in configs.items()}
-        row["fused_mlp_no_wait_us"] = round(step(skipped, {"config": {**mlp_config, "SKIP_WAIT": True},
-                                                           "down": "down_t"}), 1)
-    fastest = min(row["fused_mlp_us"], row["fused_mlp_transposed_us"], row.get("fused_mlp_best_us", float("inf")))
-    row["fused_mlp_fraction_of_floor"] = round(floor_us / fastest, 3)
     return row
 
 
@@ -218,7 +162,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--chain", action="store_true", help="time a decode step's whole chain of products")
-    p.add_argument("--sweep-mlp", action="store_true", help="with --chain: sweep the one-kernel MLP's configs only")
     p.add_argument("--wait-cost", action="store_true",
                    help="with --chain: also time it with the waits for the previous kernel skipped")
     p.add_argument("--json", default=None)
@@ -228,7 +171,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     copy_rate = copy_rate_bytes_per_s(device)
     if args.chain:
         row = {"benchmark": "gemv_chain", **provenance(device), "model": args.model,
-               "copy_rate_tb_s": round(copy_rate / 1e12, 3), **measure_chain(config, args.sweep, copy_rate, args.wait_cost, args.sweep_mlp)}
+               "copy_rate_tb_s": round(copy_rate / 1e12, 3), **measure_chain(config, args.sweep, copy_rate, args.wait_cost)}
         print(json.dumps(row), flush=True)
         save_json(args.json, row)
         return [row]

@@ -15,13 +15,9 @@ Fusions, each saving a kernel launch and a round trip of the activations:
   ulps, fewer roundings rather than more.)
 - prologue "silu_mul": x is [1, 2K] = gate | up and the operand is silu(gate) * up, rounded as
   `backend.kernels.activation.silu_and_mul` rounds.
-- prologue "pending_norm": as "norm", of x + round(pending), where `pending` is a fixed-point sum
-  (`backend.kernels.fixed_point`) that `backend.kernels.fused_mlp` left: the MLP output not yet
-  added to the residual stream x.
 - epilogue residual: out = round(x @ weight^T + bias) + residual, rounded once more, as torch's
   add of the two rounded tensors. `out` may be `residual` itself (each program reads and writes
-  only its own columns). With a pending sum the residual is first round(pending) + residual, and
-  the pending sum is cleared (or only cleared: the first layer of a step, where nothing is pending).
+  only its own columns).
 Launched with programmatic dependent launch where the GPU has it (`backend.kernels.pdl`): each
 program reads its first PREFETCH_K weight columns before it waits for the previous kernel (weights
 are never written by a kernel), so a kernel's weights stream while its predecessor drains.
@@ -37,23 +33,18 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.fixed_point import from_fixed
 from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
-NO_PROLOGUE, NORM, SILU_MUL, PENDING_NORM = 0, 1, 2, 3
-NO_PENDING, FOLD_PENDING, CLEAR_PENDING = 0, 1, 2
+NO_PROLOGUE, NORM, SILU_MUL = 0, 1, 2
 
 
 @triton.jit
-def _operand_tile(x_ptr, norm_w_ptr, pending_ptr, k, K, PROLOGUE: tl.constexpr):
+def _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE: tl.constexpr):
     """The float32 operand at columns `k` after the prologue, and its sum of squares (norm)."""
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + k).to(tl.float32)
     square_sum = 0.0
-    if PROLOGUE == 3:
-        pending = from_fixed(tl.load(pending_ptr + k)).to(dtype).to(tl.float32)
-        x = (pending + x).to(dtype).to(tl.float32)
-    if PROLOGUE == 1 or PROLOGUE == 3:
+    if PROLOGUE == 1:
         square_sum = tl.sum(x * x, 0)
         x = x * tl.load(norm_w_ptr + k).to(tl.float32)
     if PROLOGUE == 2:
@@ -64,7 +55,7 @@ def _operand_tile(x_ptr, norm_w_ptr, pending_ptr, k, K, PROLOGUE: tl.constexpr):
 
 
 @triton.jit
-def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, pending_ptr, rows, K, stride_wn, eps,
+def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps,
                     PROLOGUE: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
                     SKIP_WAIT: tl.constexpr = False):
@@ -83,52 +74,44 @@ def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, pending_ptr, rows, K, stride_wn, e
     square_sum = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_N], tl.float32)
     if PREFETCH_K > 0:
-        a_first, first_squares = _operand_tile(x_ptr, norm_w_ptr, pending_ptr, tl.arange(0, PREFETCH_K), K,
-                                                    PROLOGUE)
+        a_first, first_squares = _operand_tile(x_ptr, norm_w_ptr, tl.arange(0, PREFETCH_K), K, PROLOGUE)
         square_sum += first_squares
         acc += tl.sum(w_first.to(tl.float32) * a_first[None, :], 1)
     ks = tl.arange(0, BLOCK_K)
     partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(PREFETCH_K, K, BLOCK_K):
         k = k0 + ks
-        a, tile_squares = _operand_tile(x_ptr, norm_w_ptr, pending_ptr, k, K, PROLOGUE)
+        a, tile_squares = _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE)
         square_sum += tile_squares
         w = tl.load(w_rows + k[None, :])
         partial += w.to(tl.float32) * a[None, :]
     acc += tl.sum(partial, 1)
     if PDL and not EARLY_LAUNCH:
         gdc_launch_dependents()
-    if PROLOGUE == 1 or PROLOGUE == 3:
+    if PROLOGUE == 1:
         acc = acc * tl.rsqrt(square_sum / K + eps)
     return acc
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, pending_ptr, out_ptr, N, K, stride_wn, eps,
-    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PENDING: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, N, K, stride_wn, eps,
+    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
     SKIP_WAIT: tl.constexpr = False,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     cols_in = tl.where(col_ok, cols, 0).to(tl.int64)          # masked columns read row 0
-    acc = stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, pending_ptr, cols_in, K, stride_wn, eps, PROLOGUE, PDL,
+    acc = stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, cols_in, K, stride_wn, eps, PROLOGUE, PDL,
                           BLOCK_N, BLOCK_K, PREFETCH_K, EARLY_LAUNCH, SKIP_WAIT)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)
-    dtype = x_ptr.dtype.element_ty
-    y = acc.to(dtype)                               # rounded as the activations are
+    y = acc.to(x_ptr.dtype.element_ty)              # rounded as the activations are
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + cols, mask=col_ok).to(tl.float32)
-        if PENDING == 1:
-            pending = from_fixed(tl.load(pending_ptr + cols, mask=col_ok, other=0))
-            residual = (pending.to(dtype).to(tl.float32) + residual).to(dtype).to(tl.float32)
-        y = (y.to(tl.float32) + residual).to(dtype)
+        residual = tl.load(residual_ptr + cols, mask=col_ok)
+        y = (y.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
     tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
-    if PENDING != 0:
-        tl.store(pending_ptr + cols, tl.zeros([BLOCK_N], tl.int64), mask=col_ok)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -178,15 +161,11 @@ def checked_config(n: int, k: int, overrides: dict | None) -> dict:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
          residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         pending: torch.Tensor | None = None, fold_pending: bool = True,
          config: dict | None = None) -> torch.Tensor:
     """x [1, K] (or [1, 2K] with `silu_mul`), weight [N, K] -> [1, N].
 
     `norm_weight`/`eps`: RMSNorm x first. `silu_mul`: x is gate | up, use silu(gate) * up.
     `residual` [1, N]: add it to the result (`out=residual` updates it in place).
-    `pending` [1, K or N] int64 fixed-point sum (`backend.kernels.fused_mlp`'s output): with
-    `norm_weight`, RMSNorm x + round(pending); with `residual`, add round(pending) to the residual
-    first and clear it (`fold_pending=False`: only clear it).
     `out` may be float32 where x is half precision: the result is rounded to x's dtype first, as
     `linear(x).float()` would be, without a second kernel.
     """
@@ -199,22 +178,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     config = checked_config(n, k, config)
     assert residual is None or residual.is_contiguous() and out.is_contiguous()
     prologue = SILU_MUL if silu_mul else NORM if norm_weight is not None else NO_PROLOGUE
-    pending_mode = NO_PENDING
-    if pending is not None:
-        assert pending.dtype == torch.int64 and pending.is_contiguous()
-        if norm_weight is not None:
-            assert pending.shape == (1, k) and residual is None
-            prologue = PENDING_NORM
-        else:
-            assert pending.shape == (1, n) and residual is not None, "a pending sum folds into a residual"
-            pending_mode = FOLD_PENDING if fold_pending else CLEAR_PENDING
     _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight,
         norm_weight if norm_weight is not None else weight,
-        residual if residual is not None else out, pending if pending is not None else out,
-        out, n, k, weight.stride(0), eps,
+        residual if residual is not None else out, out, n, k, weight.stride(0), eps,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        PENDING=pending_mode,
         **config, **launch_options(),
     )
     return out

@@ -18,13 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.gemv import NO_PROLOGUE, NORM, PENDING_NORM, checked_config, stream_rows_dot
+from backend.kernels.gemv import checked_config, stream_rows_dot
 from backend.kernels.pdl import launch_options
 
 
 @triton.jit
 def _qkv_rope_kernel(
-    x_ptr, w_ptr, bias_ptr, norm_w_ptr, pending_ptr, out_ptr, cos_sin_ptr, positions_ptr, slot_ptr,
+    x_ptr, w_ptr, bias_ptr, norm_w_ptr, out_ptr, cos_sin_ptr, positions_ptr, slot_ptr,
     k_cache_ptr, v_cache_ptr, K, stride_wn, eps, stride_cs_pos, stride_cs_kind,
     stride_c_block, stride_c_offset, stride_c_head,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -46,7 +46,7 @@ def _qkv_rope_kernel(
     cos = tl.load(cos_sin_ptr + position * stride_cs_pos + half_dim)
     sin = tl.load(cos_sin_ptr + position * stride_cs_pos + stride_cs_kind + half_dim)
     slot = tl.load(slot_ptr).to(tl.int64)
-    acc = stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, pending_ptr, rows, K, stride_wn, eps, PROLOGUE, PDL,
+    acc = stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps, PROLOGUE, PDL,
                           BLOCK_N, BLOCK_K, PREFETCH_K, EARLY_LAUNCH)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)
@@ -75,12 +75,11 @@ def qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   num_heads: int, num_kv_heads: int, cos_sin: torch.Tensor, positions: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                   norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                  pending: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                  config: dict | None = None) -> torch.Tensor:
     """x [1, hidden], weight [(heads + 2 kv_heads) * D, hidden] -> qkv [1, (heads + 2 kv_heads) * D]
     with q and k rotated for `positions` [1]; the rotated keys and the values are also stored at
     `slot_mapping` [1] in k_cache / v_cache ([blocks, block_size, kv_heads, D]).
-    `norm_weight`/`eps`: RMSNorm x first; of x + round(`pending`) where a fixed-point sum is
-    pending (`backend.kernels.fused_mlp`'s output, [1, hidden] int64). cos_sin [P, 2, D] float32 (`RotaryEmbedding.cos_sin`)."""
+    `norm_weight`/`eps`: RMSNorm x first. cos_sin [P, 2, D] float32 (`RotaryEmbedding.cos_sin`)."""
     n, k = weight.shape
     head_dim = cos_sin.shape[-1]
     assert x.shape == (1, k) and x.stride(-1) == 1 and weight.stride(-1) == 1
@@ -91,16 +90,13 @@ def qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     config = checked_config(n, k, config)
     assert config["BLOCK_N"] >= 2 and (head_dim // 2) % (config["BLOCK_N"] // 2) == 0, \
         "a program's features must be whole rotary pairs within one head"
-    assert pending is None or (norm_weight is not None and pending.shape == (1, k)
-                               and pending.dtype == torch.int64 and pending.is_contiguous())
-    prologue = NO_PROLOGUE if norm_weight is None else NORM if pending is None else PENDING_NORM
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _qkv_rope_kernel[(n // config["BLOCK_N"],)](
         x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
-        pending if pending is not None else out, out, cos_sin, positions, slot_mapping, k_cache, v_cache, k, weight.stride(0), eps,
+        out, cos_sin, positions, slot_mapping, k_cache, v_cache, k, weight.stride(0), eps,
         cos_sin.stride(0), cos_sin.stride(1), *k_cache.stride()[:3],
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, CACHE_BLOCK=k_cache.shape[1],
-        PROLOGUE=prologue, HAS_BIAS=bias is not None,
+        PROLOGUE=1 if norm_weight is not None else 0, HAS_BIAS=bias is not None,
         **config, **launch_options(),
     )
     return out

@@ -22,13 +22,12 @@ from backend.model_config import ModelConfig
 from backend.models.rotary import RotaryEmbedding
 
 try:  # the fused GPU kernels; CPU-only installs without Triton use the torch path
-    from backend.kernels import fixed_point, fused_mlp
     from backend.kernels import gemv as one_token
     from backend.kernels.qkv_rope import qkv_rope_gemv
     from backend.kernels.activation import silu_and_mul as fused_silu_and_mul
     from backend.kernels.rmsnorm import rms_norm as fused_rms_norm
 except ImportError:
-    fused_rms_norm = fused_silu_and_mul = one_token = qkv_rope_gemv = fixed_point = fused_mlp = None
+    fused_rms_norm = fused_silu_and_mul = one_token = qkv_rope_gemv = None
 
 
 # The one-token path pays where per-kernel latency dominates the weight reads. On H200 it took the
@@ -113,16 +112,13 @@ class Attention(nn.Module):
         return out.reshape(-1, self.q_size)
 
     def qkv_one_token(self, stream: torch.Tensor, norm: "RMSNorm", rotation, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: AttentionMetadata,
-                      pending: torch.Tensor | None = None) -> torch.Tensor:
-        """One token's rotated queries [1, heads, D] from the residual stream (plus what is
-        `pending` for it): RMSNorm, projection, rotary and the KV-cache write in one kernel
-        (`backend.kernels.qkv_rope`)."""
+                      v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One token's rotated queries [1, heads, D] from the residual stream: RMSNorm, projection,
+        rotary and the KV-cache write in one kernel (`backend.kernels.qkv_rope`)."""
         qkv = qkv_rope_gemv(stream, self.qkv_proj.weight, self.qkv_proj.bias, num_heads=self.num_heads,
                             num_kv_heads=self.num_kv_heads, cos_sin=rotation.cos_sin,
                             positions=rotation.positions, k_cache=k_cache, v_cache=v_cache,
-                            slot_mapping=meta.slot_mapping, norm_weight=norm.weight, eps=norm.eps,
-                            pending=pending)
+                            slot_mapping=meta.slot_mapping, norm_weight=norm.weight, eps=norm.eps)
         return qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
 
 
@@ -161,32 +157,18 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def forward_one_token(self, stream, rotation, k_cache, v_cache, meta, pending=None,
-                          first: bool = True, last: bool = True):
-        """The same layer for one-token steps (GPU, bf16/fp16) in fused weight-streaming kernels
-        and attention. `stream` [1, hidden] is the residual stream itself, updated in place: the
-        norms run in the projections' prologues, rotary and the KV write in the qkv projection's
-        epilogue (`backend.kernels.qkv_rope`), the residual add in the o projection's
-        (`backend.kernels.gemv`).
-
-        With `pending` (an int64 fixed-point sum, [1, hidden]) the MLP is one kernel
-        (`backend.kernels.fused_mlp`) that leaves its output there, for the next layer to fold
-        into the stream, unless this is the `last` layer: then the MLP is two GEMVs, the down
-        projection adding its output to the stream itself. The `first` layer reads nothing
-        pending and clears the sum. Without `pending`, every layer runs the two-GEMV MLP."""
+    def forward_one_token(self, stream, rotation, k_cache, v_cache, meta):
+        """The same layer for one-token steps (GPU, bf16/fp16) in four fused weight-streaming
+        GEMVs (`backend.kernels.gemv`, `backend.kernels.qkv_rope`) and attention. `stream`
+        [1, hidden] is the residual stream itself, updated in place: the norms run in the qkv and
+        gate_up projections' prologues, rotary and the KV write in the qkv projection's epilogue,
+        the residual adds in the o and down projections' epilogues."""
         attn, mlp, linear = self.self_attn, self.mlp, one_token.gemv
-        post_norm = self.post_attention_layernorm
-        folds = pending is not None and not first
-        q = attn.qkv_one_token(stream, self.input_layernorm, rotation, k_cache, v_cache, meta,
-                               pending if folds else None)
+        q = attn.qkv_one_token(stream, self.input_layernorm, rotation, k_cache, v_cache, meta)
         out = attn.attend_rotated(q, k_cache, v_cache, meta)
-        linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=stream, out=stream, pending=pending,
-               fold_pending=folds)
-        if pending is not None and not last:
-            fused_mlp.fused_mlp(stream, post_norm.weight, post_norm.eps, mlp.gate_up_proj.weight,
-                                mlp.down_proj.weight, pending)
-            return stream
-        gate_up = linear(stream, mlp.gate_up_proj.weight, norm_weight=post_norm.weight, eps=post_norm.eps)
+        linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=stream, out=stream)
+        gate_up = linear(stream, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
+                         eps=self.post_attention_layernorm.eps)
         return linear(gate_up, mlp.down_proj.weight, silu_mul=True, residual=stream, out=stream)
 
 
@@ -204,11 +186,8 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rotation = self.rotary.rotator(positions, hidden.dtype)
         if self.takes_one_token_path(hidden):
-            pending = self.pending_mlp_sum(hidden)
-            last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
-                hidden = layer.forward_one_token(hidden, rotation, kv_cache[i, 0], kv_cache[i, 1], meta,
-                                                 pending, first=i == 0, last=i == last)
+                hidden = layer.forward_one_token(hidden, rotation, kv_cache[i, 0], kv_cache[i, 1], meta)
             return self.norm(hidden)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -216,18 +195,6 @@ class LlamaModel(nn.Module):
                                      meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    def pending_mlp_sum(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The fixed-point sum the fused MLP kernels leave for the next layer (allocated on the
-        first one-token step, before any CUDA graph is captured), or None where the MLP's sizes
-        do not suit the fused kernel."""
-        layer = self.layers[0].mlp
-        if not fused_mlp.supports(hidden.shape[-1], layer.down_proj.weight.shape[1]):
-            return None
-        sums = getattr(self, "_pending_mlp_sum", None)
-        if sums is None or sums.device != hidden.device:
-            sums = self._pending_mlp_sum = fixed_point.zeros(hidden.shape[-1], hidden.device)
-        return sums
 
     def takes_one_token_path(self, hidden: torch.Tensor) -> bool:
         """Whether this step runs `DecoderLayer.forward_one_token`: on GPU, in bf16/fp16, one
