@@ -99,10 +99,12 @@ def test_refuses_what_it_does_not_take():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])     # qwen2: qkv bias
-def test_one_token_layers_match_the_general_layers(model_type):
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_one_token_layers_match_the_general_layers(model_type, attention):
     """The decoder run as fused one-token kernels (`forward_one_token`) against the general
     layers, on an fp16 decode step at position 6 with 6 tokens of context in the cache. Same
-    hidden states up to fp16 rounding, same keys and values in the cache."""
+    hidden states up to fp16 rounding, same keys and values in the cache. Both attention
+    backends: the Triton one is what GPU steps run."""
     from backend.attention import AttentionMetadata, get_attention_backend
     from backend.model_config import ModelConfig
     from backend.model_loader import build_model, init_random_weights
@@ -113,7 +115,7 @@ def test_one_token_layers_match_the_general_layers(model_type):
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 64, "rms_norm_eps": 1e-5})
     model = build_model(config, torch.device(DEVICE), torch.float16,
-                        get_attention_backend("torch", DEVICE), 64)
+                        get_attention_backend(attention, DEVICE), 64)
     init_random_weights(model, seed=3)
     input_ids = torch.tensor([99], device=DEVICE)
     positions = torch.tensor([6], device=DEVICE)
@@ -121,7 +123,7 @@ def test_one_token_layers_match_the_general_layers(model_type):
         slot_mapping=torch.tensor([14], device=DEVICE),
         query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor([7], dtype=torch.int32, device=DEVICE),
-        block_tables=torch.tensor([[2, 1]], dtype=torch.int32, device=DEVICE),
+        block_tables=torch.tensor([[1, 2]], dtype=torch.int32, device=DEVICE),   # slots 8..15, 16..23
         max_query_len=1, max_seq_len=7, query_lens_cpu=[1], seq_lens_cpu=[7])
     caches = [torch.zeros(2, 2, 3, 8, 2, 32, dtype=torch.float16, device=DEVICE) for _ in range(2)]
     for cache in caches:     # the request's earlier context (slots 8..13), identical in both
