@@ -3,8 +3,16 @@
 A decode step launches a few hundred small kernels; at small batch sizes launching them from
 Python costs more than running them. So decode-only steps (every request computes one token) are
 captured once per padded batch size and replayed: the step's inputs are copied from the host
-straight into the graph's input buffer (`stage`), the graph runs forward + logits, and the first
-`n` logit rows are the answer.
+straight into the graph's input buffer (`stage`), and the graph fills the placeholder input ids
+from the previous step's sampled ids (`backend.kernels.placeholders`), runs forward + logits and
+takes each row's argmax (what greedy sampling picks) into a static id buffer. The first `n` rows
+of logits and ids are the answer. Between two replays the device then runs only the copies of the
+ids to the host and of the next inputs to the device: no kernel of its own.
+
+The id buffer is also where the next replay's fill reads the previous ids. When the previous
+step's ids came from elsewhere (sampling with temperature or logits processors, an eager step),
+`stage` copies them in first. A replay overwrites the ids at its end, after its fill read them;
+the host copy of the previous ids is queued before it.
 
 Padded rows have slot -1 (the KV write skips them) and context length 0 (attention writes zeros
 for them); their logits are computed and ignored. The attention kernels size their grids from the
@@ -20,6 +28,12 @@ import numpy as np
 import torch
 
 from backend.attention.metadata import AttentionMetadata
+
+try:   # GPU only; the input buffer and staging also run on CPU tensors (tests)
+    from backend.kernels.argmax import argmax_rows
+    from backend.kernels.placeholders import fill_placeholders
+except ImportError:
+    argmax_rows = fill_placeholders = None
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +58,8 @@ class DecodeGraphs:
         # inputs cost ~12 us of GPU time each on H200, 6% of a batch-1 step of Llama-3.2-1B.
         # The block table comes last: a step copies only its own rows of it.
         fields = [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)),
-                  ("slot_mapping", torch.int64, (n,)), ("fill_rows", torch.int64, (n,)),
-                  ("fill_src", torch.int64, (n,)), ("seq_lens", torch.int32, (n,)),
-                  ("block_tables", torch.int32, (n, blocks))]
+                  ("slot_mapping", torch.int64, (n,)), ("fill_src", torch.int64, (n,)),
+                  ("seq_lens", torch.int32, (n,)), ("block_tables", torch.int32, (n, blocks))]
         sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in fields]
         aligned = [-(-size // 16) * 16 for size in sizes]         # every field starts 16-aligned
         self.offsets = {name: sum(aligned[:i]) for i, (name, _, _) in enumerate(fields)}
@@ -55,6 +68,8 @@ class DecodeGraphs:
             start = self.offsets[name]
             setattr(self, name, self.buffer[start:start + size].view(dtype).view(shape))
         self.slot_mapping.fill_(-1)
+        self.fill_src.fill_(-1)
+        self.sampled_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -74,8 +89,11 @@ class DecodeGraphs:
             query_lens_cpu=[1] * size, seq_lens_cpu=[0] * size)
 
     def _forward(self, size: int) -> torch.Tensor:
+        fill_placeholders(self.input_ids[:size], self.fill_src[:size], self.sampled_ids)
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, self._meta(size))
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        argmax_rows(logits, out=self.sampled_ids[:size])
+        return logits
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -96,13 +114,17 @@ class DecodeGraphs:
 
     def stage(self, staging, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
               seq_lens: np.ndarray, block_tables: np.ndarray, fill_rows: np.ndarray,
-              fill_src: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+              fill_src: np.ndarray, prev_sampled: torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Copy one decode step of n rows into the graph's inputs through `staging` (a
         `StagingBuffer`), padded to the graph size: padded rows get slot -1 (the KV write skips
         them) and context length 0 (attention writes zeros for them); their logits are ignored.
         `fill_rows`/`fill_src`: rows whose input id is the previous step's sampled id at
-        `fill_src` (written by `fill`). Returns the input ids, positions and metadata, as views."""
+        `fill_src` of `prev_sampled` (filled by the graph). Returns the input ids (as staged,
+        before the fill), positions and metadata, as views."""
         n, size = len(input_ids), self.size_for(len(input_ids))
+        if len(fill_rows) and prev_sampled.data_ptr() != self.sampled_ids.data_ptr():
+            self.sampled_ids[:len(prev_sampled)].copy_(prev_sampled)
 
         def padded(a: np.ndarray, value: int, dtype) -> np.ndarray:
             out = np.full((size,) + a.shape[1:], value, dtype=dtype)
@@ -111,14 +133,14 @@ class DecodeGraphs:
 
         table = np.zeros((size, self.block_tables.shape[1]), dtype=np.int32)
         table[:n, :block_tables.shape[1]] = block_tables
+        row_src = np.full(size, -1, dtype=np.int64)
+        row_src[fill_rows] = fill_src
         placed = [(self.offsets["input_ids"], padded(input_ids, 0, np.int64)),
                   (self.offsets["positions"], padded(positions, 0, np.int64)),
                   (self.offsets["slot_mapping"], padded(slots, -1, np.int64)),
+                  (self.offsets["fill_src"], row_src),
                   (self.offsets["seq_lens"], padded(seq_lens, 0, np.int32)),
                   (self.offsets["block_tables"], table)]
-        if len(fill_rows):
-            placed += [(self.offsets["fill_rows"], fill_rows.astype(np.int64)),
-                       (self.offsets["fill_src"], fill_src.astype(np.int64))]
         staging.to_device_at(placed, self.buffer)
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[:n + 1],
@@ -127,12 +149,10 @@ class DecodeGraphs:
             seq_lens_cpu=seq_lens.tolist())
         return self.input_ids[:n], self.positions[:n], meta
 
-    def fill(self, count: int, prev_sampled: torch.Tensor) -> None:
-        """Input ids of the staged fill rows from the previous step's sampled ids, on the device."""
-        self.input_ids[self.fill_rows[:count]] = prev_sampled[self.fill_src[:count]]
-
-    def replay(self, n: int) -> torch.Tensor:
-        """Run the staged step (n rows) in the smallest graph that fits; float32 logits [n, vocab]."""
+    def replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the staged step (n rows) in the smallest graph that fits: float32 logits
+        [n, vocab] and each row's argmax [n] (views of the graph's outputs, valid until the next
+        replay)."""
         graph, logits = self.graphs[self.size_for(n)]
         graph.replay()
-        return logits[:n]
+        return logits[:n], self.sampled_ids[:n]

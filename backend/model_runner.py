@@ -51,6 +51,14 @@ _token_ids, _block_ids, _start_pos, _needs_logits, _prev_row = (
 
 
 @dataclass
+class StepLogits:
+    """What one step computed."""
+    logits: torch.Tensor               # float32 [chunks with needs_logits, vocab], in chunk order
+    argmax_ids: torch.Tensor | None    # int64 argmax of each row, where the step computed it
+                                       # (decode CUDA graphs; valid until the next step runs)
+
+
+@dataclass
 class StepInputs:
     """One packed step, on the model device."""
     input_ids: torch.Tensor       # [T] int64
@@ -122,8 +130,9 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     # ---- one step ----------------------------------------------------------------------------
-    def execute(self, chunks: list[SequenceChunk], prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits [number of chunks with needs_logits, vocab], in chunk order.
+    def execute(self, chunks: list[SequenceChunk], prev_sampled: torch.Tensor | None = None) -> StepLogits:
+        """The logits of the chunks with needs_logits (and their argmax where the step computes
+        it anyway).
 
         `prev_sampled`: the previous step's sampled ids, on the device, for chunks with a
         `prev_row` (overlap scheduling). The call returns once the work is queued on the device.
@@ -132,9 +141,9 @@ class ModelRunner:
         with torch.inference_mode():
             graphs = self.decode_graphs
             if inputs.in_graph:
-                return graphs.replay(len(chunks))
+                return StepLogits(*graphs.replay(len(chunks)))
             hidden = self._run_model(inputs)
-            return self.model.compute_logits(hidden[inputs.logits_indices])
+            return StepLogits(self.model.compute_logits(hidden[inputs.logits_indices]), None)
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The eager forward pass (prefill chunks, mixed batches, CPU)."""
@@ -204,10 +213,8 @@ class ModelRunner:
         if (graphs is not None and total == n and n <= graphs.max_batch_size and wants_logits.all()):
             staging = self._next_staging()
             ids_d, pos_d, meta = graphs.stage(staging, input_ids, positions, slots, seq_lens, block_tables,
-                                              fill_rows, fill_src)
+                                              fill_rows, fill_src, prev_sampled)
             self._staged(staging)
-            if fill_rows.size:
-                graphs.fill(fill_rows.size, prev_sampled)
             return StepInputs(ids_d, pos_d, meta, graphs.query_start_loc[:n], in_graph=True)
         arrays = [input_ids, positions, slots, query_start_loc.astype(np.int32), seq_lens.astype(np.int32),
                   block_tables.astype(np.int32), logits_indices]

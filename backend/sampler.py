@@ -116,11 +116,15 @@ class Sampler:
         self._prompt_tokens.forget(request_id)
         self._kinds.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """Choose one token per row of `logits` [B, V]; row i belongs to requests[i]."""
-        return self.sample_async(logits, requests).result()
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               argmax_ids: torch.Tensor | None = None) -> SamplerOutput:
+        """Choose one token per row of `logits` [B, V]; row i belongs to requests[i].
+        `argmax_ids`: each row's argmax of `logits`, when already computed (the decode CUDA
+        graphs do); greedy rows without logits processors take it as it is."""
+        return self.sample_async(logits, requests, argmax_ids).result()
 
-    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+    def sample_async(self, logits: torch.Tensor, requests: list[Request],
+                     argmax_ids: torch.Tensor | None = None) -> PendingSample:
         """Like `sample`, without waiting for the device: the ids stay on the device (the next
         step can read them there) while a copy to host memory is under way."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
@@ -136,8 +140,8 @@ class Sampler:
             greedy = greedy and kind[1]
             want_logprobs = want_logprobs or kind[2]
             processed = processed or (kind[3] and has_processors(r, default_end_ids))
-        if not processed and greedy:
-            tokens = argmax(logits)  # fast path: nothing to copy or edit
+        if not processed and greedy:  # fast path: nothing to copy or edit
+            tokens = argmax_ids if argmax_ids is not None else argmax(logits)
         else:
             work = logits.clone()
             if processed:

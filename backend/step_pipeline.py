@@ -135,11 +135,13 @@ class StepPipeline:
             chunks.append(SequenceChunk(r.tokens(c.start, c.start + c.num_tokens), c.start, r.block_ids,
                                         c.samples, rows[r.request_id] if r.token_in_flight else -1))
         if previous is not None:
-            logits = self.runner.execute(chunks, prev_sampled=previous.pending.token_ids)
+            step = self.runner.execute(chunks, prev_sampled=previous.pending.token_ids)
         else:
-            logits = self.runner.execute(chunks)
+            step = self.runner.execute(chunks)
         requests = [c.request for c in output.chunks if c.samples]
-        return _InFlight(requests, self.sampler.sample_async(logits, requests) if requests else None)
+        if not requests:
+            return _InFlight(requests, None)
+        return _InFlight(requests, self.sampler.sample_async(step.logits, requests, step.argmax_ids))
 
     def _complete(self, inflight: _InFlight) -> None:
         """Wait for an in-flight step's sampled ids and process them (stops, delivery)."""
@@ -190,11 +192,11 @@ class StepPipeline:
     def _run(self, chunks: list[ScheduledChunk]) -> list[tuple[int, float]]:
         seq_chunks = [SequenceChunk(c.request.tokens(c.start, c.start + c.num_tokens), c.start,
                                     c.request.block_ids, c.samples) for c in chunks]
-        logits = self.runner.execute(seq_chunks)
+        step = self.runner.execute(seq_chunks)
         requests = [c.request for c in chunks if c.samples]
         if not requests:
             return []
-        sampled = self.sampler.sample(logits, requests)
+        sampled = self.sampler.sample(step.logits, requests, step.argmax_ids)
         logprobs = sampled.logprobs or [0.0] * len(requests)
         return list(zip(sampled.token_ids, logprobs))
 

@@ -23,7 +23,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.executor import Executor
-from backend.model_runner import ModelRunner
+from backend.model_runner import ModelRunner, StepLogits
 from backend.sampling_params import SamplingParams
 
 
@@ -32,7 +32,7 @@ class FakeRunner(ModelRunner):
 
     def execute(self, chunks, prev_sampled=None):
         self.prepare(chunks, prev_sampled)
-        return torch.zeros(sum(c.needs_logits for c in chunks), self.vocab_size)
+        return StepLogits(torch.zeros(sum(c.needs_logits for c in chunks), self.vocab_size), None)
 
 
 def tiny_model_dir() -> Path:

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if graphs is not None:
             graph = graphs.graphs[next(s for s in graphs.sizes if s >= batch)][0]
             row["graph_replay_gpu_ms"] = round(cuda_ms(graph.replay), 4)
-        row["runner_step_ms"] = round(wall_ms(lambda: runner.execute(decode).argmax(-1).tolist()), 4)
+        row["runner_step_ms"] = round(wall_ms(lambda: runner.execute(decode).logits.argmax(-1).tolist()), 4)
         row["prepare_ms"] = round(wall_ms(lambda: runner.prepare(decode)), 4)
         row.update(kernel_table(runner, inputs))
         results.append(row)

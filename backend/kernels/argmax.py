@@ -50,14 +50,16 @@ def _row_max_kernel(max_ptr, index_ptr, out_ptr, num_chunks, CHUNKS_PAD: tl.cons
     tl.store(out_ptr + row, first.to(tl.int64))
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [B, V] (float, last dimension contiguous) -> int64 [B]."""
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, V] (float, last dimension contiguous) -> int64 [B] (into `out` when given)."""
     assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] < 2 ** 31
     rows, vocab = x.shape
     num_chunks = triton.cdiv(vocab, CHUNK)
     maxima = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     index = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    assert out.shape == (rows,) and out.dtype == torch.int64 and out.is_contiguous()
     if rows == 0:
         return out
     options = launch_options()

@@ -128,3 +128,19 @@ def test_argmax_matches_torch_with_ties_inside_and_across_chunks():
     wide = torch.randn(2, vocab + 64, device=DEVICE)[:, 64:]  # rows with a stride, not contiguous
     for x in (logits, wide, logits[:1]):
         torch.testing.assert_close(argmax_rows(x).cpu(), x.argmax(dim=-1).cpu(), rtol=0, atol=0)
+    buffer = torch.full((8,), -5, dtype=torch.int64, device=DEVICE)      # into a longer buffer
+    assert argmax_rows(logits, out=buffer[:5]).data_ptr() == buffer.data_ptr()
+    assert buffer.tolist() == logits.argmax(dim=-1).tolist() + [-5, -5, -5]
+
+
+def test_fill_placeholders_takes_the_previous_ids_only_where_asked():
+    from backend.kernels.placeholders import BLOCK, fill_placeholders
+    n = BLOCK + 3                                              # two programs, the last partial
+    ids = torch.arange(n, dtype=torch.int64, device=DEVICE) + 1000
+    fill_src = torch.full((n,), -1, dtype=torch.int64, device=DEVICE)
+    fill_src[[0, 5, BLOCK + 2]] = torch.tensor([2, 0, 1], device=DEVICE)
+    sampled = torch.tensor([70, 71, 72], dtype=torch.int64, device=DEVICE)
+    expected = ids.clone()
+    expected[[0, 5, BLOCK + 2]] = torch.tensor([72, 70, 71], device=DEVICE)
+    fill_placeholders(ids, fill_src, sampled)
+    assert torch.equal(ids, expected)

@@ -72,7 +72,7 @@ def test_chunked_prefill_then_decode_matches_transformers(model_pair):
     # prompt of 25 tokens in chunks of 9, 11, 5 (crossing block boundaries), then 5 decodes
     bounds = [(0, 9), (9, 20), (20, 25)] + [(p, p + 1) for p in range(25, 30)]
     for start, end in bounds:
-        logits = runner.execute([SequenceChunk(ids[start:end], start, blocks, True)])
+        logits = runner.execute([SequenceChunk(ids[start:end], start, blocks, True)]).logits
         assert logits.shape == (1, runner.vocab_size)
         torch.testing.assert_close(logits[0], expected[end - 1], atol=1e-4, rtol=1e-4)
 
@@ -87,12 +87,12 @@ def test_packed_batch_equals_sequences_alone(tiny_hf_model):
     blocks_a, blocks_b = blocks[:6], blocks[6:9]
     # step 1: a's first chunk (no logits) and all of b; step 2: rest of a and b's decode
     step1 = runner.execute([SequenceChunk(a[:16], 0, blocks_a, False),
-                            SequenceChunk(b[:8], 0, blocks_b, True)])
+                            SequenceChunk(b[:8], 0, blocks_b, True)]).logits
     step2 = runner.execute([SequenceChunk(a[16:], 16, blocks_a, True),
-                            SequenceChunk(b[8:], 8, blocks_b, True)])
+                            SequenceChunk(b[8:], 8, blocks_b, True)]).logits
     assert step1.shape == (1, runner.vocab_size) and step2.shape == (2, runner.vocab_size)
-    alone_a = runner.execute([SequenceChunk(a, 0, blocks[20:26], True)])[0]
-    alone_b = runner.execute([SequenceChunk(b, 0, blocks[26:29], True)])[0]
+    alone_a = runner.execute([SequenceChunk(a, 0, blocks[20:26], True)]).logits[0]
+    alone_b = runner.execute([SequenceChunk(b, 0, blocks[26:29], True)]).logits[0]
     torch.testing.assert_close(step2[0], alone_a, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(step2[1], alone_b, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(step1[0], hf_logits(hf, b[:8])[-1], atol=1e-4, rtol=1e-4)

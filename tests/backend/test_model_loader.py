@@ -63,7 +63,7 @@ def test_hf_directory_sharded_loads_and_matches_transformers(tiny_hf_model, tmp_
     runner = ModelRunner(EngineConfig(model_path=str(sharded), device="cpu", tokens_per_block=8,
                                       max_batch_size=2))
     ids = list(range(3, 40))
-    logits = runner.execute([SequenceChunk(ids, 0, [3, 1, 4, 0, 2], True)])
+    logits = runner.execute([SequenceChunk(ids, 0, [3, 1, 4, 0, 2], True)]).logits
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
@@ -158,6 +158,6 @@ def test_default_model_converts_once_and_matches_transformers(cache, monkeypatch
     blocks, tokens = list(range(runner.num_kv_blocks))[::-1], list(ids)
     chunk = SequenceChunk(tokens, 0, blocks, True)
     for _ in range(8):
-        tokens.append(int(runner.execute([chunk]).argmax(-1)[0]))
+        tokens.append(int(runner.execute([chunk]).logits.argmax(-1)[0]))
         chunk = SequenceChunk(tokens[-1:], len(tokens) - 1, blocks, True)
     assert tokens[len(ids):] == expected.tolist()

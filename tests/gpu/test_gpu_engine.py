@@ -67,7 +67,7 @@ def test_one_token_path_is_as_close_to_fp32_as_the_general_path(tmp_path, monkey
             runner.execute([SequenceChunk(prompt, 0, blocks, True)])
             hidden = torch.zeros(1, 256, dtype=runner.dtype, device="cuda")
             assert runner.model.model.takes_one_token_path(hidden) == (one_token and dtype == "bfloat16")
-            logits = runner.execute([SequenceChunk([7], len(prompt), blocks, True)]).float().clone()
+            logits = runner.execute([SequenceChunk([7], len(prompt), blocks, True)]).logits.float().clone()
         del runner
         torch.cuda.empty_cache()
         return logits
