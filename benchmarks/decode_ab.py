@@ -1,0 +1,122 @@
+"""Decode step time of engine variants, alternated in one process.
+
+Each variant is an executor whose decode CUDA graphs were captured with one of the engine's
+choices changed, or, as a diagnostic, with a part of the step left out. Every round measures each
+variant once, as `benchmarks.decode_floor` does, so all of them see the same GPU in the same
+state. On one H100 the medians of six rounds at batch 1 repeated within ~5 us, where the same code
+in separate processes differed by up to ~30 us.
+
+    python -m benchmarks.decode_ab --variants default no_attention splits=1 --rounds 6 --json OUT
+
+Variants (the changes apply while the variant's graphs are captured; decode steps replay them):
+  default           the engine as it is
+  splits=N          at most N decode-attention splits per (request, kv head)
+  qkv:KEY=V,...     the qkv+rotary kernel's launch config (e.g. qkv:BLOCK_N=8,num_stages=2)
+  no_attention      diagnostic: attention returns its queries (wrong tokens, same step otherwise)
+  no_argmax         diagnostic: the graph leaves out its greedy argmax
+  no_final_norm     diagnostic (batch 1): the model's last RMSNorm is left out
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+from unittest import mock
+
+import torch
+
+from backend.config import EngineConfig
+from backend.executor import Executor
+from benchmarks.decode_floor import copy_rate_bytes_per_s, measure
+from benchmarks.provenance import provenance, save_json
+
+
+def _changes(variant: str) -> list:
+    """The patches that make `variant`, as context managers."""
+    import backend.attention.kernels.decode as decode
+    import backend.cuda_graphs as cuda_graphs
+    import backend.kernels.qkv_rope as qkv_rope
+    import backend.models.llama as llama
+
+    if variant == "default":
+        return []
+    if variant.startswith("splits="):
+        most, choose = int(variant.split("=", 1)[1]), decode.choose_num_splits
+        return [mock.patch.object(decode, "choose_num_splits", lambda *a: min(most, choose(*a)))]
+    if variant.startswith("qkv:"):
+        pairs = (item.split("=") for item in variant[4:].split(","))
+        override = {key: int(value) for key, value in pairs}
+        base = qkv_rope.checked_config
+        return [mock.patch.object(qkv_rope, "checked_config",
+                                  lambda n, k, config: base(n, k, {**override, **(config or {})}))]
+    if variant == "no_attention":
+        return [mock.patch.object(llama.Attention, "attend_rotated",
+                                  lambda self, q, k_cache, v_cache, meta: q.reshape(-1, self.q_size))]
+    if variant == "no_argmax":
+        return [mock.patch.object(cuda_graphs, "argmax_rows", lambda logits, out: out)]
+    if variant == "no_final_norm":
+        norm = llama.RMSNorm.forward
+        return [mock.patch.object(llama.RMSNorm, "forward", lambda self, x, residual=None:
+                                  x if residual is None else norm(self, x, residual))]
+    raise ValueError(f"unknown variant {variant!r} (see python -m benchmarks.decode_ab --help)")
+
+
+def build(variant: str, model: str, batch: int, isl: int, n2: int) -> Executor:
+    seq = isl + n2 + 1
+    config = EngineConfig(model_path=model, max_batch_size=batch, max_num_tokens=max(2048, batch * isl),
+                          max_seq_len=seq, max_tokens_in_paged_kv_cache=batch * (seq + 64),
+                          enable_kv_cache_reuse=False)
+    with contextlib.ExitStack() as stack:
+        for change in _changes(variant):
+            stack.enter_context(change)
+        return Executor(config)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_ab", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__[__doc__.index("Variants"):])
+    p.add_argument("--variants", nargs="+", default=["default", "no_attention"])
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--isl", type=int, default=128)
+    p.add_argument("--n1", type=int, default=16)
+    p.add_argument("--n2", type=int, default=144)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    for variant in args.variants:    # unknown names fail before anything is built
+        try:
+            _changes(variant)
+        except ValueError as e:
+            p.error(str(e))
+    if not torch.cuda.is_available():
+        p.error("needs a GPU: the variants differ in their decode CUDA graphs")
+    executors = {v: build(v, args.model, args.batch, args.isl, args.n2) for v in args.variants}
+    device = torch.device("cuda")
+    rate = copy_rate_bytes_per_s(device)
+    steps: dict[str, list[float]] = {v: [] for v in executors}
+    floor_ms = 0.0
+    for round_ in range(args.rounds):
+        for variant, executor in executors.items():
+            r = measure(executor, args.batch, args.isl, args.n1, args.n2, repeats=3)
+            steps[variant].append(r["step_ms"])
+            floor_ms = r["bytes_per_step"] / rate * 1e3
+        print(f"round {round_ + 1}: " + ", ".join(f"{v} {s[-1]:.4f}" for v, s in steps.items()), flush=True)
+    result = {"benchmark": "decode_ab", **provenance(device), "model": args.model, "batch": args.batch,
+              "isl": args.isl, "rounds": args.rounds, "floor_ms": round(floor_ms, 4),
+              "copy_rate_tb_s": round(rate / 1e12, 3), "variants": {}}
+    for variant, s in steps.items():
+        median = statistics.median(s)
+        result["variants"][variant] = {"median_step_ms": round(median, 4), "step_ms_all": s,
+                                       "fraction_of_floor": round(floor_ms / median, 3)}
+        print(f"{variant:24s} {median:.4f} ms  {floor_ms / median:.3f} of the floor", flush=True)
+    for executor in executors.values():
+        executor.shutdown()
+    save_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
