@@ -151,10 +151,13 @@ def test_decode_matches_reference(num_heads, num_kv_heads, block_size, num_split
     assert_matches_reference(out, query, k_cache, v_cache, meta, scale)
 
 
-def test_decode_split_merge_leaves_its_counters_at_zero():
-    """The last split of a request to finish merges the partial results and resets its arrival
-    counter, so the next launch (a CUDA graph replay reuses the same counters) merges again."""
+@pytest.mark.parametrize("most_values", [8192, 0], ids=["group at once", "head by head"])
+def test_decode_split_merge_leaves_its_counters_at_zero(most_values, monkeypatch):
+    """The last split of a request to finish merges the partial results (all the group's heads at
+    once while they are few, else head by head) and resets its arrival counter, so the next
+    launch (a CUDA graph replay reuses the same counters) merges again."""
     from backend.attention.kernels.decode import arrival_counters
+    monkeypatch.setattr(decode, "MERGE_AT_ONCE_MAX_VALUES", most_values)
     k_cache, v_cache, meta = make_batch([1] * 3, [300, 130, 1], num_kv_heads=2, head_dim=32,
                                         block_size=16, seed=7)
     query = random_query(3, 4, 32, seed=8)

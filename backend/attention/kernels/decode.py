@@ -24,7 +24,9 @@ normalised partial output and its log-sum-exp, and counts itself in on an arriva
 (request, kv head); the last to arrive merges the splits,
     out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max),
 and sets the counter back to zero for the next launch. At batch 1 that saves a separate reduce
-kernel per layer, 16 launches a step on Llama-3.2-1B.
+kernel per layer, 16 launches a step on Llama-3.2-1B. While the group's partials are few (up to
+MERGE_AT_ONCE_MAX_VALUES), the merger loads all of them in one go, not head by head: on one H100
+that took a batch-8 decode step of Llama-3.2-1B from 1.323 to 1.304 ms (batch 1 and 64 unchanged).
 
 `choose_num_splits` adds splits only while (requests x kv heads x splits) is short of about four
 programs per SM, and keeps at least MIN_TOKENS_PER_SPLIT context tokens per split; the count is
@@ -46,6 +48,7 @@ from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 LOG2_E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64
 MIN_TILES_PER_SPLIT = 1
+MERGE_AT_ONCE_MAX_VALUES = 8192      # partials a merging program may hold at once
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 CPU_NOMINAL_SMS = 8      # interpreter runs: keep the heuristic meaningful
@@ -85,6 +88,7 @@ def _decode_kernel(
     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_TILES_PER_SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    MERGE_AT_ONCE: tl.constexpr = False, GROUP_POW2: tl.constexpr = 1,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -171,9 +175,40 @@ def _decode_kernel(
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == used - 1:
                 tl.store(counter, 0)                 # ready for the next launch
-                _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, used,
-                              num_splits, stride_o_h, stride_o_t, NUM_HEADS, GROUP, HEAD_DIM,
-                              SPLITS_PAD)
+                if MERGE_AT_ONCE:
+                    _merge_group_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, used,
+                                        num_splits, stride_o_h, stride_o_t, NUM_HEADS, GROUP,
+                                        GROUP_POW2, HEAD_DIM, SPLITS_PAD)
+                else:
+                    _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, used,
+                                  num_splits, stride_o_h, stride_o_t, NUM_HEADS, GROUP, HEAD_DIM,
+                                  SPLITS_PAD)
+
+
+@triton.jit
+def _merge_group_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, used, num_splits,
+                        stride_o_h, stride_o_t, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                        GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """`_merge_splits` for the whole group at once: every head's partials are loaded together
+    before anything is stored, one round trip instead of one per head (the per-head loop cannot
+    hoist a head's loads above the previous head's store). For small groups x splits."""
+    g = tl.arange(0, GROUP_POW2)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    ok = head_ok[:, None] & (splits < used)[None, :]                               # [G, S]
+    part = (seq * NUM_HEADS + heads).to(tl.int64)[:, None] * num_splits + splits[None, :]
+    lse = tl.load(part_lse_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    parts = tl.load(part_out_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :],
+                    mask=ok[:, :, None], other=0.0, cache_modifier=".cg")           # [G, S, D]
+    lse_max = tl.max(lse, 1)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp2(lse - lse_max[:, None])
+    total = tl.sum(weight, 1)
+    out = tl.sum(parts * weight[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + row * stride_o_t + heads[:, None] * stride_o_h + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 @triton.jit
@@ -271,6 +306,9 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=config["BLOCK_N"], MIN_TILES_PER_SPLIT=min_tiles_per_split or MIN_TILES_PER_SPLIT,
         SPLITS_PAD=triton.next_power_of_2(num_splits), SINGLE_SPLIT=single,
+        MERGE_AT_ONCE=(triton.next_power_of_2(group) * triton.next_power_of_2(num_splits) * head_dim
+                       <= MERGE_AT_ONCE_MAX_VALUES),
+        GROUP_POW2=triton.next_power_of_2(group),
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         num_warps=config["num_warps"], num_stages=config["num_stages"], **launch_options(),
     )
