@@ -12,6 +12,8 @@ Variants (the changes apply while the variant's graphs are captured; decode step
   default           the engine as it is
   splits=N          at most N decode-attention splits per (request, kv head)
   qkv:KEY=V,...     the qkv+rotary kernel's launch config (e.g. qkv:BLOCK_N=8,num_stages=2)
+  attention_merges  batch 1: decode attention merges its splits itself (an arrival counter, the
+                    last split merges), instead of the o projection merging them as it reads them
   no_attention      diagnostic: attention returns its queries (wrong tokens, same step otherwise)
   no_argmax         diagnostic: the graph leaves out its greedy argmax
   no_final_norm     diagnostic (batch 1): the model's last RMSNorm is left out
@@ -35,6 +37,7 @@ def _changes(variant: str) -> list:
     """The patches that make `variant`, as context managers."""
     import backend.attention.kernels.decode as decode
     import backend.cuda_graphs as cuda_graphs
+    import backend.kernels.gemv as gemv
     import backend.kernels.qkv_rope as qkv_rope
     import backend.models.llama as llama
 
@@ -49,6 +52,8 @@ def _changes(variant: str) -> list:
         base = qkv_rope.checked_config
         return [mock.patch.object(qkv_rope, "checked_config",
                                   lambda n, k, config: base(n, k, {**override, **(config or {})}))]
+    if variant == "attention_merges":
+        return [mock.patch.object(gemv, "takes_partials", lambda weight, head_dim: False)]
     if variant == "no_attention":
         return [mock.patch.object(llama.Attention, "attend_rotated",
                                   lambda self, q, k_cache, v_cache, meta: q.reshape(-1, self.q_size))]

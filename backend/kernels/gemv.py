@@ -15,6 +15,11 @@ Fusions, each saving a kernel launch and a round trip of the activations:
   ulps, fewer roundings rather than more.)
 - prologue "silu_mul": x is [1, 2K] = gate | up and the operand is silu(gate) * up, rounded as
   `backend.kernels.activation.silu_and_mul` rounds.
+- prologue "merge": the operand is split-K decode attention's output, still in its splits
+  (`backend.attention.kernels.decode.decode_attention_partials`): each head's splits are merged
+  as the operand is read, out = sum_s w_s o_s / sum_s w_s with w_s = exp2(lse_s - max lse), and
+  rounded to the activation dtype as the merged attention output would be. This is the o
+  projection at batch 1: the attention kernel then needs no merge of its own.
 - epilogue residual: out = round(x @ weight^T + bias) + residual, rounded once more, as torch's
   add of the two rounded tensors. `out` may be `residual` itself (each program reads and writes
   only its own columns).
@@ -35,7 +40,7 @@ import triton.language as tl
 
 from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 
-NO_PROLOGUE, NORM, SILU_MUL = 0, 1, 2
+NO_PROLOGUE, NORM, SILU_MUL, MERGE = 0, 1, 2, 3
 
 
 @triton.jit
@@ -55,15 +60,38 @@ def _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE: tl.constexpr):
 
 
 @triton.jit
+def _merged_operand(parts_ptr, lse_ptr, k0, num_splits, WIDTH: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+    """The float32 operand at columns k0..k0+WIDTH (whole heads) merged from the split partials
+    parts [heads, num_splits, HEAD_DIM] and lse [heads, num_splits], rounded to `dtype`."""
+    HEADS: tl.constexpr = WIDTH // HEAD_DIM
+    heads = k0 // HEAD_DIM + tl.arange(0, HEADS)
+    splits = tl.arange(0, SPLITS_PAD)
+    index = heads[:, None] * num_splits + splits[None, :]                          # [H, S]
+    lse = tl.load(lse_ptr + index, mask=splits[None, :] < num_splits, other=float("-inf"))
+    parts = tl.load(parts_ptr + index[:, :, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, None, :],
+                    mask=(splits < num_splits)[None, :, None], other=0.0)          # [H, S, D]
+    top = tl.max(lse, 1)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)[:, None])
+    total = tl.sum(weight, 1)
+    merged = tl.sum(tl.where(weight[:, :, None] > 0, parts * weight[:, :, None], 0.0), 1)
+    merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+    return tl.reshape(merged.to(dtype).to(tl.float32), (WIDTH,))
+
+
+@triton.jit
 def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps,
                     PROLOGUE: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
-                    SKIP_WAIT: tl.constexpr = False):
+                    SKIP_WAIT: tl.constexpr = False, num_splits=1, SPLITS_PAD: tl.constexpr = 1,
+                    HEAD_DIM: tl.constexpr = 1):
     """float32 [BLOCK_N]: weight rows `rows` (int64) dotted with the operand over all of K, the
     norm's scale applied. Waits for the previous kernel (PDL) after reading the first PREFETCH_K
     weight columns, and lets the next one launch early (EARLY_LAUNCH) or after the loop.
     SKIP_WAIT is a diagnostic: no wait, so the operand may be stale and the result wrong; only
-    `benchmarks.gemv --chain --wait-cost` sets it, to time what the waits cost."""
+    `benchmarks.gemv --chain --wait-cost` sets it, to time what the waits cost. With the merge
+    prologue, x_ptr / norm_w_ptr are the split partials / their lse (`num_splits` of them, heads
+    of HEAD_DIM)."""
     w_rows = w_ptr + rows[:, None] * stride_wn
     if PDL and EARLY_LAUNCH:
         gdc_launch_dependents()
@@ -74,15 +102,23 @@ def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps,
     square_sum = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_N], tl.float32)
     if PREFETCH_K > 0:
-        a_first, first_squares = _operand_tile(x_ptr, norm_w_ptr, tl.arange(0, PREFETCH_K), K, PROLOGUE)
-        square_sum += first_squares
+        if PROLOGUE == 3:
+            a_first = _merged_operand(x_ptr, norm_w_ptr, 0, num_splits, PREFETCH_K, SPLITS_PAD, HEAD_DIM,
+                                      w_ptr.dtype.element_ty)
+        else:
+            a_first, first_squares = _operand_tile(x_ptr, norm_w_ptr, tl.arange(0, PREFETCH_K), K, PROLOGUE)
+            square_sum += first_squares
         acc += tl.sum(w_first.to(tl.float32) * a_first[None, :], 1)
     ks = tl.arange(0, BLOCK_K)
     partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(PREFETCH_K, K, BLOCK_K):
         k = k0 + ks
-        a, tile_squares = _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE)
-        square_sum += tile_squares
+        if PROLOGUE == 3:
+            a = _merged_operand(x_ptr, norm_w_ptr, k0, num_splits, BLOCK_K, SPLITS_PAD, HEAD_DIM,
+                                w_ptr.dtype.element_ty)
+        else:
+            a, tile_squares = _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE)
+            square_sum += tile_squares
         w = tl.load(w_rows + k[None, :])
         partial += w.to(tl.float32) * a[None, :]
     acc += tl.sum(partial, 1)
@@ -98,19 +134,21 @@ def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, N, K, stride_wn, eps,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
-    SKIP_WAIT: tl.constexpr = False,
+    SKIP_WAIT: tl.constexpr = False, num_splits=1, SPLITS_PAD: tl.constexpr = 1, HEAD_DIM: tl.constexpr = 1,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     cols_in = tl.where(col_ok, cols, 0).to(tl.int64)          # masked columns read row 0
     acc = stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, cols_in, K, stride_wn, eps, PROLOGUE, PDL,
-                          BLOCK_N, BLOCK_K, PREFETCH_K, EARLY_LAUNCH, SKIP_WAIT)
+                          BLOCK_N, BLOCK_K, PREFETCH_K, EARLY_LAUNCH, SKIP_WAIT, num_splits, SPLITS_PAD,
+                          HEAD_DIM)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)
-    y = acc.to(x_ptr.dtype.element_ty)              # rounded as the activations are
+    dtype = w_ptr.dtype.element_ty                  # the activations' (x's, except merged partials)
+    y = acc.to(dtype)                               # rounded as the activations are
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + cols, mask=col_ok)
-        y = (y.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        y = (y.to(tl.float32) + residual.to(tl.float32)).to(dtype)
     tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -118,6 +156,13 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `gemv` takes this product: one contiguous row, half precision, K in 64-wide tiles."""
     return (x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and weight.shape[1] % 64 == 0)
+
+
+def takes_partials(weight: torch.Tensor, head_dim: int) -> bool:
+    """Whether `gemv(partials=...)` can merge heads of `head_dim` for this weight: its K tiles
+    hold whole heads."""
+    config = launch_config(*weight.shape)
+    return config["BLOCK_K"] % head_dim == 0 and config["PREFETCH_K"] % head_dim == 0
 
 
 def launch_config(n: int, k: int) -> dict:
@@ -158,31 +203,46 @@ def checked_config(n: int, k: int, overrides: dict | None) -> dict:
     return config
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def gemv(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
+         partials: tuple[torch.Tensor, torch.Tensor] | None = None,
          residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
          config: dict | None = None) -> torch.Tensor:
     """x [1, K] (or [1, 2K] with `silu_mul`), weight [N, K] -> [1, N].
 
     `norm_weight`/`eps`: RMSNorm x first. `silu_mul`: x is gate | up, use silu(gate) * up.
+    `partials`: (outputs [1, heads, splits, head_dim], lse [1, heads, splits]), float32, of split
+    decode attention (`decode_attention_partials`, heads * head_dim = K): the operand is their
+    merge, in weight's dtype; x is not read (pass None).
     `residual` [1, N]: add it to the result (`out=residual` updates it in place).
     `out` may be float32 where x is half precision: the result is rounded to x's dtype first, as
     `linear(x).float()` would be, without a second kernel.
     """
     n, k = weight.shape
-    assert x.shape[0] == 1 and not (silu_mul and norm_weight is not None)
-    assert x.shape[1] == (2 * k if silu_mul else k), (tuple(x.shape), tuple(weight.shape))
-    assert x.stride(-1) == 1 and weight.stride(-1) == 1
-    if out is None:
-        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     config = checked_config(n, k, config)
+    merge = {}
+    if partials is not None:
+        x, lse = partials
+        _, heads, splits, head_dim = x.shape
+        assert x.shape[0] == 1 and heads * head_dim == k and lse.shape == (1, heads, splits)
+        assert x.is_contiguous() and lse.is_contiguous() and not silu_mul and norm_weight is None
+        assert config["BLOCK_K"] % head_dim == 0 and config["PREFETCH_K"] % head_dim == 0
+        norm_weight, prologue = lse, MERGE
+        merge = dict(num_splits=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim)
+    else:
+        assert x.shape[0] == 1 and not (silu_mul and norm_weight is not None)
+        assert x.shape[1] == (2 * k if silu_mul else k), (tuple(x.shape), tuple(weight.shape))
+        assert x.stride(-1) == 1 and weight.dtype == x.dtype
+        prologue = SILU_MUL if silu_mul else NORM if norm_weight is not None else NO_PROLOGUE
+    assert weight.stride(-1) == 1
+    if out is None:
+        out = torch.empty((1, n), dtype=weight.dtype, device=weight.device)
     assert residual is None or residual.is_contiguous() and out.is_contiguous()
-    prologue = SILU_MUL if silu_mul else NORM if norm_weight is not None else NO_PROLOGUE
     _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
         x, weight, bias if bias is not None else weight,
         norm_weight if norm_weight is not None else weight,
         residual if residual is not None else out, out, n, k, weight.stride(0), eps,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        **config, **launch_options(),
+        **merge, **config, **launch_options(),
     )
     return out

@@ -24,10 +24,11 @@ from backend.models.rotary import RotaryEmbedding
 try:  # the fused GPU kernels; CPU-only installs without Triton use the torch path
     from backend.kernels import gemv as one_token
     from backend.kernels.qkv_rope import qkv_rope_gemv
+    from backend.attention.kernels.decode import decode_attention_partials
     from backend.kernels.activation import silu_and_mul as fused_silu_and_mul
     from backend.kernels.rmsnorm import rms_norm as fused_rms_norm
 except ImportError:
-    fused_rms_norm = fused_silu_and_mul = one_token = qkv_rope_gemv = None
+    fused_rms_norm = fused_silu_and_mul = one_token = qkv_rope_gemv = decode_attention_partials = None
 
 
 # The one-token path pays where per-kernel latency dominates the weight reads. On H200 it took the
@@ -162,11 +163,19 @@ class DecoderLayer(nn.Module):
         GEMVs (`backend.kernels.gemv`, `backend.kernels.qkv_rope`) and attention. `stream`
         [1, hidden] is the residual stream itself, updated in place: the norms run in the qkv and
         gate_up projections' prologues, rotary and the KV write in the qkv projection's epilogue,
-        the residual adds in the o and down projections' epilogues."""
+        the residual adds in the o and down projections' epilogues. With the Triton attention
+        backend, split-K attention hands its splits to the o projection unmerged, and the o
+        projection merges them as it reads them."""
         attn, mlp, linear = self.self_attn, self.mlp, one_token.gemv
         q = attn.qkv_one_token(stream, self.input_layernorm, rotation, k_cache, v_cache, meta)
-        out = attn.attend_rotated(q, k_cache, v_cache, meta)
-        linear(out, attn.o_proj.weight, attn.o_proj.bias, residual=stream, out=stream)
+        o_proj = attn.o_proj
+        if attn.attention.name == "triton" and one_token.takes_partials(o_proj.weight, attn.head_dim):
+            partials = decode_attention_partials(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                 meta.query_start_loc, meta.max_seq_len, attn.scale)
+            linear(None, o_proj.weight, o_proj.bias, partials=partials, residual=stream, out=stream)
+        else:
+            out = attn.attend_rotated(q, k_cache, v_cache, meta)
+            linear(out, o_proj.weight, o_proj.bias, residual=stream, out=stream)
         gate_up = linear(stream, mlp.gate_up_proj.weight, norm_weight=self.post_attention_layernorm.weight,
                          eps=self.post_attention_layernorm.eps)
         return linear(gate_up, mlp.down_proj.weight, silu_mul=True, residual=stream, out=stream)

@@ -192,6 +192,41 @@ def test_decode_more_splits_than_key_tiles_and_padding_row():
     assert torch.equal(out[2], torch.zeros_like(out[2]))
 
 
+def merge_partials(part_out, part_lse):
+    """The merge the partials' consumer does, in torch: [requests, heads, splits, D] -> [.., D]."""
+    top = part_lse.max(-1, keepdim=True).values
+    weight = torch.exp2(part_lse - torch.where(torch.isinf(top), 0.0, top))
+    total = weight.sum(-1)
+    summed = torch.where(weight[..., None] > 0, part_out * weight[..., None], 0.0).sum(-2)
+    return summed / torch.where(total > 0, total, 1.0)[..., None]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("sms", [1, 10000], ids=["64-key tiles", "128-key tiles"])
+def test_decode_partials_merge_to_the_reference(num_splits, sms, monkeypatch):
+    """Unmerged splits: merged as their consumer merges them, they give the reference output;
+    splits a request does not use (and every split of a padding row) weigh nothing."""
+    monkeypatch.setattr(decode, "num_sms", lambda device: sms)
+    n = len(DECODE_SEQ_LENS)
+    k_cache, v_cache, meta = make_batch([1] * n, DECODE_SEQ_LENS, num_kv_heads=2, head_dim=32,
+                                        block_size=16, seed=9)
+    query = random_query(n + 1, 4, 32, seed=10)
+    seq_lens = torch.cat([meta.seq_lens, torch.zeros(1, dtype=torch.int32, device=DEVICE)])
+    query_start = torch.arange(n + 2, dtype=torch.int32, device=DEVICE)
+    block_tables = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables[:1])])
+    for _ in range(2):      # the second launch finds the first one's partials in the buffers
+        part_out, part_lse = decode.decode_attention_partials(
+            query, k_cache, v_cache, block_tables, seq_lens, query_start, meta.max_seq_len, 0.3,
+            num_splits=num_splits)
+        assert part_out.shape == (n + 1, 4, num_splits, 32) and part_lse.shape == (n + 1, 4, num_splits)
+        merged = merge_partials(part_out.cpu(), part_lse.cpu())
+        assert_matches_reference(merged[:n], query[:n], k_cache, v_cache, meta, 0.3)
+        assert torch.equal(merged[n], torch.zeros_like(merged[n]))
+        assert torch.isinf(part_lse[n]).all()                 # the padding row: no keys anywhere
+    if num_splits == 8:     # a 1-token context has no cached tiles: one split, the rest unused
+        assert torch.isfinite(part_lse[0, :, 0]).all() and torch.isinf(part_lse[0, :, 1:]).all()
+
+
 def test_choose_num_splits():
     assert choose_num_splits(256, 8, 4096, 132) == 1          # big batch already fills the GPU
     assert choose_num_splits(1, 8, 100, 132) == 1             # short context: nothing to split

@@ -183,3 +183,29 @@ def test_qkv_rope_matches_norm_projection_rotary_and_cache_write(num_heads, num_
         _close(k_cache[slot // 8, slot % 8], got[0, q_size:q_size + kv_size].view(num_kv_heads, head_dim), dtype)
         _close(v_cache[slot // 8, slot % 8], got[0, q_size + kv_size:].view(num_kv_heads, head_dim), dtype)
         assert k_cache.count_nonzero() == k_cache[slot // 8, slot % 8].count_nonzero()   # nowhere else
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("prefetch", [128, 64, 0])     # the operand merged in one tile, or in the loop
+def test_merge_prologue_equals_the_merged_attention_projected(num_splits, prefetch):
+    """The o projection reading split decode attention unmerged (`partials`) equals the same
+    projection of the attention output the decode kernel merges itself, residual included."""
+    from backend.attention.kernels.decode import decode_attention, decode_attention_partials
+    from tests.backend.test_attention_kernels import make_batch, random_query
+
+    torch.manual_seed(8)
+    dtype, heads, head_dim, n = torch.float16, 4, 32, 96
+    k_cache, v_cache, meta = make_batch([1], [150], num_kv_heads=2, head_dim=head_dim, block_size=16,
+                                        dtype=dtype, seed=3)
+    query = random_query(1, heads, head_dim, dtype=dtype)
+    args = (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_seq_len, 0.2)
+    attention = decode_attention(*args, num_splits=num_splits).reshape(1, heads * head_dim)
+    partials = decode_attention_partials(*args, num_splits=num_splits)
+    weight = (torch.randn(n, heads * head_dim, device=DEVICE) / 12).to(dtype)
+    residual = torch.randn(1, n, device=DEVICE).to(dtype)
+    config = dict(BLOCK_N=4, BLOCK_K=64, PREFETCH_K=prefetch)
+    got = residual.clone()
+    gemv(None, weight, partials=partials, residual=got, out=got, config=config)
+    expected = gemv(attention, weight, residual=residual, config=config)
+    _close(got, expected, dtype)
+    _close(got, (F.linear(attention.float(), weight.float()).to(dtype).float() + residual.float()).to(dtype), dtype)
