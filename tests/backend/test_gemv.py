@@ -186,7 +186,7 @@ def test_qkv_rope_matches_norm_projection_rotary_and_cache_write(num_heads, num_
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("prefetch", [128, 64, 0])     # the operand merged in one tile, or in the loop
+@pytest.mark.parametrize("prefetch", [128, 64, 0, None])  # operand merged in one tile, the loop; None: defaults
 def test_merge_prologue_equals_the_merged_attention_projected(num_splits, prefetch):
     """The o projection reading split decode attention unmerged (`partials`) equals the same
     projection of the attention output the decode kernel merges itself, residual included."""
@@ -203,7 +203,7 @@ def test_merge_prologue_equals_the_merged_attention_projected(num_splits, prefet
     partials = decode_attention_partials(*args, num_splits=num_splits)
     weight = (torch.randn(n, heads * head_dim, device=DEVICE) / 12).to(dtype)
     residual = torch.randn(1, n, device=DEVICE).to(dtype)
-    config = dict(BLOCK_N=4, BLOCK_K=64, PREFETCH_K=prefetch)
+    config = None if prefetch is None else dict(BLOCK_N=4, BLOCK_K=64, PREFETCH_K=prefetch)
     got = residual.clone()
     gemv(None, weight, partials=partials, residual=got, out=got, config=config)
     expected = gemv(attention, weight, residual=residual, config=config)
