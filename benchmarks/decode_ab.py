@@ -14,9 +14,9 @@ Variants (the changes apply while the variant's graphs are captured; decode step
   qkv:KEY=V,...     the qkv+rotary kernel's launch config (e.g. qkv:BLOCK_N=8,num_stages=2)
   attention_merges  batch 1: decode attention merges its splits itself (an arrival counter, the
                     last split merges), instead of the o projection merging them as it reads them
-  no_attention      diagnostic: attention returns its queries (wrong tokens, same step otherwise)
+  no_attention      diagnostic: attention returns its queries (wrong tokens, same step otherwise;
+                    at batch 1 handed to the o projection as one split, in two small kernels)
   no_argmax         diagnostic: the graph leaves out its greedy argmax
-  no_final_norm     diagnostic (batch 1): the model's last RMSNorm is left out
 """
 from __future__ import annotations
 
@@ -55,14 +55,13 @@ def _changes(variant: str) -> list:
     if variant == "attention_merges":
         return [mock.patch.object(gemv, "takes_partials", lambda weight, head_dim: False)]
     if variant == "no_attention":
+        def queries_as_one_split(q, *args):
+            return q.float().unsqueeze(2), torch.zeros(q.shape[:2] + (1,), device=q.device)
         return [mock.patch.object(llama.Attention, "attend_rotated",
-                                  lambda self, q, k_cache, v_cache, meta: q.reshape(-1, self.q_size))]
+                                  lambda self, q, k_cache, v_cache, meta: q.reshape(-1, self.q_size)),
+                mock.patch.object(llama, "decode_attention_partials", queries_as_one_split)]
     if variant == "no_argmax":
         return [mock.patch.object(cuda_graphs, "argmax_rows", lambda logits, out: out)]
-    if variant == "no_final_norm":
-        norm = llama.RMSNorm.forward
-        return [mock.patch.object(llama.RMSNorm, "forward", lambda self, x, residual=None:
-                                  x if residual is None else norm(self, x, residual))]
     raise ValueError(f"unknown variant {variant!r} (see python -m benchmarks.decode_ab --help)")
 
 
