@@ -15,7 +15,7 @@ Variants (the changes apply while the variant's graphs are captured; decode step
   attention_merges  batch 1: decode attention merges its splits itself (an arrival counter, the
                     last split merges), instead of the o projection merging them as it reads them
   no_attention      diagnostic: attention returns its queries (wrong tokens, same step otherwise;
-                    at batch 1 handed to the o projection as one split, in two small kernels)
+                    at batch 1 through the o projection's plain path, no split merge)
   no_argmax         diagnostic: the graph leaves out its greedy argmax
 """
 from __future__ import annotations
@@ -55,11 +55,9 @@ def _changes(variant: str) -> list:
     if variant == "attention_merges":
         return [mock.patch.object(gemv, "takes_partials", lambda weight, head_dim: False)]
     if variant == "no_attention":
-        def queries_as_one_split(q, *args):
-            return q.float().unsqueeze(2), torch.zeros(q.shape[:2] + (1,), device=q.device)
-        return [mock.patch.object(llama.Attention, "attend_rotated",
-                                  lambda self, q, k_cache, v_cache, meta: q.reshape(-1, self.q_size)),
-                mock.patch.object(llama, "decode_attention_partials", queries_as_one_split)]
+        return [mock.patch.object(gemv, "takes_partials", lambda weight, head_dim: False),
+                mock.patch.object(llama.Attention, "attend_rotated",
+                                  lambda self, q, k_cache, v_cache, meta: q.reshape(-1, self.q_size))]
     if variant == "no_argmax":
         return [mock.patch.object(cuda_graphs, "argmax_rows", lambda logits, out: out)]
     raise ValueError(f"unknown variant {variant!r} (see python -m benchmarks.decode_ab --help)")
