@@ -7,9 +7,9 @@ Engine interface: the runner uses only these three methods, so another engine (e
 engine, where TensorRT is available) can stand in for this class:
     forward(input_ids [T], positions [T], kv_cache, attn_meta) -> hidden [T, hidden_size]
     compute_logits(hidden [N, hidden_size]) -> float32 logits [N, vocab_size]
-(`hidden` is the residual stream after the last layer: compute_logits applies the final norm, to
-the rows that need logits only, and at batch 1 inside the lm_head's kernel.)
     load_weights(weights: iterable of (Hugging Face tensor name, tensor))
+`hidden` is the residual stream after the last layer: compute_logits applies the final norm, to
+the rows that need logits only (at batch 1 inside the lm_head's kernel).
 """
 from __future__ import annotations
 
