@@ -33,8 +33,9 @@ character has at most 4 bytes, so an incomplete one spans at most 3 byte-carryin
 decode that starts a few tokens earlier agrees with the full decode after the first 3 bytes (a
 byte that is not a continuation byte starts a character in every decoder); a cut before a lead
 byte never changes the text before it. DETOKENIZE_CONTEXT = 8 covers the skipped start (<= 3),
-the held tail (<= 3, looked for among the last 5) and gives the first new token its leading
-space. This holds for byte-level BPE for any id stream, and for byte fallback for streams whose
+the held tail (<= 3, looked for among the last 5 tokens that carry text: skipped special tokens
+between them are passed over, so a few of them inside a character are covered too) and gives the
+first new token its leading space. This holds for byte-level BPE for any id stream, and for byte fallback for streams whose
 byte runs are valid UTF-8 (anything a tokenizer produces from text, U+FFFD included). A byte
 fallback run that is not valid UTF-8 decodes to U+FFFD as a whole, so text that was already
 streamed changes afterwards; no streaming detokenizer can be exact there. Skipped special tokens
@@ -144,17 +145,17 @@ class _TailFinder:
         """
         if self.token_bytes is None:
             return None
-        low = max(start, end - _TAIL_TOKENS)
-        tokens = self.tokenizer.convert_ids_to_tokens(ids[low:end])
         last_bytes: list[tuple[int, int]] = []  # (byte, token position), last byte first
-        for position in range(end - 1, low - 1, -1):
+        carrying = 0  # tokens looked at that carry text (skipped special tokens do not count)
+        for position in range(end - 1, start - 1, -1):
             if ids[position] in self.silent_ids:
                 continue
-            data = self.token_bytes(tokens[position - low])
+            data = self.token_bytes(self.tokenizer.convert_ids_to_tokens(ids[position]))
             if data is None:  # a token of complete characters that has no byte spelling
                 break
             last_bytes.extend((byte, position) for byte in reversed(data))
-            if len(last_bytes) >= 4:
+            carrying += 1
+            if len(last_bytes) >= 4 or carrying == _TAIL_TOKENS:
                 break
         continuations = 0
         reach = min(3, len(last_bytes))

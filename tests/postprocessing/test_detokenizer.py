@@ -114,6 +114,20 @@ def test_skipped_special_token_anywhere_inside_split_characters(smollm2, sentenc
             assert "".join(deltas) == text, position
 
 
+def test_three_skipped_special_tokens_inside_the_last_character_of_a_response(sentencepiece):
+    """A response that ends inside a character whose bytes have skipped special tokens between
+    them holds the character back whole (found by the property test below: three special tokens
+    used to push the character's lead byte out of the tail that was searched)."""
+    text = "a.aaaa🎉🎉🎉"
+    ids = sentencepiece.encode(text, add_special_tokens=False)
+    after_lead = len(ids) - 3                    # the last emoji's bytes are the last 4 tokens
+    ids[after_lead:after_lead] = [special_ids(sentencepiece)[0]] * 3
+    for cuts in ([1, len(ids) - 1, len(ids)], [len(ids) - 2, len(ids)], list(range(1, len(ids) + 1))):
+        deltas = stream(sentencepiece, ids, cuts)
+        assert "".join(deltas) == text, cuts
+        assert all("\ufffd" not in delta for delta in deltas), cuts
+
+
 def test_non_streamed_response_is_the_full_decode(smollm2):
     ids = smollm2.encode(MULTIBYTE_TEXTS[0], add_special_tokens=False)
     assert text_delta(smollm2, ids, 0, True) == smollm2.decode(ids) == MULTIBYTE_TEXTS[0]
