@@ -32,14 +32,15 @@ different windows. They do, because what is held back depends only on the last f
 character has at most 4 bytes, so an incomplete one spans at most 3 byte-carrying tokens), and a
 decode that starts a few tokens earlier agrees with the full decode after the first 3 bytes (a
 byte that is not a continuation byte starts a character in every decoder); a cut before a lead
-byte never changes the text before it. DETOKENIZE_CONTEXT = 8 covers the skipped start (<= 3),
-the held tail (<= 3, looked for among the last 5 tokens that carry text: skipped special tokens
-between them are passed over, so a few of them inside a character are covered too) and gives the
-first new token its leading space. This holds for byte-level BPE for any id stream, and for byte fallback for streams whose
-byte runs are valid UTF-8 (anything a tokenizer produces from text, U+FFFD included). A byte
-fallback run that is not valid UTF-8 decodes to U+FFFD as a whole, so text that was already
-streamed changes afterwards; no streaming detokenizer can be exact there. Skipped special tokens
-carry no text: a window whose context is all special tokens loses its context.
+byte never changes the text before it. Eight context tokens that carry text cover the skipped
+start (<= 3), the held tail (<= 3, looked for among the last 5 tokens that carry text; skipped
+special tokens between them are passed over) and give the first new token its leading space.
+Skipped special tokens carry no text, so the window holds DETOKENIZE_CONTEXT = 16 ids: the
+deltas are exact while at most 8 of the 16 ids before each response's new ones are skipped
+special tokens (or the window starts at the first id). This holds for byte-level BPE for any id
+stream, and for byte fallback for streams whose byte runs are valid UTF-8 (anything a tokenizer
+produces from text, U+FFFD included). A byte fallback run that is not valid UTF-8 decodes to U+FFFD as a whole, so text that was already
+streamed changes afterwards; no streaming detokenizer can be exact there.
 
 Fallback. Cleanup rules (``clean_up_tokenization_spaces``: " ." -> ".") can make the previous
 text not a prefix of the current one. Then the delta is the current text after the longest common
@@ -52,10 +53,11 @@ from __future__ import annotations
 import re
 from typing import Callable, Optional, Sequence
 
-DETOKENIZE_CONTEXT = 8
+DETOKENIZE_CONTEXT = 16
 MAX_HELD_TOKENS = 3
 _MAX_SKIPPED_TOKENS = 3
-_TAIL_TOKENS = DETOKENIZE_CONTEXT - _MAX_SKIPPED_TOKENS
+_TEXT_CONTEXT = 8           # context tokens that carry text the argument below needs
+_TAIL_TOKENS = _TEXT_CONTEXT - _MAX_SKIPPED_TOKENS
 _REPLACEMENT = "\ufffd"
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-F]{2})>")
 
@@ -131,10 +133,14 @@ class _TailFinder:
         held = self.held_tokens(ids, start, end)
         if held is not None:
             return self.decode(ids[start : end - held])
-        for boundary in range(end, max(start, end - MAX_HELD_TOKENS) - 1, -1):
+        boundary = end
+        for _ in range(MAX_HELD_TOKENS + 1):     # token boundaries, skipped special tokens apart
+            while boundary > start and ids[boundary - 1] in self.silent_ids:
+                boundary -= 1                     # the same text as one token later
             text = self.decode(ids[start:boundary])
-            if not text.endswith(_REPLACEMENT):
+            if not text.endswith(_REPLACEMENT) or boundary == start:
                 return text
+            boundary -= 1
         text = self.decode(ids[start:end])
         return text[:-1] if text.endswith(_REPLACEMENT) else text
 
