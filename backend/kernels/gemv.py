@@ -17,8 +17,8 @@ Fusions, each saving a kernel launch and a round trip of the activations:
   `backend.kernels.activation.silu_and_mul` rounds.
 - prologue "merge": the operand is split-K decode attention's output, still in its splits
   (`backend.attention.kernels.decode.decode_attention_partials`): each head's splits are merged
-  as the operand is read, out = sum_s w_s o_s / sum_s w_s with w_s = exp2(lse_s - max lse), and
-  rounded to the activation dtype as the merged attention output would be. This is the o
+  as the operand is read (`backend.kernels.split_merge`) and rounded to the activation dtype as
+  the merged attention output would be. This is the o
   projection at batch 1: the attention kernel then needs no merge of its own.
 - epilogue residual: out = round(x @ weight^T + bias) + residual, rounded once more, as torch's
   add of the two rounded tensors. `out` may be `residual` itself (each program reads and writes
@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from backend.kernels.split_merge import merge_splits
 
 NO_PROLOGUE, NORM, SILU_MUL, MERGE = 0, 1, 2, 3
 
@@ -71,11 +72,7 @@ def _merged_operand(parts_ptr, lse_ptr, k0, num_splits, WIDTH: tl.constexpr, SPL
     lse = tl.load(lse_ptr + index, mask=splits[None, :] < num_splits, other=float("-inf"))
     parts = tl.load(parts_ptr + index[:, :, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, None, :],
                     mask=(splits < num_splits)[None, :, None], other=0.0)          # [H, S, D]
-    top = tl.max(lse, 1)
-    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)[:, None])
-    total = tl.sum(weight, 1)
-    merged = tl.sum(tl.where(weight[:, :, None] > 0, parts * weight[:, :, None], 0.0), 1)
-    merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+    merged = merge_splits(parts, lse)
     return tl.reshape(merged.to(dtype).to(tl.float32), (WIDTH,))
 
 

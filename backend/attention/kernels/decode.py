@@ -44,6 +44,7 @@ import triton.language as tl
 
 from backend.attention.kernels.tile import attend_key_tile, attend_loaded_tile, load_key_tile
 from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from backend.kernels.split_merge import merge_splits
 
 LOG2_E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64
@@ -224,11 +225,7 @@ def _merge_group_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, 
     lse = tl.load(part_lse_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
     parts = tl.load(part_out_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :],
                     mask=ok[:, :, None], other=0.0, cache_modifier=".cg")           # [G, S, D]
-    lse_max = tl.max(lse, 1)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weight = tl.exp2(lse - lse_max[:, None])
-    total = tl.sum(weight, 1)
-    out = tl.sum(parts * weight[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None]
+    out = merge_splits(parts, lse)
     tl.store(out_ptr + row * stride_o_t + heads[:, None] * stride_o_h + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
@@ -237,8 +234,8 @@ def _merge_group_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, 
 def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, used, num_splits,
                   stride_o_h, stride_o_t, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
                   HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max), per head of the group.
-    Loads bypass L1 (.cg): the partials were written by other programs."""
+    """`backend.kernels.split_merge`'s formula, head by head, for groups x splits too many to
+    hold at once. Loads bypass L1 (.cg): the partials were written by other programs."""
     splits = tl.arange(0, SPLITS_PAD)
     split_ok = splits < used
     dims = tl.arange(0, HEAD_DIM)
