@@ -38,11 +38,12 @@ def test_streaming_load_without_failures(triton, perf_analyzer, tmp_path):
         {"text_input": ["Le café à côté de l'église est très"], "stream": [True],
          "max_tokens": [12], "bad_words": [""], "stop_words": [""]},
     ]}))
-    export = tmp_path / "profile_export.json"
     before = metrics(triton.metrics)
-    # Once, under a whole test run's load, perf_analyzer exited 0 with its throughput line and an
-    # empty export file: then it runs once more (the server's counters below cover both runs).
-    for _ in range(2):
+    # Under a whole test run's load perf_analyzer has exited 0 with its throughput line and an
+    # empty export file: then it runs again, into a new file (it refuses an existing one); the
+    # server's counters below cover every run.
+    for attempt in range(3):
+        export = tmp_path / f"profile_export_{attempt}.json"
         result = perf_analyzer.run([
             "-m", "ensemble", "-u", triton.grpc, "-i", "grpc", "--async", "--streaming",
             "--input-data", str(data), "--shape", "text_input:1", "--shape", "max_tokens:1",
@@ -55,7 +56,7 @@ def test_streaming_load_without_failures(triton, perf_analyzer, tmp_path):
         if export.exists() and export.read_text().strip():
             break
     else:
-        pytest.fail("perf_analyzer left an empty profile export twice:\n" + result.stdout[-3000:])
+        pytest.fail("perf_analyzer left an empty profile export three times:\n" + result.stdout[-3000:])
 
     requests = [r for e in json.loads(export.read_text())["experiments"] for r in e["requests"]]
     assert len(requests) >= 8, result.stdout[-3000:]
