@@ -2,17 +2,24 @@
 
 A decode step launches a few hundred small kernels; at small batch sizes launching them from
 Python costs more than running them. So decode-only steps (every request computes one token) are
-captured once per padded batch size and replayed: the step's inputs are copied from the host
-straight into the graph's input buffer (`stage`), and the graph fills the placeholder input ids
-from the previous step's sampled ids (`backend.kernels.placeholders`), runs forward + logits and
-takes each row's argmax (what greedy sampling picks) into a static id buffer. The first `n` rows
-of logits and ids are the answer. Between two replays the device then runs only the copies of the
-ids to the host and of the next inputs to the device: no kernel of its own.
+captured once per padded batch size and replayed. The graph does the whole step, so that between
+two replays the device runs nothing at all:
 
-The id buffer is also where the next replay's fill reads the previous ids. When the previous
-step's ids came from elsewhere (sampling with temperature or logits processors, an eager step),
-`stage` copies them in first. A replay overwrites the ids at its end, after its fill read them;
-the host copy of the previous ids is queued before it.
+- the host packs the step's inputs into a slot of a ring of two in pinned host memory (`stage`),
+  which the graph's first kernel copies into its device buffer, resolving the placeholder input
+  ids from the previous replay's sampled ids (`backend.kernels.step_inputs`);
+- forward and logits;
+- each row's argmax (what greedy sampling picks), into a static device buffer, where the next
+  replay's first kernel finds it, and into the same slot of a pinned ring of ids, which the host
+  reads once the replay's event has passed (`ReplayIds`).
+
+The first `n` rows of logits and ids are the answer. When the previous step's ids came from
+elsewhere (sampling with temperature or logits processors, an eager step), `stage` copies them
+into the static buffer first.
+
+A slot is reused two replays later: `stage` first waits for the replay that last used it and
+keeps its ids (with overlap scheduling that replay is long finished and read by then: the step
+pipeline processes step n-1 before it packs step n+1).
 
 Padded rows have slot -1 (the KV write skips them) and context length 0 (attention writes zeros
 for them); their logits are computed and ignored. The attention kernels size their grids from the
@@ -29,11 +36,11 @@ import torch
 
 from backend.attention.metadata import AttentionMetadata
 
-try:   # GPU only; the input buffer and staging also run on CPU tensors (tests)
+try:   # GPU only; the input buffers and staging also run on CPU tensors (tests)
     from backend.kernels.argmax import argmax_rows
-    from backend.kernels.placeholders import fill_placeholders
+    from backend.kernels.step_inputs import load_step_inputs
 except ImportError:
-    argmax_rows = fill_placeholders = None
+    argmax_rows = load_step_inputs = None
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +49,26 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch_size]
     sizes += list(range(16, max_batch_size, 16))
     return sorted(set(sizes + [max_batch_size]))
+
+
+class ReplayIds:
+    """One replay's argmax ids, on their way to a slot of the pinned ring: `result()` waits for
+    the replay (its event) and reads them. A ring slot is rewritten two replays later, after
+    `keep()` has saved them."""
+
+    def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None):
+        self._host = host
+        self._done = done
+        self._ids: list[int] | None = None
+
+    def result(self) -> list[int]:
+        if self._ids is None:
+            if self._done is not None:
+                self._done.synchronize()
+            self._ids = self._host.tolist()
+        return self._ids
+
+    keep = result
 
 
 class DecodeGraphs:
@@ -53,24 +80,36 @@ class DecodeGraphs:
         self.max_seq_len = max_seq_len
         self.sizes = capture_sizes(max_batch_size)
         n, blocks = max_batch_size, -(-max_seq_len // tokens_per_block)
-        # Every per-step input lives in one device buffer, so that a step's inputs arrive in one
-        # host-to-device copy (`stage`): separate small device-to-device copies into the graph's
-        # inputs cost ~12 us of GPU time each on H200, 6% of a batch-1 step of Llama-3.2-1B.
-        # The block table comes last: a step copies only its own rows of it.
-        fields = [("input_ids", torch.int64, (n,)), ("positions", torch.int64, (n,)),
-                  ("slot_mapping", torch.int64, (n,)), ("fill_src", torch.int64, (n,)),
+        # Every per-step input lives in one buffer, mirrored by each slot of the host ring: the
+        # first kernel copies from `positions` on, up to the end of the graph's block-table rows
+        # (the block table comes last); it writes the input ids itself (placeholders resolved).
+        fields = [("input_ids", torch.int64, (n,)), ("fill_src", torch.int64, (n,)),
+                  ("positions", torch.int64, (n,)), ("slot_mapping", torch.int64, (n,)),
                   ("seq_lens", torch.int32, (n,)), ("block_tables", torch.int32, (n, blocks))]
         sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in fields]
         aligned = [-(-size // 16) * 16 for size in sizes]         # every field starts 16-aligned
         self.offsets = {name: sum(aligned[:i]) for i, (name, _, _) in enumerate(fields)}
         self.buffer = torch.zeros(sum(aligned), dtype=torch.uint8, device=device)
+        pinned = device.type == "cuda"
+        self.host_ring = torch.zeros(2, self.buffer.numel(), dtype=torch.uint8, pin_memory=pinned)
+        self.host_fields: tuple[dict[str, np.ndarray], ...] = ({}, {})
         for (name, dtype, shape), size in zip(fields, sizes):
             start = self.offsets[name]
             setattr(self, name, self.buffer[start:start + size].view(dtype).view(shape))
+            for slot in (0, 1):
+                self.host_fields[slot][name] = (                      # numpy: cheaper to write
+                    self.host_ring[slot, start:start + size].view(dtype).view(shape).numpy())
+        self.host_ids = torch.zeros(2, n, dtype=torch.int64, pin_memory=pinned)
+        for slot in (0, 1):
+            self.host_fields[slot]["slot_mapping"][:] = -1
+            self.host_fields[slot]["fill_src"][:] = -1
         self.slot_mapping.fill_(-1)
-        self.fill_src.fill_(-1)
         self.sampled_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.replays = torch.zeros(1, dtype=torch.int64, device=device)   # run so far (device)
+        self.slot = torch.zeros(1, dtype=torch.int64, device=device)      # this replay's slot
+        self._replayed = 0                                                # queued so far (host)
+        self._ids_out: list[ReplayIds | None] = [None, None]              # per slot, the last replay's
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
@@ -88,11 +127,17 @@ class DecodeGraphs:
             max_query_len=1, max_seq_len=self.max_seq_len,
             query_lens_cpu=[1] * size, seq_lens_cpu=[0] * size)
 
+    def load_inputs(self, size: int) -> None:
+        """The graph's first kernel: host slot `replays % 2` into the device buffer."""
+        end = self.offsets["block_tables"] + self.block_tables[:size].numel() * 4
+        load_step_inputs(self.buffer, self.host_ring, self.offsets["input_ids"], self.offsets["fill_src"],
+                         self.offsets["positions"], end, size, self.sampled_ids, self.replays, self.slot)
+
     def _forward(self, size: int) -> torch.Tensor:
-        fill_placeholders(self.input_ids[:size], self.fill_src[:size], self.sampled_ids)
+        self.load_inputs(size)
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, self._meta(size))
         logits = self.model.compute_logits(hidden)
-        argmax_rows(logits, out=self.sampled_ids[:size])
+        argmax_rows(logits, out=self.sampled_ids[:size], to_host=(self.host_ids, self.slot, self.replays))
         return logits
 
     @torch.inference_mode()
@@ -110,49 +155,61 @@ class DecodeGraphs:
                 self.graphs[size] = (graph, logits)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        self.replays.zero_()            # the warm-up runs counted; the host has queued none
+        self.sampled_ids.zero_()
+        torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def stage(self, staging, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+    def stage(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
               seq_lens: np.ndarray, block_tables: np.ndarray, fill_rows: np.ndarray,
-              fill_src: np.ndarray, prev_sampled: torch.Tensor | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Copy one decode step of n rows into the graph's inputs through `staging` (a
-        `StagingBuffer`), padded to the graph size: padded rows get slot -1 (the KV write skips
-        them) and context length 0 (attention writes zeros for them); their logits are ignored.
-        `fill_rows`/`fill_src`: rows whose input id is the previous step's sampled id at
-        `fill_src` of `prev_sampled` (filled by the graph). Returns the input ids (as staged,
-        before the fill), positions and metadata, as views."""
+              fill_src: np.ndarray, prev_sampled: torch.Tensor | None = None) -> AttentionMetadata:
+        """Write one decode step of n rows into the host slot of the next replay, padded to the
+        graph size: padded rows get slot -1 (the KV write skips them) and context length 0
+        (attention writes zeros for them); their logits are ignored. `fill_rows`/`fill_src`:
+        rows whose input id is the previous step's sampled id at `fill_src` of `prev_sampled`
+        (filled by the graph). Returns the step's attention metadata: views of the device
+        buffer, which hold the step once `replay` has run its first kernel."""
         n, size = len(input_ids), self.size_for(len(input_ids))
         if len(fill_rows) and prev_sampled.data_ptr() != self.sampled_ids.data_ptr():
             self.sampled_ids[:len(prev_sampled)].copy_(prev_sampled)
-
-        def padded(a: np.ndarray, value: int, dtype) -> np.ndarray:
-            out = np.full((size,) + a.shape[1:], value, dtype=dtype)
-            out[:n] = a
-            return out
-
-        table = np.zeros((size, self.block_tables.shape[1]), dtype=np.int32)
-        table[:n, :block_tables.shape[1]] = block_tables
-        row_src = np.full(size, -1, dtype=np.int64)
-        row_src[fill_rows] = fill_src
-        placed = [(self.offsets["input_ids"], padded(input_ids, 0, np.int64)),
-                  (self.offsets["positions"], padded(positions, 0, np.int64)),
-                  (self.offsets["slot_mapping"], padded(slots, -1, np.int64)),
-                  (self.offsets["fill_src"], row_src),
-                  (self.offsets["seq_lens"], padded(seq_lens, 0, np.int32)),
-                  (self.offsets["block_tables"], table)]
-        staging.to_device_at(placed, self.buffer)
-        meta = AttentionMetadata(
+        slot = self._replayed % 2
+        previous = self._ids_out[slot]
+        if previous is not None:      # its replay read this slot: wait for it, keep its ids
+            previous.keep()
+            self._ids_out[slot] = None
+        host = self.host_fields[slot]
+        for name, values, pad in (("input_ids", input_ids, 0), ("positions", positions, 0),
+                                  ("slot_mapping", slots, -1), ("seq_lens", seq_lens, 0)):
+            host[name][:n] = values
+            host[name][n:size] = pad
+        host["fill_src"][:size] = -1
+        host["fill_src"][fill_rows] = fill_src
+        table, width = host["block_tables"], block_tables.shape[1]
+        table[:n, :width] = block_tables
+        table[:n, width:] = 0
+        table[n:size] = 0
+        return AttentionMetadata(
             slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[:n + 1],
-            seq_lens=self.seq_lens[:n], block_tables=self.block_tables[:n, :block_tables.shape[1]],
+            seq_lens=self.seq_lens[:n], block_tables=self.block_tables[:n, :width],
             max_query_len=1, max_seq_len=int(seq_lens.max()), query_lens_cpu=[1] * n,
             seq_lens_cpu=seq_lens.tolist())
-        return self.input_ids[:n], self.positions[:n], meta
 
-    def replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor, ReplayIds]:
         """Run the staged step (n rows) in the smallest graph that fits: float32 logits
-        [n, vocab] and each row's argmax [n] (views of the graph's outputs, valid until the next
-        replay)."""
-        graph, logits = self.graphs[self.size_for(n)]
-        graph.replay()
-        return logits[:n], self.sampled_ids[:n]
+        [n, vocab] and each row's argmax [n] on the device (views of the graph's outputs, valid
+        until the next replay), and the same ids on their way to the host. Before `capture` (or
+        on CPU) the graph's work runs eagerly."""
+        size = self.size_for(n)
+        slot = self._replayed % 2
+        if size in self.graphs:
+            graph, logits = self.graphs[size]
+            graph.replay()
+        else:
+            logits = self._forward(size)
+        self._replayed += 1
+        done = None
+        if logits.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        ids = self._ids_out[slot] = ReplayIds(self.host_ids[slot, :n], done)
+        return logits[:n], self.sampled_ids[:n], ids

@@ -22,7 +22,7 @@ import torch
 
 from backend.attention import AttentionMetadata, get_attention_backend
 from backend.config import EngineConfig
-from backend.cuda_graphs import DecodeGraphs
+from backend.cuda_graphs import DecodeGraphs, ReplayIds
 from backend.staging import StagingBuffer
 from backend.model_config import ModelConfig
 from backend.model_loader import load_model, resolve_model
@@ -56,6 +56,7 @@ class StepLogits:
     logits: torch.Tensor               # float32 [chunks with needs_logits, vocab], in chunk order
     argmax_ids: torch.Tensor | None    # int64 argmax of each row, where the step computed it
                                        # (decode CUDA graphs; valid until the next step runs)
+    argmax_host: ReplayIds | None = None   # the same ids on their way to the host (graphs)
 
 
 @dataclass
@@ -65,7 +66,7 @@ class StepInputs:
     positions: torch.Tensor       # [T] int64
     attn_meta: AttentionMetadata
     logits_indices: torch.Tensor  # [N] int, rows of the last token of each needs_logits chunk
-    in_graph: bool = False        # staged in the decode CUDA graph's inputs: replay it
+    in_graph: bool = False        # staged for a decode CUDA graph, which reads it when replayed
 
 
 def pick_device(name: str) -> torch.device:
@@ -141,7 +142,7 @@ class ModelRunner:
         with torch.inference_mode():
             graphs = self.decode_graphs
             if inputs.in_graph:
-                return StepLogits(*graphs.replay(len(chunks)))
+                return StepLogits(*graphs.replay(len(chunks)))    # logits, ids, ids to the host
             hidden = self._run_model(inputs)
             return StepLogits(self.model.compute_logits(hidden[inputs.logits_indices]), None)
 
@@ -211,11 +212,10 @@ class ModelRunner:
             raise ValueError("chunks read the previous step's sampled ids but none were given")
         graphs = self.decode_graphs
         if (graphs is not None and total == n and n <= graphs.max_batch_size and wants_logits.all()):
-            staging = self._next_staging()
-            ids_d, pos_d, meta = graphs.stage(staging, input_ids, positions, slots, seq_lens, block_tables,
-                                              fill_rows, fill_src, prev_sampled)
-            self._staged(staging)
-            return StepInputs(ids_d, pos_d, meta, graphs.query_start_loc[:n], in_graph=True)
+            meta = graphs.stage(input_ids, positions, slots, seq_lens, block_tables, fill_rows, fill_src,
+                                prev_sampled)
+            return StepInputs(graphs.input_ids[:n], graphs.positions[:n], meta, graphs.query_start_loc[:n],
+                              in_graph=True)
         arrays = [input_ids, positions, slots, query_start_loc.astype(np.int32), seq_lens.astype(np.int32),
                   block_tables.astype(np.int32), logits_indices]
         if fill_rows.size:

@@ -70,26 +70,32 @@ class PendingSample:
     `token_ids` stays on the device: with overlap scheduling the next step reads its input ids
     from it before the host has seen them. On CUDA the host copy is a non-blocking copy into
     pinned memory followed by an event, so `result()` waits for this step only, not for
-    whatever was queued after it.
+    whatever was queued after it. `host_ids`, when given, is already bringing the ids to the
+    host (an object whose `result()` returns them as a list: a decode CUDA graph's argmax).
     """
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None):
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, host_ids=None):
         self.token_ids = token_ids
         self._event = None
-        if token_ids.is_cuda:
-            token_ids = token_ids.to("cpu", non_blocking=True)       # pinned destination
+        self._host_ids = host_ids
+        if token_ids.is_cuda and (host_ids is None or logprobs is not None):
+            if host_ids is None:
+                token_ids = token_ids.to("cpu", non_blocking=True)       # pinned destination
             if logprobs is not None:
                 logprobs = logprobs.to("cpu", non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        self._host_ids = token_ids
+        if host_ids is None:
+            self._host_ids = token_ids
         self._host_logprobs = logprobs
 
     def result(self) -> SamplerOutput:
         if self._event is not None:
             self._event.synchronize()
         logprobs = self._host_logprobs
-        return SamplerOutput(self._host_ids.tolist(), None if logprobs is None else logprobs.tolist())
+        ids = self._host_ids
+        return SamplerOutput(ids.tolist() if isinstance(ids, torch.Tensor) else ids.result(),
+                             None if logprobs is None else logprobs.tolist())
 
 
 class Sampler:
@@ -117,14 +123,15 @@ class Sampler:
         self._kinds.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, requests: list[Request],
-               argmax_ids: torch.Tensor | None = None) -> SamplerOutput:
+               argmax_ids: torch.Tensor | None = None, argmax_host=None) -> SamplerOutput:
         """Choose one token per row of `logits` [B, V]; row i belongs to requests[i].
         `argmax_ids`: each row's argmax of `logits`, when already computed (the decode CUDA
-        graphs do); greedy rows without logits processors take it as it is."""
-        return self.sample_async(logits, requests, argmax_ids).result()
+        graphs do); greedy rows without logits processors take it as it is. `argmax_host`: the
+        same ids on their way to the host (see `PendingSample`)."""
+        return self.sample_async(logits, requests, argmax_ids, argmax_host).result()
 
     def sample_async(self, logits: torch.Tensor, requests: list[Request],
-                     argmax_ids: torch.Tensor | None = None) -> PendingSample:
+                     argmax_ids: torch.Tensor | None = None, argmax_host=None) -> PendingSample:
         """Like `sample`, without waiting for the device: the ids stay on the device (the next
         step can read them there) while a copy to host memory is under way."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
@@ -140,8 +147,10 @@ class Sampler:
             greedy = greedy and kind[1]
             want_logprobs = want_logprobs or kind[2]
             processed = processed or (kind[3] and has_processors(r, default_end_ids))
+        host_ids = None
         if not processed and greedy:  # fast path: nothing to copy or edit
             tokens = argmax_ids if argmax_ids is not None else argmax(logits)
+            host_ids = argmax_host if argmax_ids is not None else None
         else:
             work = logits.clone()
             if processed:
@@ -152,7 +161,7 @@ class Sampler:
         if want_logprobs:
             chosen = logits.gather(1, tokens[:, None]).squeeze(1)
             logprobs = chosen - torch.logsumexp(logits, dim=-1)
-        return PendingSample(tokens, logprobs)
+        return PendingSample(tokens, logprobs, host_ids)
 
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Argmax for greedy rows, a filtered draw for the others. `logits` is processed."""

@@ -5,8 +5,8 @@ tables, ...). Copying each from freshly pinned memory costs a pinned allocation 
 apiece; instead they are packed, each 16-byte aligned and in its own dtype, into one persistent
 pinned byte buffer, sent with a single non-blocking copy, and viewed on the device.
 
-`to_device_at` packs at fixed offsets into a given device buffer instead (a CUDA graph's static
-inputs), copying only up to the end of the last array.
+(Decode CUDA graph steps do without it: the graph reads its inputs from pinned memory itself,
+`backend.cuda_graphs`.)
 
 The host buffer may be rewritten only after its last copy finished: the model runner keeps two of
 these, used in turn, and waits on each one's event before reusing it (the step may be packed while
@@ -47,17 +47,6 @@ class StagingBuffer:
         self.dev[:total].copy_(self.host[:total], non_blocking=True)
         return [self.dev[start:start + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
                 for a, start in zip(arrays, offsets)]
-
-    def to_device_at(self, placed: list[tuple[int, np.ndarray]], dest: torch.Tensor) -> None:
-        """Write each (byte offset, array) at its offset of `dest` (a uint8 device tensor) with one
-        host-to-device copy of bytes [0, end of the furthest array)."""
-        end = max(start + a.nbytes for start, a in placed)
-        if end > self.host.numel():
-            self._grow(max(end, 2 * self.host.numel()))
-        host = self.host.numpy()
-        for start, a in placed:
-            host[start:start + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-        dest[:end].copy_(self.host[:end], non_blocking=True)
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:

@@ -141,7 +141,8 @@ class StepPipeline:
         requests = [c.request for c in output.chunks if c.samples]
         if not requests:
             return _InFlight(requests, None)
-        return _InFlight(requests, self.sampler.sample_async(step.logits, requests, step.argmax_ids))
+        return _InFlight(requests, self.sampler.sample_async(step.logits, requests, step.argmax_ids,
+                                                                   step.argmax_host))
 
     def _complete(self, inflight: _InFlight) -> None:
         """Wait for an in-flight step's sampled ids and process them (stops, delivery)."""
@@ -196,7 +197,7 @@ class StepPipeline:
         requests = [c.request for c in chunks if c.samples]
         if not requests:
             return []
-        sampled = self.sampler.sample(step.logits, requests, step.argmax_ids)
+        sampled = self.sampler.sample(step.logits, requests, step.argmax_ids, step.argmax_host)
         logprobs = sampled.logprobs or [0.0] * len(requests)
         return list(zip(sampled.token_ids, logprobs))
 

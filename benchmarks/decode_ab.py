@@ -14,9 +14,11 @@ Variants (the changes apply while the variant's graphs are captured; decode step
   qkv:KEY=V,...     the qkv+rotary kernel's launch config (e.g. qkv:BLOCK_N=8,num_stages=2)
   attention_merges  batch 1: decode attention merges its splits itself (an arrival counter, the
                     last split merges), instead of the o projection merging them as it reads them
+  torch_embedding   torch's embedding lookup instead of the PDL kernel
   no_attention      diagnostic: attention returns its queries (wrong tokens, same step otherwise;
                     at batch 1 through the o projection's plain path, no split merge)
-  no_argmax         diagnostic: the graph leaves out its greedy argmax
+  no_argmax         diagnostic: the graph leaves out its greedy argmax (and so never moves on
+                    to the other input slot: wrong tokens)
 """
 from __future__ import annotations
 
@@ -59,7 +61,9 @@ def _changes(variant: str) -> list:
                 mock.patch.object(llama.Attention, "attend_rotated",
                                   lambda self, q, k_cache, v_cache, meta: q.reshape(-1, self.q_size))]
     if variant == "no_argmax":
-        return [mock.patch.object(cuda_graphs, "argmax_rows", lambda logits, out: out)]
+        return [mock.patch.object(cuda_graphs, "argmax_rows", lambda logits, out, to_host: out)]
+    if variant == "torch_embedding":
+        return [mock.patch.object(llama, "fused_embedding", None)]
     raise ValueError(f"unknown variant {variant!r} (see python -m benchmarks.decode_ab --help)")
 
 

@@ -9,6 +9,10 @@ reference and the CPU path).
   (the batch-1 decode path, `DecoderLayer.forward_one_token`).
 - `qkv_rope.qkv_rope_gemv`: that path's qkv projection with rotary and the KV-cache write in its
   epilogue.
-- `argmax.argmax_rows`: row-wise argmax for greedy sampling on GPU.
+- `embedding.embedding`: the token embedding lookup, launched with PDL.
+- `argmax.argmax_rows`: row-wise argmax for greedy sampling on GPU (and into pinned host memory
+  in the decode CUDA graphs).
+- `step_inputs.load_step_inputs`: a decode CUDA graph's first kernel, reading the step's inputs
+  from pinned host memory and filling placeholder input ids.
 - `pdl`: programmatic dependent launch for the decode kernel chain (Hopper and later).
 """

@@ -6,6 +6,10 @@ batch-1 decode step. Here it is two short kernels: each program finds the maximu
 index in one CHUNK of one row, then one program per row picks the largest of its chunks' maxima
 (the lowest index among equal ones, so ties still go to the first index). Logits are assumed
 NaN-free (torch.argmax would pick a NaN).
+
+In a decode CUDA graph the ids also go to the host: `host_out` names a ring of two rows in pinned
+host memory, the row given by the `slot` the step's first kernel wrote, and the argmax then
+advances the graph's replay counter (`backend.kernels.step_inputs`).
 """
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ def _chunk_max_kernel(x_ptr, max_ptr, index_ptr, V, stride_row, num_chunks,
 
 
 @triton.jit
-def _row_max_kernel(max_ptr, index_ptr, out_ptr, num_chunks, CHUNKS_PAD: tl.constexpr, PDL: tl.constexpr):
+def _row_max_kernel(max_ptr, index_ptr, out_ptr, host_out_ptr, host_stride, slot_ptr, replays_ptr, num_chunks,
+                    CHUNKS_PAD: tl.constexpr, TO_HOST: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -48,10 +53,18 @@ def _row_max_kernel(max_ptr, index_ptr, out_ptr, num_chunks, CHUNKS_PAD: tl.cons
     big = 2147483647
     first = tl.min(tl.where(ok & (maxima == best), index, big), 0)
     tl.store(out_ptr + row, first.to(tl.int64))
+    if TO_HOST:
+        tl.store(host_out_ptr + tl.load(slot_ptr) * host_stride + row, first.to(tl.int64))
+        if row == 0:    # the only program that reads or writes the counter
+            tl.store(replays_ptr, tl.load(replays_ptr) + 1)
 
 
-def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [B, V] (float, last dimension contiguous) -> int64 [B] (into `out` when given)."""
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None,
+                to_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x [B, V] (float, last dimension contiguous) -> int64 [B] (into `out` when given).
+
+    `to_host` = (ring int64 [2, >= B], slot int64 [1], replays int64 [1]): also write the ids to
+    ring[slot], and add one to replays."""
     assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] < 2 ** 31
     rows, vocab = x.shape
     num_chunks = triton.cdiv(vocab, CHUNK)
@@ -65,6 +78,9 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     options = launch_options()
     _chunk_max_kernel[(rows, num_chunks)](x, maxima, index, vocab, x.stride(0), num_chunks,
                                           CHUNK=CHUNK, num_warps=8, **options)
-    _row_max_kernel[(rows,)](maxima, index, out, num_chunks,
-                             CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=1, **options)
+    ring, slot, replays = to_host if to_host is not None else (out[None], out, out)
+    assert ring.dtype == torch.int64 and ring.stride(1) == 1 and ring.shape[1] >= rows
+    _row_max_kernel[(rows,)](maxima, index, out, ring, ring.stride(0) if to_host else 0, slot, replays,
+                             num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks),
+                             TO_HOST=to_host is not None, num_warps=1, **options)
     return out

@@ -28,9 +28,11 @@ try:  # the fused GPU kernels; CPU-only installs without Triton use the torch pa
     from backend.kernels.qkv_rope import qkv_rope_gemv
     from backend.attention.kernels.decode import decode_attention_partials
     from backend.kernels.activation import silu_and_mul as fused_silu_and_mul
+    from backend.kernels.embedding import embedding as fused_embedding
     from backend.kernels.rmsnorm import rms_norm as fused_rms_norm
 except ImportError:
-    fused_rms_norm = fused_silu_and_mul = one_token = qkv_rope_gemv = decode_attention_partials = None
+    fused_rms_norm = fused_silu_and_mul = fused_embedding = one_token = qkv_rope_gemv = None
+    decode_attention_partials = None
 
 
 # The one-token path pays where per-kernel latency dominates the weight reads. On H200 it took the
@@ -196,7 +198,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_cache, meta):
         """The residual stream after the last layer, before the final norm (`self.norm`), which
         `LlamaForCausalLM.compute_logits` applies."""
-        hidden = self.embed_tokens(input_ids)
+        if input_ids.is_cuda and fused_embedding is not None:
+            hidden = fused_embedding(input_ids, self.embed_tokens.weight)
+        else:
+            hidden = self.embed_tokens(input_ids)
         rotation = self.rotary.rotator(positions, hidden.dtype)
         if self.takes_one_token_path(hidden):
             for i, layer in enumerate(self.layers):

@@ -1,22 +1,36 @@
-"""The decode CUDA graphs' input buffer: layout, staging of a step in one copy, padding, fill.
+"""The decode CUDA graphs' inputs and outputs: the buffer layout, staging into the host ring, the
+first kernel's copy and placeholder fill, the ids written back to the ring, and slot reuse.
 
-The graphs themselves need a GPU (tests/gpu runs them); the input buffer and its staging are plain
-tensor code and run here on CPU tensors."""
+Capturing graphs needs a GPU (tests/gpu runs them). Everything a graph does also runs eagerly
+(`DecodeGraphs.replay` before `capture`), so it is tested here on CPU tensors, with the kernels
+under the Triton interpreter; on a GPU the same tests run with the ring in pinned memory."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from backend.cuda_graphs import DecodeGraphs
-from backend.staging import StagingBuffer
+# Sets TRITON_INTERPRET=1 without a GPU; must come before the kernel modules are imported.
+from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # noqa: F401
 
-FIELDS = ("input_ids", "positions", "slot_mapping", "fill_src", "seq_lens", "block_tables")
+pytest.importorskip("triton")
+
+from backend.config import EngineConfig  # noqa: E402
+from backend.cuda_graphs import DecodeGraphs  # noqa: E402
+from backend.model_runner import ModelRunner, SequenceChunk  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("interpretable_triton_language")
+FIELDS = ("input_ids", "fill_src", "positions", "slot_mapping", "seq_lens", "block_tables")
+NONE = np.array([], dtype=np.int64)
+
+
+def empty_graphs(max_batch_size: int, max_seq_len: int = 100) -> DecodeGraphs:
+    return DecodeGraphs(None, torch.empty(1, device=DEVICE), max_batch_size, max_seq_len, tokens_per_block=16)
 
 
 @pytest.mark.parametrize("max_batch_size", [1, 3, 8])
-def test_fields_are_disjoint_aligned_views_of_one_buffer(max_batch_size):
-    graphs = DecodeGraphs(None, torch.empty(1), max_batch_size, max_seq_len=100, tokens_per_block=16)
+def test_fields_are_disjoint_aligned_views_of_one_buffer_mirrored_by_each_host_slot(max_batch_size):
+    graphs = empty_graphs(max_batch_size)
     spans = []
     for name in FIELDS:
         field = getattr(graphs, name)
@@ -24,42 +38,97 @@ def test_fields_are_disjoint_aligned_views_of_one_buffer(max_batch_size):
         start = field.data_ptr() - graphs.buffer.data_ptr()
         assert start % 16 == 0 and start == graphs.offsets[name]
         spans.append((start, start + field.numel() * field.element_size()))
+        for slot in (0, 1):
+            host = graphs.host_fields[slot][name]
+            assert host.ctypes.data - graphs.host_ring[slot].data_ptr() == start
+            assert host.shape == tuple(field.shape)
     assert graphs.block_tables.shape == (max_batch_size, 7)            # ceil(100 / 16) blocks
     spans.sort()
     assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
-    assert spans[-1][1] <= graphs.buffer.numel()
-    assert (graphs.slot_mapping == -1).all() and (graphs.fill_src == -1).all()
+    assert spans[-1][1] <= graphs.buffer.numel() == graphs.host_ring.shape[1]
+    assert graphs.host_ring.is_pinned() == (DEVICE == "cuda")
 
 
-def test_stage_pads_to_the_graph_size_and_fill_takes_previous_ids():
-    graphs = DecodeGraphs(None, torch.empty(1), 8, max_seq_len=100, tokens_per_block=16)
-    staging = StagingBuffer(torch.device("cpu"))
+def test_first_kernel_copies_the_staged_slot_pads_and_fills_placeholders():
+    from backend.kernels.argmax import argmax_rows
+    graphs = empty_graphs(8)
     wide = np.array([[4, 5, 6], [7, 0, 0], [8, 9, 0]], dtype=np.int64)
-    graphs.stage(staging, np.array([1, 2, 3]), np.array([40, 20, 35]), np.array([70, 112, 130]),
-                 np.array([41, 21, 36]), wide, np.array([], dtype=np.int64), np.array([], dtype=np.int64))
-    assert graphs.fill_src[:4].tolist() == [-1] * 4
-    # A later, narrower step of 3 rows: padded to the graph of 4; the old columns are cleared.
-    # Rows 0 and 2 take their input ids from the previous step's sampled ids.
-    prev = torch.tensor([500, 600])
-    ids, positions, meta = graphs.stage(
-        staging, np.array([-1, 12, -1]), np.array([41, 21, 36]), np.array([71, 113, 131]),
-        np.array([42, 22, 37]), np.array([[4, 5], [7, 0], [8, 9]]), np.array([0, 2]), np.array([1, 0]), prev)
-    assert graphs.size_for(3) == 4
-    assert ids.tolist() == [-1, 12, -1] and positions.tolist() == [41, 21, 36]
+    graphs.stage(np.array([1, 2, 3]), np.array([40, 20, 35]), np.array([70, 112, 130]),
+                 np.array([41, 21, 36]), wide, NONE, NONE)
+    graphs.load_inputs(4)
+    assert graphs.input_ids[:4].tolist() == [1, 2, 3, 0]
+    assert graphs.block_tables[:4, :3].tolist() == [[4, 5, 6], [7, 0, 0], [8, 9, 0], [0, 0, 0]]
+    # The replay's argmax writes its ids into the same slot and moves on to the other one.
+    logits = torch.zeros(4, 5, device=DEVICE)
+    logits[torch.arange(4), torch.tensor([3, 1, 4, 2])] = 1.0
+    argmax_rows(logits, out=graphs.sampled_ids[:4], to_host=(graphs.host_ids, graphs.slot, graphs.replays))
+    assert graphs.host_ids[0, :4].tolist() == [3, 1, 4, 2] and graphs.replays.item() == 1
+    graphs._replayed += 1                       # what `replay` counts on the host
+    # The next step of 3 rows goes to slot 1 and is padded to the graph of 4; the wider table of
+    # the previous step is cleared. Rows 0 and 2 are placeholders for the ids just sampled.
+    graphs.stage(np.array([-1, 12, -1]), np.array([41, 21, 36]), np.array([71, 113, 131]),
+                 np.array([42, 22, 37]), np.array([[4, 5], [7, 0], [8, 9]]), np.array([0, 2]),
+                 np.array([1, 0]), graphs.sampled_ids[:4])
+    assert graphs.host_fields[0]["positions"][:3].tolist() == [40, 20, 35]     # slot 0 untouched
+    graphs.load_inputs(4)
+    assert graphs.slot.item() == 1
+    assert graphs.input_ids[:4].tolist() == [1, 12, 3, 0]          # sampled[1], 12, sampled[0]
+    assert graphs.positions[:4].tolist() == [41, 21, 36, 0]
     assert graphs.slot_mapping[:4].tolist() == [71, 113, 131, -1]       # padded row: no KV write
     assert graphs.seq_lens[:4].tolist() == [42, 22, 37, 0]              # padded row: no context
     assert graphs.block_tables[:4, :3].tolist() == [[4, 5, 0], [7, 0, 0], [8, 9, 0], [0, 0, 0]]
-    assert meta.seq_lens.tolist() == [42, 22, 37] and meta.max_seq_len == 42
-    assert meta.block_tables.tolist() == [[4, 5], [7, 0], [8, 9]]
-    # The graph's first kernel fills rows 0 and 2 from the previous ids, copied into its buffer.
-    assert graphs.fill_src[:4].tolist() == [1, -1, 0, -1]
-    assert graphs.sampled_ids[:2].tolist() == [500, 600]
-    # Ids a graph replay left in its buffer are used in place (nothing copied).
-    graphs.sampled_ids[:2] = torch.tensor([9, 8])
-    graphs.stage(staging, np.array([-1]), np.array([5]), np.array([6]), np.array([6]), np.array([[1]]),
-                 np.array([0]), np.array([1]), graphs.sampled_ids[:2])
-    assert graphs.fill_src[:1].tolist() == [1] and graphs.sampled_ids[:2].tolist() == [9, 8]
-    # A step without placeholders clears the previous step's fill rows.
-    graphs.stage(staging, np.array([3, 4]), np.array([5, 6]), np.array([6, 7]), np.array([6, 7]),
-                 np.array([[1], [2]]), np.array([], dtype=np.int64), np.array([], dtype=np.int64))
-    assert graphs.fill_src[:2].tolist() == [-1, -1]
+
+
+def test_previous_ids_from_elsewhere_are_copied_into_the_graphs_buffer():
+    graphs = empty_graphs(2)
+    prev = torch.tensor([500, 600], device=DEVICE)
+    graphs.stage(np.array([-1]), np.array([5]), np.array([6]), np.array([6]), np.array([[1]]),
+                 np.array([0]), np.array([1]), prev)
+    assert graphs.sampled_ids.tolist() == [500, 600]
+    graphs.load_inputs(1)
+    assert graphs.input_ids[:1].tolist() == [600]
+
+
+def test_only_the_graphs_rows_are_copied():
+    graphs = empty_graphs(4)
+    graphs.stage(np.array([1, 2, 3, 4]), np.arange(4), np.arange(4), np.arange(4) + 1,
+                 np.array([[9]] * 4), NONE, NONE)
+    graphs.load_inputs(1)                       # the graph of one row: one row of its table
+    assert graphs.block_tables[:, 0].tolist() == [9, 0, 0, 0]
+
+
+def test_eager_replays_alternate_slots_and_match_the_runner(tiny_hf_model):
+    """Decode steps through `replay` (the graph's work, eagerly) give the runner's own greedy
+    ids, with placeholders filled on the device and ids read back from the ring; a slot's ids
+    are kept when the slot is staged again before they were read."""
+    _, path = tiny_hf_model("llama")
+    runner = ModelRunner(EngineConfig(model_path=str(path), device=DEVICE, tokens_per_block=4,
+                                      max_batch_size=2, cuda_graphs=False, attention_backend="torch"))
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, 2, runner.max_seq_len, 4)
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8]]
+    blocks = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with torch.inference_mode():
+        first = runner.execute([SequenceChunk(p, 0, b, True) for p, b in zip(prompts, blocks)])
+    tokens = [[int(t)] for t in first.logits.argmax(-1)]
+    pending, prev = [], first.logits.argmax(-1)
+    for step in range(5):          # inputs are placeholders: the graph fills them from `prev`
+        lens = np.array([len(p) + step + 1 for p in prompts])
+        with torch.inference_mode():
+            graphs.stage(np.array([-1, -1]), lens - 1, np.array([b[(n - 1) // 4] * 4 + (n - 1) % 4
+                                                                 for b, n in zip(blocks, lens)]),
+                         lens, np.array(blocks), np.array([0, 1]), np.array([0, 1]), prev)
+            _, prev, ids = graphs.replay(2)
+        pending.append(ids)
+    for ids in pending:             # read late: all but the last two were kept when restaged
+        for row, token in enumerate(ids.result()):
+            tokens[row].append(token)
+    for row, prompt in enumerate(prompts):     # the runner's own eager decode, token by token
+        seq = prompt + tokens[row][:1]
+        for step in range(5):
+            chunk = SequenceChunk(seq[-1:], len(seq) - 1, [10 + row * 4 + i for i in range(4)], True)
+            if step == 0:
+                with torch.inference_mode():
+                    runner.execute([SequenceChunk(seq[:-1], 0, chunk.block_ids, False)])
+            with torch.inference_mode():
+                seq.append(int(runner.execute([chunk]).logits.argmax(-1)[0]))
+        assert tokens[row] == seq[len(prompt):]

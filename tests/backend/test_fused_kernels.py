@@ -1,4 +1,5 @@
-"""Triton RMSNorm (+ residual), rotary-embedding, activation and argmax kernels against torch."""
+"""Triton RMSNorm (+ residual), rotary-embedding, activation, embedding and argmax kernels against
+torch."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ pytest.importorskip("triton")
 
 from backend.kernels.activation import silu_and_mul  # noqa: E402
 from backend.kernels.argmax import CHUNK, argmax_rows  # noqa: E402
+from backend.kernels.embedding import BLOCK as EMBEDDING_BLOCK, embedding  # noqa: E402
 from backend.kernels.rmsnorm import rms_norm  # noqa: E402
 from backend.kernels.rope import apply_rotary_  # noqa: E402
 from backend.model_config import RopeConfig  # noqa: E402
@@ -133,14 +135,13 @@ def test_argmax_matches_torch_with_ties_inside_and_across_chunks():
     assert buffer.tolist() == logits.argmax(dim=-1).tolist() + [-5, -5, -5]
 
 
-def test_fill_placeholders_takes_the_previous_ids_only_where_asked():
-    from backend.kernels.placeholders import BLOCK, fill_placeholders
-    n = BLOCK + 3                                              # two programs, the last partial
-    ids = torch.arange(n, dtype=torch.int64, device=DEVICE) + 1000
-    fill_src = torch.full((n,), -1, dtype=torch.int64, device=DEVICE)
-    fill_src[[0, 5, BLOCK + 2]] = torch.tensor([2, 0, 1], device=DEVICE)
-    sampled = torch.tensor([70, 71, 72], dtype=torch.int64, device=DEVICE)
-    expected = ids.clone()
-    expected[[0, 5, BLOCK + 2]] = torch.tensor([72, 70, 71], device=DEVICE)
-    fill_placeholders(ids, fill_src, sampled)
-    assert torch.equal(ids, expected)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_gathers_rows_like_torch_and_zeros_out_of_range_ids(dtype):
+    torch.manual_seed(0)
+    hidden = EMBEDDING_BLOCK + 40                          # two column tiles, the last partial
+    weight = torch.randn(50, hidden, device=DEVICE).to(dtype)
+    ids = torch.tensor([3, 49, 0, 3, 17], device=DEVICE)
+    assert torch.equal(embedding(ids, weight), torch.nn.functional.embedding(ids, weight))
+    assert embedding(ids[:0], weight).shape == (0, hidden)
+    out = embedding(torch.tensor([50, -1, 2], device=DEVICE), weight)
+    assert not out[:2].any() and torch.equal(out[2], weight[2])
