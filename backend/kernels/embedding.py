@@ -1,8 +1,11 @@
 """Token embedding lookup: out[t] = weight[ids[t]], launched with PDL.
 
 torch's embedding does the same work, but as a plain launch it lets nothing start before it ends.
-This kernel signals the next one at once (`backend.kernels.pdl`), so in a batch-1 decode step the
-first layer's projection starts streaming its weights while the rows are gathered.
+This kernel lets the next one launch as soon as it has waited for its own predecessor
+(`backend.kernels.pdl`), so in a batch-1 decode step the first layer's projection starts streaming
+its weights while the rows are gathered. Not earlier: the kernels after it read step inputs before
+they wait, and in a decode CUDA graph those were written by the kernel before this one
+(`backend.kernels.step_inputs`).
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ BLOCK = 1024
 def _embedding_kernel(ids_ptr, weight_ptr, out_ptr, vocab, hidden, stride_w, stride_out,
                       BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row = tl.load(ids_ptr + token).to(tl.int64)

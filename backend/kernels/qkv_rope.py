@@ -46,7 +46,8 @@ def _qkv_rope_kernel(
     # Feature of the head: rotated heads take dims part*PAIRS.. of both halves, values a plain run.
     dim = tl.where(rotated, (lane // PAIRS) * HALF + part * PAIRS + lane % PAIRS, part * BLOCK_N + lane)
     rows = head.to(tl.int64) * HEAD_DIM + dim
-    # Position, cos/sin and slot are step inputs no kernel writes: read them before the wait too.
+    # Position, cos/sin and slot are step inputs, written before the layers' kernels launch
+    # (`backend.kernels.step_inputs`): read them before the wait too.
     position = tl.load(positions_ptr).to(tl.int64)
     half_dim = part * PAIRS + lane % PAIRS
     cos = tl.load(cos_sin_ptr + position * stride_cs_pos + half_dim)

@@ -16,8 +16,13 @@ the ids in the same slot.
 It also resolves placeholder input ids (overlap scheduling, `backend.step_pipeline`): row i takes
 sampled[fill_src[i]], an id the previous replay left on the device, where fill_src[i] >= 0.
 Program 0 does that and the slot; the others copy the rest of the slot, from `copy_from` on,
-CHUNK 32-bit words each. With PDL the next kernel may launch at once: the embedding lookup, which
-waits for this one, lets the first layer's projection stream its weights meanwhile.
+CHUNK 32-bit words each.
+
+Kernels later in the step read step inputs (positions, slots, context lengths, block tables)
+before they wait for their predecessor (programmatic dependent launch, `backend.kernels.pdl`), so
+none of them may start before this kernel has finished: it is launched without PDL and never lets
+its dependents launch early, and the embedding lookup after it lets its own dependents launch only
+once it has waited for it (`backend.kernels.embedding`).
 """
 from __future__ import annotations
 
@@ -25,18 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
-
 CHUNK = 1024
 
 
 @triton.jit
 def _load_step_kernel(dev_words, host_words, dev_ids, host_ids, fill_src, sampled, replays, slot_out,
                       n, slot_words, slot_ids, copy_from, copy_to,
-                      ROWS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:     # the embedding may launch (and wait for this kernel); layer 0 may then prefetch
-        gdc_launch_dependents()
-        gdc_wait()
+                      ROWS: tl.constexpr, CHUNK: tl.constexpr):
     slot = tl.load(replays) % 2
     pid = tl.program_id(0)
     if pid == 0:
@@ -76,5 +76,4 @@ def load_step_inputs(device_buffer: torch.Tensor, host_ring: torch.Tensor, ids_o
     grid = (1 + triton.cdiv(copy_to - copy_from, 4 * CHUNK),)
     _load_step_kernel[grid](dev_words, host_words, dev_ids, host_ids, fill_src, sampled, replays, slot,
                             n, width // 4, width // 8, copy_from // 4, copy_to // 4,
-                            ROWS=triton.next_power_of_2(n), CHUNK=CHUNK,
-                            **launch_options())
+                            ROWS=triton.next_power_of_2(n), CHUNK=CHUNK)

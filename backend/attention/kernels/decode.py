@@ -15,8 +15,9 @@ used ones exit at once. Each program runs the online softmax over its tiles in f
 takes the step's own token.
 
 Programmatic dependent launch: the cached context was written by earlier steps and the step
-inputs by the host, so a program reads them, its first key tile included, before it waits for the
-previous kernel; after the wait it reads the query and the step's own key and value, which that
+inputs before any kernel of the layers launched (by the host, or by a decode CUDA graph's first
+kernel, `backend.kernels.step_inputs`), so a program reads them, its first key tile included,
+before it waits for the previous kernel; after the wait it reads the query and the step's own key and value, which that
 kernel (the KV write, or the fused qkv projection) has just written.
 
 With one split used, the program writes the output itself. Otherwise each split writes a
@@ -97,8 +98,8 @@ def _decode_kernel(
     if PDL:     # the next kernel (the o projection) may start streaming its weights now
         gdc_launch_dependents()
 
-    # Step inputs and the cached context are written by no kernel of this step: read them (and
-    # this split's first key tile) before waiting for the previous kernel.
+    # Step inputs and the cached context are written before the layers' kernels launch: read
+    # them (and this split's first key tile) before waiting for the previous kernel.
     seq_len = tl.load(seq_lens_ptr + seq)
     row = tl.load(query_start_ptr + seq).to(tl.int64)
     cached = tl.maximum(seq_len - 1, 0)
