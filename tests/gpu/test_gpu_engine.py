@@ -158,7 +158,7 @@ def test_default_model_bf16_logprobs_close_to_transformers(smollm):
     results = serve(model_dir, prompts, SamplingParams(max_tokens=32, return_log_probs=True), dtype="bfloat16",
                     max_batch_size=8)
     model_bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-    ours, theirs = [], []
+    ours, theirs, between = [], [], []
     for prompt, result in zip(prompts, results):
         ids = torch.tensor([prompt + result["token_ids"]], device="cuda")
         n, tokens = len(prompt), result["token_ids"]
@@ -167,8 +167,10 @@ def test_default_model_bf16_logprobs_close_to_transformers(smollm):
         reference = [float(fp32[n - 1 + i, t]) for i, t in enumerate(tokens)]
         ours += [abs(a - b) for a, b in zip(result["logprobs"], reference)]
         theirs += [abs(float(bf16[n - 1 + i, t]) - b) for i, (t, b) in enumerate(zip(tokens, reference))]
+        between += [abs(float(bf16[n - 1 + i, t]) - a) for i, (t, a) in enumerate(zip(tokens, result["logprobs"]))]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     print(f"|log-prob - fp32 transformers|: engine bf16 max {max(ours):.4g} mean {mean(ours):.4g}; "
-          f"transformers bf16 max {max(theirs):.4g} mean {mean(theirs):.4g}")
+          f"transformers bf16 max {max(theirs):.4g} mean {mean(theirs):.4g}; "
+          f"|engine bf16 - transformers bf16| max {max(between):.4g} mean {mean(between):.4g}")
     assert mean(ours) <= 1.25 * mean(theirs) + 1e-3
     assert max(ours) <= 2 * max(theirs) + 1e-3
