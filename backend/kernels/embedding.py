@@ -27,10 +27,10 @@ def _embedding_kernel(ids_ptr, weight_ptr, out_ptr, vocab, hidden, stride_w, str
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row = tl.load(ids_ptr + token).to(tl.int64)
+    known = (row >= 0) & (row < vocab)
     inside = cols < hidden
-    known = inside & (row >= 0) & (row < vocab)
-    values = tl.load(weight_ptr + row * stride_w + cols, mask=known, other=0.0)
-    tl.store(out_ptr + token * stride_out + cols, values, mask=inside)
+    values = tl.load(weight_ptr + tl.where(known, row, 0) * stride_w + cols, mask=inside, other=0.0)
+    tl.store(out_ptr + token * stride_out + cols, tl.where(known, values, 0.0), mask=inside)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
