@@ -76,26 +76,25 @@ class PendingSample:
 
     def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, host_ids=None):
         self.token_ids = token_ids
+        self._ids_on_their_way = host_ids
         self._event = None
-        self._host_ids = host_ids
-        if token_ids.is_cuda and (host_ids is None or logprobs is not None):
+        if token_ids.is_cuda:
             if host_ids is None:
                 token_ids = token_ids.to("cpu", non_blocking=True)       # pinned destination
             if logprobs is not None:
                 logprobs = logprobs.to("cpu", non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        if host_ids is None:
-            self._host_ids = token_ids
+            if host_ids is None or logprobs is not None:
+                self._event = torch.cuda.Event()
+                self._event.record()
+        self._host_ids = token_ids
         self._host_logprobs = logprobs
 
     def result(self) -> SamplerOutput:
         if self._event is not None:
             self._event.synchronize()
-        logprobs = self._host_logprobs
-        ids = self._host_ids
-        return SamplerOutput(ids.tolist() if isinstance(ids, torch.Tensor) else ids.result(),
-                             None if logprobs is None else logprobs.tolist())
+        on_their_way, logprobs = self._ids_on_their_way, self._host_logprobs
+        ids = on_their_way.result() if on_their_way is not None else self._host_ids.tolist()
+        return SamplerOutput(ids, None if logprobs is None else logprobs.tolist())
 
 
 class Sampler:
