@@ -99,11 +99,10 @@ class DecodeGraphs:
             for slot in (0, 1):
                 self.host_fields[slot][name] = (                      # numpy: cheaper to write
                     self.host_ring[slot, start:start + size].view(dtype).view(shape).numpy())
-        self.host_ids = torch.zeros(2, n, dtype=torch.int64, pin_memory=pinned)
+        self.sampled_ring = torch.zeros(2, n, dtype=torch.int64, pin_memory=pinned)   # argmax ids
         for slot in (0, 1):
             self.host_fields[slot]["slot_mapping"][:] = -1
             self.host_fields[slot]["fill_src"][:] = -1
-        self.slot_mapping.fill_(-1)
         self.sampled_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.replays = torch.zeros(1, dtype=torch.int64, device=device)   # run so far (device)
@@ -129,7 +128,8 @@ class DecodeGraphs:
 
     def load_inputs(self, size: int) -> None:
         """The graph's first kernel: host slot `replays % 2` into the device buffer."""
-        end = self.offsets["block_tables"] + self.block_tables[:size].numel() * 4
+        table = self.block_tables[:size]
+        end = self.offsets["block_tables"] + table.numel() * table.element_size()
         load_step_inputs(self.buffer, self.host_ring, self.offsets["input_ids"], self.offsets["fill_src"],
                          self.offsets["positions"], end, size, self.sampled_ids, self.replays, self.slot)
 
@@ -137,7 +137,7 @@ class DecodeGraphs:
         self.load_inputs(size)
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, self._meta(size))
         logits = self.model.compute_logits(hidden)
-        argmax_rows(logits, out=self.sampled_ids[:size], to_host=(self.host_ids, self.slot, self.replays))
+        argmax_rows(logits, out=self.sampled_ids[:size], to_host=(self.sampled_ring, self.slot, self.replays))
         return logits
 
     @torch.inference_mode()
@@ -154,7 +154,6 @@ class DecodeGraphs:
                     logits = self._forward(size)
                 self.graphs[size] = (graph, logits)
         torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
         self.replays.zero_()            # the warm-up runs counted; the host has queued none
         self.sampled_ids.zero_()
         torch.cuda.synchronize()
@@ -211,5 +210,5 @@ class DecodeGraphs:
         if logits.is_cuda:
             done = torch.cuda.Event()
             done.record()
-        ids = self._ids_out[slot] = ReplayIds(self.host_ids[slot, :n], done)
+        ids = self._ids_out[slot] = ReplayIds(self.sampled_ring[slot, :n], done)
         return logits[:n], self.sampled_ids[:n], ids

@@ -61,8 +61,8 @@ def test_first_kernel_copies_the_staged_slot_pads_and_fills_placeholders():
     # The replay's argmax writes its ids into the same slot and moves on to the other one.
     logits = torch.zeros(4, 5, device=DEVICE)
     logits[torch.arange(4), torch.tensor([3, 1, 4, 2])] = 1.0
-    argmax_rows(logits, out=graphs.sampled_ids[:4], to_host=(graphs.host_ids, graphs.slot, graphs.replays))
-    assert graphs.host_ids[0, :4].tolist() == [3, 1, 4, 2] and graphs.replays.item() == 1
+    argmax_rows(logits, out=graphs.sampled_ids[:4], to_host=(graphs.sampled_ring, graphs.slot, graphs.replays))
+    assert graphs.sampled_ring[0, :4].tolist() == [3, 1, 4, 2] and graphs.replays.item() == 1
     graphs._replayed += 1                       # what `replay` counts on the host
     # The next step of 3 rows goes to slot 1 and is padded to the graph of 4; the wider table of
     # the previous step is cleared. Rows 0 and 2 are placeholders for the ids just sampled.
