@@ -1,6 +1,7 @@
 """The model's shape and numerics, read from a Hugging Face `config.json`.
 
-Only the Llama family is supported: `llama` (Llama 2/3, SmolLM), `mistral` and `qwen2`.
+Only the Llama family is supported: `llama` (Llama 2/3, SmolLM), `mistral` and `qwen2`; `null`
+is the model that computes nothing (backend/models/null.py).
 RoPE settings are read from transformers 5's `rope_parameters` or from the older
 `rope_theta` + `rope_scaling` pair.
 
@@ -14,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "null")
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
 

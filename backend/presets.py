@@ -4,12 +4,19 @@ A preset resolves to a directory holding only a Hugging Face config.json and `ra
 (the seed); the loader then fills the parameters with deterministic random values directly on the
 target device in the target dtype (no float32 host copy, which for 8B would be 32 GB).
 There is no tokenizer: benchmarks feed token ids (or pass `tokenizer_dir` explicitly).
+
+With `tokenizer_from` (a model directory), the preset takes that model's tokenizer files and its
+vocabulary size and special ids, so it can be served through the whole Triton path (text in,
+text out). The `null` preset (backend/models/null.py, a model that computes nothing) always takes
+the default model's tokenizer.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
+import zlib
 
 import torch
 from torch import nn
@@ -49,12 +56,31 @@ PRESETS: dict[str, dict] = {
                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 8192},
     },
+    "null": {
+        "model_type": "null", "architectures": ["NullModel"], "vocab_size": 49152,
+        "hidden_size": 1, "num_hidden_layers": 1, "num_attention_heads": 1,
+        "num_key_value_heads": 1, "head_dim": 1, "intermediate_size": 1,
+        "max_position_embeddings": 8192,
+    },
 }
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json", "tokenizer.model", "vocab.json",
+                   "merges.txt")
+_TOKEN_FIELDS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def write_preset(name: str, cache_root: str, seed: int = 0) -> str:
-    """Write (once) the directory for preset `name` under `cache_root` and return it."""
-    out_dir = os.path.join(cache_root, f"preset-{name}")
+def write_preset(name: str, cache_root: str, seed: int = 0, tokenizer_from: str | None = None) -> str:
+    """Write (once) the directory for preset `name` under `cache_root` and return it; with
+    `tokenizer_from`, one that carries that model directory's tokenizer (see the docstring)."""
+    config = dict(PRESETS[name])
+    suffix = ""
+    if tokenizer_from is not None:
+        with open(os.path.join(tokenizer_from, "config.json")) as f:
+            source = json.load(f)
+        config.update({k: source[k] for k in _TOKEN_FIELDS if k in source})
+        path = os.path.abspath(tokenizer_from)
+        suffix = f"-vocab-{os.path.basename(path)}-{zlib.crc32(path.encode()):08x}"
+    out_dir = os.path.join(cache_root, f"preset-{name}{suffix}")
     marker = os.path.join(out_dir, RANDOM_WEIGHTS_FILE)
     if os.path.isfile(marker):
         return out_dir
@@ -62,15 +88,16 @@ def write_preset(name: str, cache_root: str, seed: int = 0) -> str:
     tmp_dir = tempfile.mkdtemp(prefix=f".preset-{name}.tmp-", dir=cache_root)
     os.chmod(tmp_dir, 0o755)
     with open(os.path.join(tmp_dir, "config.json"), "w") as f:
-        json.dump(PRESETS[name], f, indent=2)
+        json.dump(config, f, indent=2)
+    for file in TOKENIZER_FILES if tokenizer_from is not None else ():
+        if os.path.isfile(os.path.join(tokenizer_from, file)):
+            shutil.copy2(os.path.join(tokenizer_from, file), tmp_dir)
     with open(os.path.join(tmp_dir, RANDOM_WEIGHTS_FILE), "w") as f:
         json.dump({"preset": name, "seed": seed, "std": INIT_STD}, f)
     try:
         os.rename(tmp_dir, out_dir)
     except OSError:                 # another process wrote it first
-        for file in os.listdir(tmp_dir):
-            os.remove(os.path.join(tmp_dir, file))
-        os.rmdir(tmp_dir)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     return out_dir
 
 

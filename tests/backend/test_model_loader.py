@@ -106,7 +106,7 @@ def test_presets_resolve_to_configs_of_the_right_shape(cache):
     cfg8 = ModelConfig.from_dir(resolve_model("llama-3.1-8b"))
     assert (cfg8.hidden_size, cfg8.num_layers, cfg8.num_kv_heads, cfg8.intermediate_size,
             cfg8.tie_word_embeddings, cfg8.rope.factor) == (4096, 32, 8, 14336, False, 8.0)
-    assert resolve_model("llama-3.2-1b") == path and set(PRESETS) == {"llama-3.2-1b", "llama-3.1-8b"}
+    assert resolve_model("llama-3.2-1b") == path and set(PRESETS) == {"llama-3.2-1b", "llama-3.1-8b", "null"}
 
 
 def test_random_init_is_deterministic_and_finite_in_bf16(cache):
