@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from backend.config import EngineConfig
+from backend.limits import EngineLimits
 from backend.model_runner import ModelRunner
 from backend.output_processor import OutputCallback, OutputProcessor
 from backend.request import FinishReason, Request, RequestOutput
@@ -45,6 +46,8 @@ class Executor:
         self.eos_token_ids = list(self.runner.eos_token_ids)
         self.model_dir = self.runner.model_dir
         self.scheduler = Scheduler(self.config, self.runner.num_kv_blocks, self.runner.tokens_per_block)
+        self.limits = EngineLimits(self.vocab_size, self.max_seq_len, self.runner.tokens_per_block,
+                                   self.scheduler.total_blocks)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed)
         self._stats = ExecutorStats(kv=self.scheduler.kv_stats())
         self.outputs = OutputProcessor(self.max_seq_len, self.eos_token_ids, self._release)
@@ -66,7 +69,7 @@ class Executor:
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                on_output: OutputCallback) -> None:
         """Validate and queue a request. Raises ValueError (bad input) or QueueFullError."""
-        request = Request(str(request_id), list(prompt_ids), self._checked(prompt_ids, sampling))
+        request = Request(str(request_id), list(prompt_ids), self.limits.check(prompt_ids, sampling))
         with self._lock:
             if self._stopping:
                 raise RuntimeError("executor is shut down")
@@ -132,26 +135,6 @@ class Executor:
             if not done.acquire(timeout=timeout):
                 raise TimeoutError("generate timed out")
         return results
-
-    # ---- validation ----------------------------------------------------------------------------
-    def _checked(self, prompt_ids: list[int], sampling: SamplingParams) -> SamplingParams:
-        if len(prompt_ids) == 0:
-            raise ValueError("prompt must not be empty")
-        for token in prompt_ids:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
-                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {token!r}")
-        if len(prompt_ids) >= self.max_seq_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; it must be shorter than "
-                             f"max_seq_len ({self.max_seq_len})")
-        sampling.validate(self.vocab_size)
-        # Generation stops at max_seq_len: cap max_tokens so capacity planning sees the true need.
-        sampling = replace(sampling, max_tokens=min(sampling.max_tokens, self.max_seq_len - len(prompt_ids)))
-        needed = self.scheduler.blocks_needed(len(prompt_ids) + sampling.max_tokens)
-        if needed > self.scheduler.total_blocks:
-            raise ValueError(f"request needs {needed} KV cache blocks (prompt {len(prompt_ids)} + max_tokens "
-                             f"{sampling.max_tokens} tokens) but the cache holds {self.scheduler.total_blocks}; "
-                             "lower max_tokens or raise max_tokens_in_paged_kv_cache")
-        return sampling
 
     # ---- the loop ------------------------------------------------------------------------------
     def _loop(self) -> None:
