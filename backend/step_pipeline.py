@@ -20,7 +20,7 @@ placeholders appended. A request whose max_tokens is reached by its in-flight to
 scheduled again (the scheduler sees it has all its tokens).
 
 The pipeline is drained (step n-1 fully processed before step n is packed) when a request of step n
-reads its token history on the host to be sampled (penalties, bad words, min tokens), when the
+reads its token history on the host to be sampled (penalties, bad words), when the
 scheduler preempted (a preempted request must come back with real tokens), and when queueing a
 step fails (then step n runs synchronously, each request alone if need be).
 """
@@ -42,10 +42,11 @@ STEP_FAILED = "the model step failed for this request"
 
 
 def needs_token_history(request: Request) -> bool:
-    """Whether sampling this request's next token reads its output ids on the host."""
+    """Whether sampling this request's next token reads its output ids on the host. The
+    min-tokens end ban reads only how many there are, which placeholders count right."""
     p = request.sampling
     return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                or p.bad_token_ids or len(request.output_ids) < p.min_tokens)
+                or p.bad_token_ids)
 
 
 class _InFlight:
