@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from typing import Sequence, Union
 
-from transformers import AutoTokenizer
-
 Messages = Sequence[dict]
 
 
 def load_tokenizer(tokenizer_dir: str):
     """The tokenizer in ``tokenizer_dir``, padding on the left, pad token = eos token if unset."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 - heavy; word lists need only encode()
+
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), padding_side="left")
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token

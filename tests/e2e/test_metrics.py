@@ -46,12 +46,15 @@ def _quiet(triton) -> dict:
 
 
 def _settled(triton, before, count: int) -> dict:
-    """Metrics once `count` more requests were observed (histograms update on a short period)."""
+    """Metrics once `count` more requests were observed and the gauges show the engine idle
+    (histograms and gauges update on short periods; gauges come from the engine process)."""
     deadline = time.monotonic() + 10
     while True:
         after = metrics(triton.metrics)
-        if _delta(after, before, "nv_llm_input_token_len_count") >= count \
-                or time.monotonic() > deadline:
+        observed = _delta(after, before, "nv_llm_input_token_len_count") >= count
+        idle = metric(after, "nv_trt_llm_request_metrics", request_type="active") == 0 and \
+            metric(after, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 0
+        if (observed and idle) or time.monotonic() > deadline:
             return after
         time.sleep(0.1)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ensemble.environment import check_stub_numpy
 from ensemble.params import get_bool, parameters, tokenizer_dir, triton_error
 from postprocessing.detokenizer import text_delta
 from preprocessing.tokenizer import load_tokenizer
@@ -19,6 +20,7 @@ from stop_forwarder import StopForwarder
 
 class TritonPythonModel:
     def initialize(self, args):
+        check_stub_numpy()
         params = parameters(args["model_config"])
         self.tokenizer = load_tokenizer(tokenizer_dir(params))
         self.skip_special_tokens = get_bool(params, "skip_special_tokens", True)

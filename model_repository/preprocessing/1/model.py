@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ensemble.environment import check_stub_numpy
 from ensemble.params import get_bool, get_int, parameters, tokenizer_dir, triton_error
 from preprocessing.tokenizer import default_end_id, default_pad_id, encode, load_tokenizer
 from preprocessing.word_lists import embedding_bias, encode_word_list, parse_words
@@ -20,6 +21,7 @@ FIELD = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_D
 
 class TritonPythonModel:
     def initialize(self, args):
+        check_stub_numpy()
         params = parameters(args["model_config"])
         self.tokenizer = load_tokenizer(tokenizer_dir(params))
         self.add_special_tokens = get_bool(params, "add_special_tokens", True)

@@ -1,6 +1,6 @@
 """Prometheus metrics of the LLM model, through pb_utils.MetricFamily, with TensorRT-LLM's names.
 
-Gauges are refreshed from `Executor.stats()` every stats period; per-request histograms are
+Gauges are refreshed from the engine's stats every stats period; per-request histograms are
 observed when requests finish (queued by the response thread, observed here, so the token path
 makes no metric IPC). Families and label values:
 

@@ -1,6 +1,6 @@
 """Live Triton requests of the LLM model and the thread that answers them.
 
-The executor calls `on_output` from its own thread; the call only enqueues. One response thread
+The engine handle calls `on_output` from its receiver thread; the call only enqueues. One response thread
 builds the tensors and sends them, so each request's responses leave in order and the engine loop
 never waits on a response-send round trip. Every request ends with the FINAL flag: after its last
 row finishes, errors and cancellations included.
@@ -24,14 +24,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.executor import QueueFullError
 from backend.request import FinishReason, RequestOutput
+from ensemble.params import triton_error
 from llm_inputs import RowRequest
 from llm_metrics import FinishedRequest, LlmMetrics
 from llm_outputs import RowStream
 
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# Why the engine refused a request (RequestOutput.rejected) -> the Triton error code.
+ERROR_CODES = {"queue_full": "UNAVAILABLE", "invalid": "INVALID_ARG"}
 
 
 @dataclass
@@ -55,8 +57,8 @@ class LiveRow:
 
 
 class ResponseDispatcher:
-    def __init__(self, executor, metrics: LlmMetrics | None):
-        self._executor = executor
+    def __init__(self, engine, metrics: LlmMetrics | None):
+        self._engine = engine
         self._metrics = metrics
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._rows: dict[str, LiveRow] = {}
@@ -71,7 +73,8 @@ class ResponseDispatcher:
 
     # ---- from execute() ------------------------------------------------------------------------
     def submit(self, request, sender, rows: list[RowRequest]) -> None:
-        """Queue every row in the engine. Raises ValueError/QueueFullError when no row was queued."""
+        """Queue every row in the engine. Raises ValueError (bad input) or RuntimeError (no engine)
+        when no row was queued."""
         user_id = request.request_id()
         live = LiveRequest(request, sender, user_id, frozenset(request.requested_output_names()),
                            pending=len(rows))
@@ -89,9 +92,9 @@ class ResponseDispatcher:
         submitted = []
         try:
             for engine_id, row, _ in entries:
-                self._executor.submit(engine_id, row.prompt_ids, row.sampling, self._enqueue)
+                self._engine.submit(engine_id, row.prompt_ids, row.sampling, self._enqueue)
                 submitted.append(engine_id)
-        except (ValueError, QueueFullError) as exc:
+        except (ValueError, RuntimeError) as exc:
             with self._lock:
                 live.pending = len(submitted)          # the cancelled rows still end normally
                 for engine_id, _, _ in entries[len(submitted):]:
@@ -104,7 +107,7 @@ class ResponseDispatcher:
             # Some rows run already: report the error now, their ends carry the FINAL flag.
             self._send(live, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), 0)
             for engine_id in submitted:
-                self._executor.cancel(engine_id)
+                self._engine.cancel(engine_id)
 
     def stop(self, request_id: str) -> int:
         """The `stop` input: cancel every row of the live requests with this request id, or the
@@ -115,7 +118,7 @@ class ResponseDispatcher:
             else:
                 ids = [e for r in self._requests.values() if r.user_id == request_id
                        for e in r.engine_ids]
-        return sum(self._executor.cancel(engine_id) for engine_id in ids)
+        return sum(self._engine.cancel(engine_id) for engine_id in ids)
 
     def poll_cancellations(self) -> None:
         """Cancel the engine requests of Triton requests whose client went away."""
@@ -131,7 +134,7 @@ class ResponseDispatcher:
                     continue
             if cancelled:
                 for engine_id in request.engine_ids:
-                    self._executor.cancel(engine_id)
+                    self._engine.cancel(engine_id)
 
     def num_live(self) -> int:
         with self._lock:
@@ -141,7 +144,7 @@ class ResponseDispatcher:
         self._queue.put(None)
         self._thread.join(timeout=10)
 
-    # ---- executor thread -----------------------------------------------------------------------
+    # ---- the engine handle's receiver thread -----------------------------------------------------------------------
     def _enqueue(self, out: RequestOutput) -> None:
         self._queue.put(out)
 
@@ -181,7 +184,8 @@ class ResponseDispatcher:
             return
         flags = FINAL if last else 0
         if out.finish_reason == FinishReason.ERROR:
-            error = pb_utils.TritonError(out.error or "generation failed")
+            code = ERROR_CODES.get(out.rejected, "INTERNAL")
+            error = triton_error(out.error or "generation failed", code)
             self._send(live, pb_utils.InferenceResponse(error=error), flags)
         elif stream.ready(out):
             self._send(live, self._response(stream.take(out), live.requested), flags)

@@ -1,8 +1,10 @@
 """Triton adapter of the engine: token ids in, token ids out (decoupled, TensorRT-LLM names).
 
-execute() converts each request's tensors into engine requests and returns at once; responses
-are sent from the response thread (llm_responses.py) as the executor produces tokens. A poll
-thread checks client cancellation and refreshes the metrics.
+The engine runs in a process of its own (backend/engine_process.py), started by initialize():
+this stub answers Triton, the engine process computes, and neither waits for the other's
+interpreter. execute() converts each request's tensors into engine requests and returns at once;
+responses are sent from the response thread (llm_responses.py) as the engine's outputs arrive. A
+poll thread checks client cancellation and refreshes the metrics.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import threading
 import triton_python_backend_utils as pb_utils
 
 from backend.config import EngineConfig
-from backend.executor import Executor, QueueFullError
+from backend.engine_process import EngineProcess
+from ensemble.environment import check_stub_numpy
 from ensemble.params import engine_kwargs, get_bool, get_int, parameters, triton_error
 from llm_inputs import Defaults, convert_request, is_stop_request
 from llm_metrics import LlmMetrics
@@ -39,6 +42,7 @@ def exit_with_server(server_pid: int) -> subprocess.Popen:
 
 class TritonPythonModel:
     def initialize(self, args):
+        check_stub_numpy()
         params = parameters(args["model_config"])
         self.config = EngineConfig(**engine_kwargs(params))
         self.defaults = Defaults(
@@ -46,17 +50,19 @@ class TritonPythonModel:
             exclude_input_in_output=get_bool(params, "exclude_input_in_output", True))
         self.cancel_period_s = get_int(params, "cancellation_check_period_ms", 100) / 1000
         self.stats_period_s = get_int(params, "stats_check_period_ms", 200) / 1000
-        self.executor = Executor(self.config)
+        self.engine = EngineProcess(self.config)
         self.metrics = LlmMetrics(args["model_name"], args["model_version"],
                                   self.config.max_batch_size)
-        self.dispatcher = ResponseDispatcher(self.executor, self.metrics)
+        self.dispatcher = ResponseDispatcher(self.engine, self.metrics)
         self.stopping = threading.Event()
         self.poller = threading.Thread(target=self._poll, name="llm-poll", daemon=True)
         self.poller.start()
         self.watchdog = exit_with_server(os.getppid())
+        info = self.engine.info
         pb_utils.Logger.log_info(
-            f"tensorrt_llm ready: model {self.executor.model_dir}, vocab {self.executor.vocab_size}, "
-            f"max_seq_len {self.executor.max_seq_len}, config {json.dumps(vars(self.config))}")
+            f"tensorrt_llm ready: engine process {info.pid} on {info.device}, model {info.model_dir}, "
+            f"vocab {info.vocab_size}, max_seq_len {info.max_seq_len}, "
+            f"config {json.dumps(vars(self.config))}")
 
     def execute(self, requests):
         for request in requests:
@@ -66,10 +72,8 @@ class TritonPythonModel:
                 if is_stop_request(tensors):
                     self._stop(request, sender)
                     continue
-                rows = convert_request(tensors, self.defaults, self.executor.vocab_size)
+                rows = convert_request(tensors, self.defaults, self.engine.vocab_size)
                 self.dispatcher.submit(request, sender, rows)
-            except QueueFullError as exc:
-                sender.send(_error(f"Exceeds maximum queue size: {exc}", "UNAVAILABLE"), flags=FINAL)
             except ValueError as exc:
                 sender.send(_error(str(exc)), flags=FINAL)
             except Exception as exc:  # never leave a request without its FINAL flag
@@ -92,8 +96,9 @@ class TritonPythonModel:
             try:
                 self.dispatcher.poll_cancellations()
                 elapsed += self.cancel_period_s
-                if elapsed >= next_stats:
-                    self.metrics.update(self.executor.stats())
+                stats = self.engine.stats()
+                if elapsed >= next_stats and stats is not None:
+                    self.metrics.update(stats)
                     next_stats = elapsed + self.stats_period_s
             except Exception as exc:
                 pb_utils.Logger.log_warn(f"tensorrt_llm poll: {exc!r}")
@@ -101,5 +106,5 @@ class TritonPythonModel:
     def finalize(self):
         self.stopping.set()
         self.poller.join(timeout=5)
-        self.executor.shutdown()
+        self.engine.shutdown()
         self.dispatcher.shutdown()

@@ -12,6 +12,7 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ensemble.environment import check_stub_numpy
 from ensemble.tensors import ENSEMBLE
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -46,6 +47,7 @@ def outputs_of(step, response) -> dict[str, np.ndarray]:
 
 class TritonPythonModel:
     def initialize(self, args):
+        check_stub_numpy()
         self.threads: set[threading.Thread] = set()
         self.live: dict[str, object] = {}          # LLM request id -> the client's sender
         self.lock = threading.Lock()
