@@ -2,11 +2,14 @@
 
 The wheel carries `tritonserver` 2.51, the Python backend and one backend stub per Python version.
 Triton expects the stub inside the backend directory, so a backends directory is assembled once
-(python backend + the stub matching this interpreter). The server is started from this
-interpreter's environment so the stub imports the same packages (ours included, via PYTHONPATH).
+per Python version (python backend + the stub matching this interpreter). The server is started
+from the stubs' environment (see environment.py: this one, or a serving environment with
+numpy < 2), so the stubs import its packages (ours via PYTHONPATH); the engine process runs
+under this interpreter.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -19,9 +22,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend.engine_process import ENGINE_PYTHON_ENV
+from backend.cache import cache_root
+from ensemble.environment import StubEnvironment, stub_environment
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_BACKENDS_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) \
-    / "tritonllm" / "backends"
 
 
 @dataclass
@@ -40,13 +45,12 @@ class TritonInstall:
 
 
 def locate_tritonserver() -> TritonInstall:
-    """Find tritonserver inside the installed nvidia-pytriton wheel."""
-    try:
-        import pytriton  # noqa: PLC0415 - optional dependency, only needed to serve
-    except ImportError:
+    """Find tritonserver inside the installed nvidia-pytriton wheel (without importing it)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("nvidia-pytriton is not installed; "
-                           "pip install 'nvidia-pytriton==0.7.0'") from None
-    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+                           "pip install 'nvidia-pytriton==0.7.0'")
+    root = Path(spec.submodule_search_locations[0]).resolve() / "tritonserver"
     install = TritonInstall(root=root, libs=root.parent.parent / "nvidia_pytriton.libs")
     for path in (install.binary, install.stub, install.libs):
         if not path.exists():
@@ -54,8 +58,13 @@ def locate_tritonserver() -> TritonInstall:
     return install
 
 
-def prepare_backends(install: TritonInstall, dest: Path = DEFAULT_BACKENDS_DIR) -> Path:
+def default_backends_dir() -> Path:
+    return Path(cache_root()) / f"backends-py{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def prepare_backends(install: TritonInstall, dest: Path | None = None) -> Path:
     """A backends directory holding the python backend and the stub for this interpreter."""
+    dest = dest or default_backends_dir()
     python_dir = dest / "python"
     stub = python_dir / "triton_python_backend_stub"
     if not stub.exists() or stub.stat().st_size != install.stub.stat().st_size:
@@ -102,7 +111,7 @@ class TritonServer:
                 f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
                 f"--log-verbose={self.log_verbose}", *self.extra_args]
 
-    def environment(self, install: TritonInstall) -> dict[str, str]:
+    def environment(self, install: TritonInstall, stubs: StubEnvironment) -> dict[str, str]:
         env = dict(os.environ)
         # The stub must load this interpreter's libpython (not, say, the distribution's), or
         # the standard library's extension modules fail with undefined symbols.
@@ -111,18 +120,19 @@ class TritonServer:
             p for p in (libdir, env.get("LD_LIBRARY_PATH"), str(install.libs)) if p)
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
-        venv = Path(sys.prefix)
-        if venv != Path(sys.base_prefix):        # running from a virtual environment
-            env["VIRTUAL_ENV"] = str(venv)
-            env["PATH"] = os.pathsep.join((str(venv / "bin"), env.get("PATH", "")))
+        env[ENGINE_PYTHON_ENV] = env.get(ENGINE_PYTHON_ENV) or sys.executable   # torch, CUDA
+        if stubs.prefix != Path(sys.base_prefix):        # the stubs' virtual environment
+            env["VIRTUAL_ENV"] = str(stubs.prefix)
+            env["PATH"] = os.pathsep.join((str(stubs.prefix / "bin"), env.get("PATH", "")))
         return env
 
     def start(self) -> "TritonServer":
         install = locate_tritonserver()
         backends = prepare_backends(install)
+        stubs = stub_environment()
         output = open(self.log_file, "ab") if self.log_file else None
         self.process = subprocess.Popen(
-            self.command(install, backends), env=self.environment(install),
+            self.command(install, backends), env=self.environment(install, stubs),
             stdout=output, stderr=subprocess.STDOUT if output else None, start_new_session=True,
             cwd=PROJECT_ROOT)
         if output:
