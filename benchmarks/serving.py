@@ -1,0 +1,289 @@
+"""Serving benchmark: streaming load through tritonserver, against the engine alone.
+
+Closed-loop streaming clients at each concurrency C (see benchmarks/serving_load.py) send the
+same requests to each target: `ensemble` over gRPC (tritonclient `async_stream_infer`) and HTTP
+`generate_stream`, `tensorrt_llm_bls` over gRPC and `tensorrt_llm` (token ids) over gRPC. In the
+same run the engine alone (an in-process `Executor` with the same settings) serves the same
+prompt ids in the same closed loop: the reference for what the Triton path costs. Output lengths
+are exact (min_tokens = max_tokens, or end_id = -1 with `--exact-with end_id`).
+
+Reported per target and concurrency: output tokens/s, requests/s, TTFT, inter-token latency and
+end-to-end latency (mean, p50, p90, p99), responses per request, failures; the share of the
+engine alone's tokens/s. Checks: with `--model null` (a model that computes nothing, so the
+serving path's own ceiling is what is measured) every output must be the known one; with
+`--check-text K`, K greedy requests sent alone stream exactly the non-streamed text.
+
+    python -m benchmarks.serving --model null --concurrency 1 16 64 --num-requests 256 \\
+        --json benchmarks/results/serving_null_cpu.json
+    python -m benchmarks.serving --model llama-3.2-1b --tokenizer default --concurrency 1 64 256 \\
+        --num-requests 512 --isl 128:512 --osl 128 --json benchmarks/results/serving_llama1b_h100.json
+
+Requests per concurrency: min(--num-requests, max(--min-requests, 8 x C)).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from benchmarks.serving_load import (
+    LoadRequest, Target, engine_closed_loop, generate_once, run_clients, summarize)
+
+TARGETS = ("ensemble:grpc", "ensemble:http", "tensorrt_llm_bls:grpc", "tensorrt_llm:grpc")
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    return int(low), int(high or low)
+
+
+def model_dir_for(model: str, tokenizer: str) -> str:
+    """A served model needs a tokenizer: a random-weight preset takes `tokenizer`'s (and its
+    vocabulary), anything else brings its own."""
+    from backend.cache import cache_root
+    from backend.model_loader import resolve_model
+    from backend.presets import PRESETS, write_preset
+
+    if model in PRESETS:
+        return write_preset(model, cache_root(), tokenizer_from=resolve_model(tokenizer))
+    return resolve_model(model)
+
+
+def make_requests(tokenizer, num: int, isl: tuple[int, int], osl: tuple[int, int],
+                  seed: int) -> list[LoadRequest]:
+    """Prompts of random ordinary tokens, as text; their ids are what preprocessing makes of it."""
+    from preprocessing.tokenizer import encode
+
+    rng = random.Random(seed)
+    vocab = len(tokenizer)
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    requests = []
+    for _ in range(num):
+        length = rng.randint(*isl)
+        ids = [t for t in (rng.randrange(1000, vocab - 100) for _ in range(length)) if t not in special]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        requests.append(LoadRequest(text, encode(tokenizer, text), rng.randint(*osl)))
+    return requests
+
+
+def null_outputs(tokenizer, requests: list[LoadRequest]) -> list[tuple[list[int], str]]:
+    """What the null model must answer: its ids and their text."""
+    from backend.models.null import null_token
+
+    expected = []
+    for req in requests:
+        n = len(req.prompt_ids)
+        ids = [null_token(p) for p in range(n, n + req.output_len)]
+        expected.append((ids, tokenizer.decode(ids, skip_special_tokens=True)))
+    return expected
+
+
+def count_wrong(records, expected, token_ids: bool) -> int:
+    return sum(1 for r in records if r.error is None
+               and r.output != expected[r.index][0 if token_ids else 1])
+
+
+def requests_at(concurrency: int, args) -> int:
+    return min(args.num_requests, max(args.min_requests, 8 * concurrency))
+
+
+def settings_for(args, model_dir: str):
+    from ensemble.server import free_port
+    from ensemble.settings import ServeSettings
+
+    top = max(args.concurrency)
+    isl, osl = parse_range(args.isl), parse_range(args.osl)
+    return ServeSettings(
+        model_path=model_dir, device=args.device, dtype=args.dtype, max_batch_size=top,
+        max_num_tokens=args.max_num_tokens, max_seq_len=isl[1] + osl[1] + 64,
+        max_tokens_in_paged_kv_cache=args.kv_tokens or top * (isl[1] + osl[1] + 64),
+        default_max_tokens=osl[1], triton_max_batch_size=min(64, top),
+        http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+
+
+def engine_config(settings):
+    from backend.config import EngineConfig
+    from ensemble.settings import ENGINE_FIELDS
+
+    return EngineConfig(**{name: getattr(settings, name) for name in ENGINE_FIELDS})
+
+
+def run_engine_alone(settings, requests, args, expected) -> list[dict]:
+    from backend.executor import Executor
+
+    executor = Executor(engine_config(settings))
+    rows = []
+    try:
+        warm = [LoadRequest(r.text, list(reversed(r.prompt_ids)), r.output_len) for r in requests]
+        engine_closed_loop(executor, warm[:requests_at(max(args.concurrency), args)],
+                           max(args.concurrency), args.exact_with)
+        for c in args.concurrency:
+            load = requests[:requests_at(c, args)]
+            records = engine_closed_loop(executor, load, c, args.exact_with)
+            row = {"target": "engine", "concurrency": c, **summarize(records, load)}
+            if expected:
+                row["wrong_outputs"] = count_wrong(records, expected, token_ids=True)
+            rows.append(row)
+            _print(row)
+    finally:
+        executor.shutdown()
+    return rows
+
+
+def run_server_loads(settings, requests, args, expected, server_log: Path) -> tuple[list[dict], dict]:
+    from ensemble.build import build_repository
+    from ensemble.server import TritonServer
+
+    repository = build_repository(settings, Path(tempfile.mkdtemp(prefix="serving-bench-")) / "repo")
+    server = TritonServer(repository, settings.http_port, settings.grpc_port, settings.metrics_port,
+                          log_file=server_log)
+    rows, checks = [], {}
+    with server:
+        warm = [LoadRequest(r.text[::-1], list(reversed(r.prompt_ids)), r.output_len)
+                for r in requests]
+        run_clients(Target("grpc", "ensemble", server.grpc_url, args.exact_with),
+                    warm[:requests_at(max(args.concurrency), args)], max(args.concurrency),
+                    args.processes)
+        for spec in args.targets:
+            model, kind = spec.split(":")
+            url = server.grpc_url if kind == "grpc" else server.http_url
+            for c in args.concurrency:
+                load = requests[:requests_at(c, args)]
+                records = run_clients(Target(kind, model, url, args.exact_with), load, c,
+                                      args.processes)
+                row = {"target": spec, "concurrency": c, **summarize(records, load)}
+                if expected:
+                    row["wrong_outputs"] = count_wrong(records, expected, model == "tensorrt_llm")
+                rows.append(row)
+                _print(row)
+        if args.check_text:
+            checks = check_streamed_text(server.http_url, requests[:args.check_text], args.exact_with)
+            print(f"streamed == non-streamed: {checks}", flush=True)
+    return rows, checks
+
+
+def check_streamed_text(http_url: str, requests, exact_with: str) -> dict:
+    """Each request alone, greedy, through the ensemble: generate vs generate_stream."""
+    same = 0
+    for req in requests:
+        whole = generate_once(http_url, "ensemble", req, exact_with, stream=False)
+        streamed = generate_once(http_url, "ensemble", req, exact_with, stream=True)
+        same += whole == streamed
+    return {"requests": len(requests), "equal": same}
+
+
+def share_of_engine(rows: list[dict]) -> None:
+    engine = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["target"] == "engine"}
+    for r in rows:
+        if r["target"] != "engine" and r["concurrency"] in engine:
+            r["share_of_engine"] = round(r["output_tokens_per_s"] / engine[r["concurrency"]], 3)
+
+
+def _print(row: dict) -> None:
+    ttft, itl = row["ttft_ms"], row["itl_ms"]
+    print(f"{row['target']:>22} c={row['concurrency']:<4} {row['output_tokens_per_s']:9.0f} tok/s "
+          f"{row['requests_per_s']:7.1f} req/s  TTFT p50 {ttft.get('p50', 0):8.1f} ms  "
+          f"ITL p50 {itl.get('p50', 0):6.2f} ms  {row['responses_per_request']:5.1f} resp/req  "
+          f"failed {row['failed']}" + (f"  wrong {row['wrong_outputs']}" if "wrong_outputs" in row else ""),
+          flush=True)
+
+
+def plot(result: dict, out: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return None
+    rows = result["runs"]
+    targets = list(dict.fromkeys(r["target"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for target in targets:
+        mine = sorted((r for r in rows if r["target"] == target), key=lambda r: r["concurrency"])
+        cs = [r["concurrency"] for r in mine]
+        style = "k--" if target == "engine" else "o-"
+        axes[0].plot(cs, [r["output_tokens_per_s"] for r in mine], style, label=target)
+        axes[1].plot(cs, [r["ttft_ms"].get("p50", 0) for r in mine], style, label=target)
+        axes[2].plot(cs, [r["itl_ms"].get("p50", 0) for r in mine], style, label=target)
+    for ax, label in zip(axes, ("output tokens/s", "TTFT p50 (ms)", "inter-token latency p50 (ms)")):
+        ax.set(xscale="log", xlabel="concurrency", ylabel=label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{result['model']} — ISL {result['isl']}, OSL {result['osl']} — {result['device']}, "
+                 f"{result['date']}, {result['commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--model", default="null", help="null, default, a preset, a HF dir or a .gguf")
+    p.add_argument("--tokenizer", default="default", help="the tokenizer (and vocab) of a preset")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--min-requests", type=int, default=32)
+    p.add_argument("--isl", default="128:512")
+    p.add_argument("--osl", default="128")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
+    p.add_argument("--exact-with", default="min_tokens", choices=("min_tokens", "end_id"))
+    p.add_argument("--processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                   help="client processes")
+    p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens")
+    p.add_argument("--no-engine-alone", action="store_true")
+    p.add_argument("--check-text", type=int, default=4)
+    p.add_argument("--json", default=None)
+    p.add_argument("--server-log", default=None)
+    args = p.parse_args(argv)
+
+    from benchmarks.provenance import provenance, save_json
+    from backend.model_runner import pick_device
+    from preprocessing.tokenizer import load_tokenizer
+
+    if args.model == "null":
+        # Its tensors are tiny: OpenMP's spinning workers would only take cores from the server.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+        torch.set_num_threads(1)
+    model_dir = model_dir_for(args.model, args.tokenizer)
+    tokenizer = load_tokenizer(model_dir)
+    isl, osl = parse_range(args.isl), parse_range(args.osl)
+    requests = make_requests(tokenizer, args.num_requests, isl, osl, args.seed)
+    expected = null_outputs(tokenizer, requests) if args.model == "null" else None
+    settings = settings_for(args, model_dir)
+    result = {"benchmark": "serving", "model": args.model, "isl": args.isl, "osl": args.osl,
+              **provenance(pick_device(args.device)), "exact_with": args.exact_with,
+              "client_processes": args.processes,
+              "mean_prompt_tokens": sum(len(r.prompt_ids) for r in requests) / len(requests),
+              "settings": {f.name: getattr(settings, f.name) for f in fields(settings)},
+              "runs": []}
+    if not args.no_engine_alone:
+        result["runs"] += run_engine_alone(settings, requests, args, expected)
+    log = Path(args.server_log or Path(tempfile.gettempdir()) / f"serving-bench-{time.time():.0f}.log")
+    print(f"tritonserver log: {log}", flush=True)
+    rows, checks = run_server_loads(settings, requests, args, expected, log)
+    result["runs"] += rows
+    result["streamed_text_check"] = checks
+    share_of_engine(result["runs"])
+    save_json(args.json, result)
+    if args.json:
+        print("wrote", args.json, plot(result, args.json.replace(".json", ".png")) or "")
+    failed = sum(r["failed"] + r.get("wrong_outputs", 0) for r in result["runs"])
+    unequal = checks and checks["equal"] != checks["requests"]
+    return 1 if failed or unequal else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
