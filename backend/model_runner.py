@@ -25,7 +25,8 @@ from backend.config import EngineConfig
 from backend.cuda_graphs import DecodeGraphs, ReplayIds
 from backend.staging import StagingBuffer
 from backend.model_config import ModelConfig
-from backend.model_loader import load_model, resolve_model
+from backend.model_loader import load_model
+from backend.model_paths import resolve_model
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,10 @@ import os
 import shutil
 import tempfile
 import zlib
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 RANDOM_WEIGHTS_FILE = "random_weights.json"
 INIT_STD = 0.02     # keeps activations small and finite in bf16 across 32 layers
@@ -110,16 +111,18 @@ def random_weights_spec(model_dir: str) -> dict | None:
         return json.load(f)
 
 
-@torch.no_grad()
-def init_random_weights(model: nn.Module, seed: int = 0, std: float = INIT_STD) -> None:
+def init_random_weights(model: "nn.Module", seed: int = 0, std: float = INIT_STD) -> None:
     """Fill parameters in place on their device: norms 1, biases 0, matrices N(0, std)."""
+    import torch  # noqa: PLC0415 - naming a preset needs no torch
+
     generator = None
-    for name, param in model.named_parameters():
-        if generator is None:
-            generator = torch.Generator(param.device).manual_seed(seed)
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
-        else:
-            param.normal_(0.0, std, generator=generator)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if generator is None:
+                generator = torch.Generator(param.device).manual_seed(seed)
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=generator)

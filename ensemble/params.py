@@ -82,7 +82,7 @@ def tokenizer_dir(params: dict[str, str]) -> str:
     explicit = get_str(params, "tokenizer_dir")
     if explicit:
         return explicit
-    from backend.model_loader import resolve_model  # noqa: PLC0415 - heavy, only when needed
+    from backend.model_paths import resolve_model  # noqa: PLC0415 - only when needed
     return resolve_model(get_str(params, "model_path", "default"))
 
 

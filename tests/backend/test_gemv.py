@@ -107,7 +107,8 @@ def test_one_token_layers_match_the_general_layers(model_type, attention):
     backends: the Triton one is what GPU steps run."""
     from backend.attention import AttentionMetadata, get_attention_backend
     from backend.model_config import ModelConfig
-    from backend.model_loader import build_model, init_random_weights
+    from backend.model_loader import build_model
+    from backend.presets import init_random_weights
     from backend.models.rotary import Rotation
 
     config = ModelConfig.from_dict({

@@ -12,8 +12,8 @@ from backend import gguf_convert
 from backend.attention import AttentionMetadata, get_attention_backend
 from backend.config import EngineConfig
 from backend.model_config import ModelConfig
-from backend.model_loader import (build_model, default_gguf_path, iter_safetensors, load_model,
-                                  resolve_model)
+from backend.model_loader import build_model, iter_safetensors, load_model
+from backend.model_paths import default_gguf_path, resolve_model
 from backend.model_runner import ModelRunner, SequenceChunk
 from backend.presets import PRESETS, init_random_weights
 

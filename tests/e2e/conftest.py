@@ -43,7 +43,7 @@ class Triton:
 @pytest.fixture(scope="session")
 def triton(tmp_path_factory) -> Triton:
     pytest.importorskip("pytriton", reason="nvidia-pytriton (the tritonserver binary) is missing")
-    from backend.model_loader import resolve_model
+    from backend.model_paths import resolve_model
     resolve_model("default")                     # convert once here, not in three stubs at once
     tmp = tmp_path_factory.mktemp("triton")
     settings = ServeSettings(**E2E_SETTINGS, http_port=free_port(), grpc_port=free_port(),
@@ -62,6 +62,6 @@ def triton(tmp_path_factory) -> Triton:
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from backend.model_loader import resolve_model
+    from backend.model_paths import resolve_model
     from preprocessing.tokenizer import load_tokenizer
     return load_tokenizer(resolve_model("default"))

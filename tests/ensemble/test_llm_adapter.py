@@ -113,7 +113,7 @@ def _outputs(ids: list[int], steps: list[int]) -> list[RequestOutput]:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from backend.model_loader import resolve_model
+    from backend.model_paths import resolve_model
     from preprocessing.tokenizer import load_tokenizer
     return load_tokenizer(resolve_model("default"))
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from backend.config import EngineConfig
 from backend.executor import Executor
-from backend.model_loader import resolve_model
+from backend.model_paths import resolve_model
 from backend.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import TINY, make_tiny_model, random_prompts
