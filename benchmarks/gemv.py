@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from backend.kernels.gemv import gemv, launch_config
 from backend.model_config import ModelConfig
-from backend.model_loader import resolve_model
+from backend.model_paths import resolve_model
 from benchmarks.decode_floor import copy_rate_bytes_per_s
 from benchmarks.graph_timing import graph_us_per_call
 from benchmarks.provenance import provenance, save_json

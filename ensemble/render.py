@@ -74,10 +74,13 @@ def render_tensorrt_llm(s: ServeSettings) -> str:
 
 
 def render_postprocessing(s: ServeSettings) -> str:
-    # One instance and no dynamic batching: streamed pieces of a request stay in order.
+    # Each streamed piece of a request is a request here: batching them (ragged windows) makes
+    # one execute of many; preserve_ordering keeps a request's pieces in order.
     lines = _python_model("postprocessing", s.triton_max_batch_size)
     lines += _tensors("input", POSTPROCESSING.inputs) + _tensors("output", POSTPROCESSING.outputs)
-    lines += _instances(1)
+    if s.postprocessing_batching:
+        lines += _dynamic_batching(0, preserve_ordering=True)
+    lines += _instances(s.postprocessing_instance_count if s.postprocessing_batching else 1)
     lines += _parameters({
         "model_path": s.model_path, "tokenizer_dir": s.tokenizer_dir,
         "skip_special_tokens": s.skip_special_tokens,
@@ -114,8 +117,9 @@ def _tensors(kind: str, tensors: tuple[Tensor, ...]) -> list[str]:
     return lines
 
 
-def _dynamic_batching(delay_us: int) -> list[str]:
-    return ["dynamic_batching {", f"  max_queue_delay_microseconds: {delay_us}", "}"]
+def _dynamic_batching(delay_us: int, preserve_ordering: bool = False) -> list[str]:
+    order = ["  preserve_ordering: true"] if preserve_ordering else []
+    return ["dynamic_batching {", f"  max_queue_delay_microseconds: {delay_us}", *order, "}"]
 
 
 def _instances(count: int) -> list[str]:

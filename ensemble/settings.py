@@ -54,6 +54,8 @@ class ServeSettings:
     # ---- Triton side ---------------------------------------------------------------------------
     triton_max_batch_size: int = 64        # max_batch_size of every config (requests' batch dim)
     preprocessing_instance_count: int = 1
+    postprocessing_instance_count: int = 1  # with preserve_ordering, pieces stay in order anyway
+    postprocessing_batching: bool = True    # dynamic batching of the streamed pieces
     bls_instance_count: int = 1
     max_queue_delay_microseconds: int = 0  # dynamic batching delay of preprocessing/tensorrt_llm
     cancellation_check_period_ms: int = 100
@@ -67,7 +69,8 @@ class ServeSettings:
         """Raise ValueError naming the field and the rule for the first invalid value."""
         EngineConfig(**{name: getattr(self, name) for name in ENGINE_FIELDS}).validate()
         positive = ("default_max_tokens", "triton_max_batch_size", "preprocessing_instance_count",
-                    "bls_instance_count", "cancellation_check_period_ms", "stats_check_period_ms")
+                    "postprocessing_instance_count", "bls_instance_count",
+                    "cancellation_check_period_ms", "stats_check_period_ms")
         for name in positive:
             check_int(name, getattr(self, name), low=1)
         check_int("max_queue_delay_microseconds", self.max_queue_delay_microseconds, low=0)

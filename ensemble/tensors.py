@@ -165,7 +165,7 @@ TENSORRT_LLM = ModelIO(
 # ---- postprocessing ------------------------------------------------------------------------------
 POSTPROCESSING = ModelIO(
     inputs=(
-        Tensor("TOKENS_BATCH", "INT32", (-1, -1)),
+        Tensor("TOKENS_BATCH", "INT32", (-1, -1), ragged=True),   # windows of any length, batched
         Tensor("SEQUENCE_LENGTH", "INT32", (-1,)),
         _opt("WINDOW_CONTEXT_LENGTH", "INT32"),
         _opt("IS_FINAL", "BOOL"),

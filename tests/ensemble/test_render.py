@@ -50,9 +50,12 @@ def test_settings_reach_the_configs():
     assert "count: 2" in configs["tensorrt_llm_bls"]
     assert "decoupled: true" in configs["tensorrt_llm"]
     assert "decoupled: true" in configs["tensorrt_llm_bls"]
-    # one postprocessing instance without dynamic batching keeps streamed pieces in order
-    assert "count: 1" in configs["postprocessing"]
-    assert "dynamic_batching" not in configs["postprocessing"]
+    # streamed pieces stay in order: batched with preserve_ordering, or one instance unbatched
+    assert "preserve_ordering: true" in configs["postprocessing"]
+    assert "allow_ragged_batch: true" in configs["postprocessing"]
+    unbatched = render_configs(ServeSettings(postprocessing_batching=False,
+                                             postprocessing_instance_count=4))["postprocessing"]
+    assert "dynamic_batching" not in unbatched and "count: 1" in unbatched
 
 
 def test_rendered_parameters_read_back_as_engine_config():

@@ -44,6 +44,7 @@ class LlmMetrics:
         self._labels = {"model": model_name, "version": model_version}
         self._max_batch_size = max_batch_size
         self._finished: queue.SimpleQueue[FinishedRequest] = queue.SimpleQueue()
+        self._gauge_values: dict[int, float] = {}
         self._families = []
         self.request = self._gauges("nv_trt_llm_request_metrics", "TRT LLM request metrics",
                                     "request_type", ("active", "max", "scheduled", "context",
@@ -85,16 +86,16 @@ class LlmMetrics:
     def update(self, stats) -> None:
         kv = stats.kv
         scheduled = stats.last_num_context_requests + stats.last_num_generation_requests
-        _set(self.request, active=stats.num_running, max=self._max_batch_size, scheduled=scheduled,
+        self._set(self.request, active=stats.num_running, max=self._max_batch_size, scheduled=scheduled,
              context=stats.last_num_context_requests, waiting=stats.num_waiting)
-        _set(self.kv, max=kv.max_blocks, free=kv.free_blocks, used=kv.used_blocks,
+        self._set(self.kv, max=kv.max_blocks, free=kv.free_blocks, used=kv.used_blocks,
              tokens_per=kv.tokens_per_block, reused=kv.reused_blocks,
              fraction=kv.used_blocks / kv.max_blocks if kv.max_blocks else 0.0)
-        _set(self.ifb, generation_requests=stats.last_num_generation_requests, micro_batch_id=0,
+        self._set(self.ifb, generation_requests=stats.last_num_generation_requests, micro_batch_id=0,
              total_context_tokens=max(0, stats.last_num_scheduled_tokens
                                       - stats.last_num_generation_requests),
              preemptions=stats.num_preemptions)
-        _set(self.general, iteration_counter=stats.num_iterations,
+        self._set(self.general, iteration_counter=stats.num_iterations,
              timestamp=int(time.time() * 1e6))
         self.observe_finished()
 
@@ -128,7 +129,11 @@ class LlmMetrics:
         self._families.append(family)
         return family.Metric(labels={**self._labels, **labels}, buckets=buckets)
 
-
-def _set(metrics: dict, **values) -> None:
-    for key, value in values.items():
-        metrics[key].set(float(value))
+    def _set(self, metrics: dict, **values) -> None:
+        """Set gauges whose value changed: each set is an IPC round trip that holds the stub's
+        interpreter lock (2.51's Metric.set does not release it)."""
+        for key, value in values.items():
+            gauge = metrics[key]
+            if self._gauge_values.get(id(gauge)) != float(value):
+                gauge.set(float(value))
+                self._gauge_values[id(gauge)] = float(value)
