@@ -9,9 +9,10 @@ two replays the device runs nothing at all:
   which the graph's first kernel copies into its device buffer, resolving the placeholder input
   ids from the previous replay's sampled ids (`backend.kernels.step_inputs`);
 - forward and logits;
-- each row's argmax (what greedy sampling picks), into a static device buffer, where the next
-  replay's first kernel finds it, and into the same slot of a pinned ring of ids, which the host
-  reads once the replay's event has passed (`ReplayIds`).
+- each row's argmax (what greedy sampling picks), skipping the row's banned ids (the end ids of a
+  request short of its min_tokens), into a static device buffer, where the next replay's first
+  kernel finds it, and into the same slot of a pinned ring of ids, which the host reads once the
+  replay's event has passed (`ReplayIds`).
 
 The first `n` rows of logits and ids are the answer. When the previous step's ids came from
 elsewhere (sampling with temperature or logits processors, an eager step), `stage` copies them
@@ -73,7 +74,7 @@ class ReplayIds:
 
 class DecodeGraphs:
     def __init__(self, model, kv_cache: torch.Tensor, max_batch_size: int, max_seq_len: int,
-                 tokens_per_block: int):
+                 tokens_per_block: int, max_banned: int = 1):
         device = kv_cache.device
         self.model = model
         self.kv_cache = kv_cache
@@ -85,7 +86,8 @@ class DecodeGraphs:
         # (the block table comes last); it writes the input ids itself (placeholders resolved).
         fields = [("input_ids", torch.int64, (n,)), ("fill_src", torch.int64, (n,)),
                   ("positions", torch.int64, (n,)), ("slot_mapping", torch.int64, (n,)),
-                  ("seq_lens", torch.int32, (n,)), ("block_tables", torch.int32, (n, blocks))]
+                  ("seq_lens", torch.int32, (n,)), ("banned_ids", torch.int64, (n, max_banned)),
+                  ("block_tables", torch.int32, (n, blocks))]
         sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in fields]
         aligned = [-(-size // 16) * 16 for size in sizes]         # every field starts 16-aligned
         self.offsets = {name: sum(aligned[:i]) for i, (name, _, _) in enumerate(fields)}
@@ -103,6 +105,7 @@ class DecodeGraphs:
         for slot in (0, 1):
             self.host_fields[slot]["slot_mapping"][:] = -1
             self.host_fields[slot]["fill_src"][:] = -1
+            self.host_fields[slot]["banned_ids"][:] = -1
         self.sampled_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.replays = torch.zeros(1, dtype=torch.int64, device=device)   # run so far (device)
@@ -137,7 +140,8 @@ class DecodeGraphs:
         self.load_inputs(size)
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, self._meta(size))
         logits = self.model.compute_logits(hidden)
-        argmax_rows(logits, out=self.sampled_ids[:size], to_host=(self.sampled_ring, self.slot, self.replays))
+        argmax_rows(logits, out=self.sampled_ids[:size], to_host=(self.sampled_ring, self.slot, self.replays),
+                    banned=self.banned_ids[:size])
         return logits
 
     @torch.inference_mode()
@@ -161,12 +165,14 @@ class DecodeGraphs:
 
     def stage(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
               seq_lens: np.ndarray, block_tables: np.ndarray, fill_rows: np.ndarray,
-              fill_src: np.ndarray, prev_sampled: torch.Tensor | None = None) -> AttentionMetadata:
+              fill_src: np.ndarray, prev_sampled: torch.Tensor | None = None,
+              banned_ids: np.ndarray | None = None) -> AttentionMetadata:
         """Write one decode step of n rows into the host slot of the next replay, padded to the
         graph size: padded rows get slot -1 (the KV write skips them) and context length 0
         (attention writes zeros for them); their logits are ignored. `fill_rows`/`fill_src`:
         rows whose input id is the previous step's sampled id at `fill_src` of `prev_sampled`
-        (filled by the graph). Returns the step's attention metadata: views of the device
+        (filled by the graph). `banned_ids` [n, <= max_banned]: ids each row's argmax skips
+        (-1 = none; None: no bans). Returns the step's attention metadata: views of the device
         buffer, which hold the step once `replay` has run its first kernel."""
         n, size = len(input_ids), self.size_for(len(input_ids))
         if len(fill_rows) and prev_sampled.data_ptr() != self.sampled_ids.data_ptr():
@@ -183,6 +189,9 @@ class DecodeGraphs:
             host[name][n:size] = pad
         host["fill_src"][:size] = -1
         host["fill_src"][fill_rows] = fill_src
+        host["banned_ids"][:size] = -1
+        if banned_ids is not None:
+            host["banned_ids"][:n, :banned_ids.shape[1]] = banned_ids
         table, width = host["block_tables"], block_tables.shape[1]
         table[:n, :width] = block_tables
         table[:n, width:] = 0

@@ -36,13 +36,20 @@ def end_ids_for(params: SamplingParams, default_end_ids: list[int]) -> list[int]
     return [params.end_id] if params.end_id is not None else list(default_end_ids)
 
 
-def has_processors(request: Request, default_end_ids: list[int]) -> bool:
-    """Whether any processor would change this request's row at the current step."""
+def min_tokens_end_ban(request: Request, default_end_ids: list[int]) -> list[int]:
+    """The end ids the min-tokens ban takes from this request's row at the current step."""
+    p = request.sampling
+    return end_ids_for(p, default_end_ids) if len(request.output_ids) < p.min_tokens else []
+
+
+def has_processors(request: Request, default_end_ids: list[int], end_ban_applied: bool = False) -> bool:
+    """Whether any processor would change this request's row at the current step
+    (`end_ban_applied`: not counting a min-tokens end ban, which the argmax already skipped)."""
     p = request.sampling
     return bool(
         p.embedding_bias
         or p.bad_token_ids
-        or (len(request.output_ids) < p.min_tokens and end_ids_for(p, default_end_ids))
+        or (not end_ban_applied and min_tokens_end_ban(request, default_end_ids))
         or p.repetition_penalty != 1.0
         or p.presence_penalty != 0.0
         or p.frequency_penalty != 0.0
@@ -58,8 +65,7 @@ def banned_token_ids(request: Request, default_end_ids: list[int]) -> list[int]:
         prefix = seq[:-1]
         if not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix):] == prefix):
             banned.append(seq[-1])
-    if len(out) < p.min_tokens:
-        banned.extend(end_ids_for(p, default_end_ids))
+    banned.extend(min_tokens_end_ban(request, default_end_ids))
     return banned
 
 

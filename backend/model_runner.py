@@ -55,8 +55,9 @@ _token_ids, _block_ids, _start_pos, _needs_logits, _prev_row = (
 class StepLogits:
     """What one step computed."""
     logits: torch.Tensor               # float32 [chunks with needs_logits, vocab], in chunk order
-    argmax_ids: torch.Tensor | None    # int64 argmax of each row, where the step computed it
-                                       # (decode CUDA graphs; valid until the next step runs)
+    argmax_ids: torch.Tensor | None    # int64 argmax of each row skipping its banned ids, where the
+                                       # step computed it (decode CUDA graphs; valid until the
+                                       # next step runs)
     argmax_host: ReplayIds | None = None   # the same ids on their way to the host (graphs)
 
 
@@ -132,14 +133,15 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     # ---- one step ----------------------------------------------------------------------------
-    def execute(self, chunks: list[SequenceChunk], prev_sampled: torch.Tensor | None = None) -> StepLogits:
+    def execute(self, chunks: list[SequenceChunk], prev_sampled: torch.Tensor | None = None,
+                banned_ids: np.ndarray | None = None) -> StepLogits:
         """The logits of the chunks with needs_logits (and their argmax where the step computes
-        it anyway).
+        it anyway, skipping `banned_ids` [rows, k], -1 = none).
 
         `prev_sampled`: the previous step's sampled ids, on the device, for chunks with a
         `prev_row` (overlap scheduling). The call returns once the work is queued on the device.
         """
-        inputs = self.prepare(chunks, prev_sampled)
+        inputs = self.prepare(chunks, prev_sampled, banned_ids)
         with torch.inference_mode():
             graphs = self.decode_graphs
             if inputs.in_graph:
@@ -157,11 +159,12 @@ class ModelRunner:
         if not (self.config.cuda_graphs and self.device.type == "cuda" and self.attention.name == "triton"):
             return None
         graphs = DecodeGraphs(self.model, self.kv_cache, self.config.max_batch_size, self.max_seq_len,
-                              self.tokens_per_block)
+                              self.tokens_per_block, max_banned=max(1, len(self.eos_token_ids)))
         graphs.capture()
         return graphs
 
-    def prepare(self, chunks: list[SequenceChunk], prev_sampled: torch.Tensor | None = None) -> StepInputs:
+    def prepare(self, chunks: list[SequenceChunk], prev_sampled: torch.Tensor | None = None,
+                banned_ids: np.ndarray | None = None) -> StepInputs:
         """Pack the chunks into one batch. No Python loop over requests beyond reading their
         lists: at batch 256 this runs every step, so block tables are filled with one masked
         numpy assignment from all block ids chained together. A step that a decode CUDA graph
@@ -214,7 +217,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if (graphs is not None and total == n and n <= graphs.max_batch_size and wants_logits.all()):
             meta = graphs.stage(input_ids, positions, slots, seq_lens, block_tables, fill_rows, fill_src,
-                                prev_sampled)
+                                prev_sampled, banned_ids)
             return StepInputs(graphs.input_ids[:n], graphs.positions[:n], meta, graphs.query_start_loc[:n],
                               in_graph=True)
         arrays = [input_ids, positions, slots, query_start_loc.astype(np.int32), seq_lens.astype(np.int32),

@@ -5,7 +5,9 @@ Processing order for each row (one request per row):
 1. logits processors (`backend.logits_processors`): embedding bias -> bad words ban ->
    min-tokens end-id ban -> repetition penalty -> presence / frequency penalties
 2. greedy requests (temperature 0 or top_k 1): exact argmax of the processed logits, ties to the
-   first index like `torch.argmax`, so with no processors it equals argmax of the raw logits
+   first index like `torch.argmax`, so with no processors it equals argmax of the raw logits.
+   Where the step computed each row's argmax skipping the row's min-tokens end ban (a decode
+   CUDA graph, given `end_bans()`), a greedy row whose only processor is that ban takes it as is
 3. sampled requests: temperature -> top-k -> top-p -> min-p -> draw
 
 top-p and min-p look at the distribution left by the previous steps (top-p renormalises after
@@ -24,12 +26,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from backend.logits_processors import (
     PromptTokenCache,
     apply_logits_processors,
     has_processors,
+    min_tokens_end_ban,
 )
 from backend.request import Request
 from backend.sampling_params import SamplingParams
@@ -121,12 +125,25 @@ class Sampler:
         self._prompt_tokens.forget(request_id)
         self._kinds.pop(request_id, None)
 
+    def end_bans(self, requests: list[Request]) -> np.ndarray | None:
+        """Each row's min-tokens end ban at this step ([B, k] ids, -1 padded), for a step that
+        computes its argmax (`argmax_ids`); None when no row has one."""
+        ends = self.default_end_ids
+        bans = [min_tokens_end_ban(r, ends) if r.sampling.min_tokens else () for r in requests]
+        width = max(map(len, bans), default=0)
+        if not width:
+            return None
+        table = np.full((len(requests), width), -1, dtype=np.int64)
+        for row, ban in enumerate(bans):
+            table[row, :len(ban)] = ban
+        return table
+
     def sample(self, logits: torch.Tensor, requests: list[Request],
                argmax_ids: torch.Tensor | None = None, argmax_host=None) -> SamplerOutput:
         """Choose one token per row of `logits` [B, V]; row i belongs to requests[i].
-        `argmax_ids`: each row's argmax of `logits`, when already computed (the decode CUDA
-        graphs do); greedy rows without logits processors take it as it is. `argmax_host`: the
-        same ids on their way to the host (see `PendingSample`)."""
+        `argmax_ids`: each row's argmax of `logits` skipping the row's `end_bans`, when already
+        computed (the decode CUDA graphs do); greedy rows without other logits processors take it
+        as it is. `argmax_host`: the same ids on their way to the host (see `PendingSample`)."""
         return self.sample_async(logits, requests, argmax_ids, argmax_host).result()
 
     def sample_async(self, logits: torch.Tensor, requests: list[Request],
@@ -138,6 +155,7 @@ class Sampler:
         logits = logits.float()
         default_end_ids = self.default_end_ids
         greedy, want_logprobs, processed = True, False, False
+        ban_applied = argmax_ids is not None
         kinds = self._kinds
         for r in requests:                       # one pass: this runs for every row every step
             kind = kinds.get(r.request_id)
@@ -145,7 +163,7 @@ class Sampler:
                 kind = kinds[r.request_id] = _kind(r.sampling)
             greedy = greedy and kind[1]
             want_logprobs = want_logprobs or kind[2]
-            processed = processed or (kind[3] and has_processors(r, default_end_ids))
+            processed = processed or (kind[3] and has_processors(r, default_end_ids, ban_applied))
         host_ids = None
         if not processed and greedy:  # fast path: nothing to copy or edit
             tokens = argmax_ids if argmax_ids is not None else argmax(logits)

@@ -135,11 +135,12 @@ class StepPipeline:
             r = c.request
             chunks.append(SequenceChunk(r.tokens(c.start, c.start + c.num_tokens), c.start, r.block_ids,
                                         c.samples, rows[r.request_id] if r.token_in_flight else -1))
-        if previous is not None:
-            step = self.runner.execute(chunks, prev_sampled=previous.pending.token_ids)
-        else:
-            step = self.runner.execute(chunks)
         requests = [c.request for c in output.chunks if c.samples]
+        bans = self.sampler.end_bans(requests)
+        if previous is not None:
+            step = self.runner.execute(chunks, prev_sampled=previous.pending.token_ids, banned_ids=bans)
+        else:
+            step = self.runner.execute(chunks, banned_ids=bans)
         if not requests:
             return _InFlight(requests, None)
         return _InFlight(requests, self.sampler.sample_async(step.logits, requests, step.argmax_ids,
@@ -194,8 +195,8 @@ class StepPipeline:
     def _run(self, chunks: list[ScheduledChunk]) -> list[tuple[int, float]]:
         seq_chunks = [SequenceChunk(c.request.tokens(c.start, c.start + c.num_tokens), c.start,
                                     c.request.block_ids, c.samples) for c in chunks]
-        step = self.runner.execute(seq_chunks)
         requests = [c.request for c in chunks if c.samples]
+        step = self.runner.execute(seq_chunks, banned_ids=self.sampler.end_bans(requests))
         if not requests:
             return []
         sampled = self.sampler.sample(step.logits, requests, step.argmax_ids, step.argmax_host)

@@ -9,7 +9,9 @@ NaN-free (torch.argmax would pick a NaN).
 
 In a decode CUDA graph the ids also go to the host: `host_out` names a ring of two rows in pinned
 host memory, the row given by the `slot` the step's first kernel wrote, and the argmax then
-advances the graph's replay counter (`backend.kernels.step_inputs`).
+advances the graph's replay counter (`backend.kernels.step_inputs`). There each row may also
+exclude a few ids (`banned`, -1 = none): the end ids of a request short of its min_tokens, so
+that greedy rows with that ban take the graph's argmax too.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ CHUNK = 4096
 
 
 @triton.jit
-def _chunk_max_kernel(x_ptr, max_ptr, index_ptr, V, stride_row, num_chunks,
-                      CHUNK: tl.constexpr, PDL: tl.constexpr):
+def _chunk_max_kernel(x_ptr, max_ptr, index_ptr, banned_ptr, V, stride_row, num_chunks,
+                      CHUNK: tl.constexpr, BANNED: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -32,6 +34,8 @@ def _chunk_max_kernel(x_ptr, max_ptr, index_ptr, V, stride_row, num_chunks,
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(x_ptr + row * stride_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    for k in tl.static_range(BANNED):
+        x = tl.where(cols == tl.load(banned_ptr + row * BANNED + k), float("-inf"), x)
     best = tl.max(x, 0)
     first = tl.min(tl.where(x == best, cols, V), 0)
     tl.store(max_ptr + row * num_chunks + chunk, best)
@@ -60,11 +64,13 @@ def _row_max_kernel(max_ptr, index_ptr, out_ptr, host_out_ptr, host_stride, slot
 
 
 def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None,
-                to_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                to_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                banned: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, V] (float, last dimension contiguous) -> int64 [B] (into `out` when given).
 
     `to_host` = (ring int64 [2, >= B], slot int64 [1], replays int64 [1]): also write the ids to
-    ring[slot], and add one to replays."""
+    ring[slot], and add one to replays. `banned` int64 [B, K] (contiguous): ids row b must not
+    take (-1: none); a row needs at least one id left."""
     assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] < 2 ** 31
     rows, vocab = x.shape
     num_chunks = triton.cdiv(vocab, CHUNK)
@@ -76,8 +82,12 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None,
     if rows == 0:
         return out
     options = launch_options()
-    _chunk_max_kernel[(rows, num_chunks)](x, maxima, index, vocab, x.stride(0), num_chunks,
-                                          CHUNK=CHUNK, num_warps=8, **options)
+    if banned is not None:
+        assert banned.shape[0] == rows and banned.dtype == torch.int64 and banned.is_contiguous()
+    _chunk_max_kernel[(rows, num_chunks)](x, maxima, index, banned if banned is not None else out, vocab,
+                                          x.stride(0), num_chunks, CHUNK=CHUNK,
+                                          BANNED=banned.shape[1] if banned is not None else 0,
+                                          num_warps=8, **options)
     ring, slot, replays = to_host if to_host is not None else (out[None], out, out)
     assert ring.dtype == torch.int64 and ring.stride(1) == 1 and ring.shape[1] >= rows
     _row_max_kernel[(rows,)](maxima, index, out, ring, ring.stride(0) if to_host else 0, slot, replays,

@@ -16,11 +16,12 @@ from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # no
 pytest.importorskip("triton")
 
 from backend.config import EngineConfig  # noqa: E402
+from backend.kernels.argmax import argmax_rows  # noqa: E402
 from backend.cuda_graphs import DecodeGraphs  # noqa: E402
 from backend.model_runner import ModelRunner, SequenceChunk  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("interpretable_triton_language")
-FIELDS = ("input_ids", "fill_src", "positions", "slot_mapping", "seq_lens", "block_tables")
+FIELDS = ("input_ids", "fill_src", "positions", "slot_mapping", "seq_lens", "banned_ids", "block_tables")
 NONE = np.array([], dtype=np.int64)
 
 
@@ -50,7 +51,6 @@ def test_fields_are_disjoint_aligned_views_of_one_buffer_mirrored_by_each_host_s
 
 
 def test_first_kernel_copies_the_staged_slot_pads_and_fills_placeholders():
-    from backend.kernels.argmax import argmax_rows
     graphs = empty_graphs(8)
     wide = np.array([[4, 5, 6], [7, 0, 0], [8, 9, 0]], dtype=np.int64)
     graphs.stage(np.array([1, 2, 3]), np.array([40, 20, 35]), np.array([70, 112, 130]),
@@ -132,3 +132,21 @@ def test_eager_replays_alternate_slots_and_match_the_runner(tiny_hf_model):
             with torch.inference_mode():
                 seq.append(int(runner.execute([chunk]).logits.argmax(-1)[0]))
         assert tokens[row] == seq[len(prompt):]
+
+
+def test_staged_bans_reach_the_graphs_argmax_and_clear_on_the_next_step():
+    graphs = DecodeGraphs(None, torch.empty(1, device=DEVICE), 4, 100, tokens_per_block=16, max_banned=2)
+    logits = torch.zeros(3, 6, device=DEVICE)
+    logits[:, 5], logits[:, 4], logits[:, 3] = 3.0, 2.0, 1.0      # every row: 5, then 4, then 3
+    step = (np.array([1, 2, 3]), np.array([4, 5, 6]), np.array([4, 5, 6]), np.array([5, 6, 7]),
+            np.array([[1], [2], [3]]), NONE, NONE)
+    graphs.stage(*step, banned_ids=np.array([[5, -1], [5, 4], [-1, -1]]))
+    graphs.load_inputs(3)
+    assert graphs.banned_ids[:3].tolist() == [[5, -1], [5, 4], [-1, -1]]
+    ids = argmax_rows(logits, out=graphs.sampled_ids[:3], banned=graphs.banned_ids[:3])
+    assert ids.tolist() == [4, 3, 5]
+    graphs._replayed += 1
+    graphs.stage(*step)                           # no bans this step: the staged slot says so
+    graphs.replays.fill_(1)
+    graphs.load_inputs(3)
+    assert graphs.banned_ids[:3].tolist() == [[-1, -1]] * 3

@@ -135,6 +135,25 @@ def test_argmax_matches_torch_with_ties_inside_and_across_chunks():
     assert buffer.tolist() == logits.argmax(dim=-1).tolist() + [-5, -5, -5]
 
 
+def test_argmax_skips_each_rows_banned_ids_like_masking_them():
+    torch.manual_seed(6)
+    vocab = 2 * CHUNK + 1000
+    logits = torch.randn(4, vocab, device=DEVICE)
+    top = logits.argmax(dim=-1)
+    second = logits.scatter(1, top[:, None], float("-inf")).argmax(dim=-1)
+    banned = torch.full((4, 3), -1, dtype=torch.int64, device=DEVICE)
+    banned[0, 0] = top[0]                              # the maximum banned: the runner-up wins
+    banned[1, 2] = top[1]                              # in any column of the row's bans
+    banned[2, :2] = torch.tensor([second[2], top[2]])  # both: the third best
+    banned[3, 0] = (top[3] + 1) % vocab                # another id: nothing changes
+    masked = logits.clone()
+    for row in range(4):
+        ids = [int(i) for i in banned[row] if i >= 0]
+        masked[row, ids] = float("-inf")
+    assert argmax_rows(logits, banned=banned).tolist() == masked.argmax(dim=-1).tolist()
+    assert argmax_rows(logits, banned=banned)[:2].tolist() == second[:2].tolist()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embedding_gathers_rows_like_torch_and_zeros_out_of_range_ids(dtype):
     torch.manual_seed(0)

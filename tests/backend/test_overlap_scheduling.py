@@ -53,10 +53,10 @@ class CountingRunner(ModelRunner):
 
     overlapped = 0
 
-    def execute(self, chunks, prev_sampled=None):
+    def execute(self, chunks, prev_sampled=None, banned_ids=None):
         if prev_sampled is not None and any(c.prev_row >= 0 for c in chunks):
             CountingRunner.overlapped += 1
-        return super().execute(chunks, prev_sampled)
+        return super().execute(chunks, prev_sampled, banned_ids)
 
 
 @pytest.mark.parametrize("kind", list(TINY_CONFIGS))
@@ -182,10 +182,10 @@ def test_cancel_with_overlap_delivers_real_tokens_and_frees_blocks(tiny_dir):
 
 
 class PoisonedRunner(ModelRunner):
-    def execute(self, chunks, prev_sampled=None):
+    def execute(self, chunks, prev_sampled=None, banned_ids=None):
         if any(POISON in c.token_ids for c in chunks):
             raise RuntimeError("poisoned step")
-        return super().execute(chunks, prev_sampled)
+        return super().execute(chunks, prev_sampled, banned_ids)
 
 
 def test_a_failing_request_fails_alone_with_overlap(tiny_dir):

@@ -101,6 +101,29 @@ def test_min_tokens_bans_end_ids_until_reached():
     assert banned_token_ids(req(output=[1, 2], min_tokens=2), defaults) == []
 
 
+def test_end_bans_list_each_rows_min_tokens_ban():
+    sampler = Sampler(V, [END, 8])
+    requests = [req("a", min_tokens=3, output=[1]), req("b", min_tokens=3, output=[1, 2, 3]),
+                req("c"), req("d", min_tokens=2, end_id=4), req("e", min_tokens=5, ignore_end_id=True)]
+    assert sampler.end_bans(requests).tolist() == [[END, 8], [-1, -1], [-1, -1], [4, -1], [-1, -1]]
+    assert sampler.end_bans(requests[1:3]) is None
+
+
+def test_a_ban_only_greedy_row_takes_the_argmax_that_skipped_its_ban():
+    """A step that computed each row's argmax skipping its end ban (a decode graph) hands it in:
+    rows whose only processor is that ban take it as is; other processors still run."""
+    logits = torch.zeros(3, V)
+    logits[:, END] = 5.0                                  # the end id would win every row
+    logits[:, 2] = 4.0
+    requests = [req("a", min_tokens=4), req("b", min_tokens=4), req("c")]
+    sampler = Sampler(V, [END])
+    assert sampler.sample(logits, requests).token_ids == [2, 2, END]      # processed here
+    graph_ids = torch.tensor([6, 6, END])                 # what a graph's banned argmax gave
+    assert sampler.sample(logits, requests, argmax_ids=graph_ids).token_ids == [6, 6, END]
+    penalised = [req("a", min_tokens=4), req("b", min_tokens=4, repetition_penalty=1.5), req("c")]
+    assert sampler.sample(logits, penalised, argmax_ids=graph_ids).token_ids == [2, 2, END]
+
+
 def test_bans_steer_greedy_to_the_next_best_token():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]]).repeat(3, 1)
     requests = [

@@ -100,6 +100,25 @@ def test_decode_graphs_give_the_eager_steps_tokens_in_bf16(tmp_path):
     assert [r["token_ids"] for r in runs[0]] == [r["token_ids"] for r in runs[1]]
 
 
+def test_min_tokens_end_ban_in_the_graphs_argmax_gives_the_eager_tokens(tmp_path):
+    """min_tokens with an end id the model picks early: decode graphs skip it inside their argmax
+    (`end_bans`), eager steps through the logits processors; both give the same tokens, with no
+    end id before min_tokens."""
+    from tests.tiny_models import save_tiny_hf_model
+
+    save_tiny_hf_model(tmp_path, "qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=1000)
+    prompts = random_prompts(6, 1000, seed=4, low=5, high=200)
+    free = serve(tmp_path, prompts, SamplingParams(max_tokens=8, ignore_end_id=True), dtype="bfloat16",
+                 max_batch_size=1)
+    params = [SamplingParams(max_tokens=24, min_tokens=16, end_id=r["token_ids"][2]) for r in free]
+    runs = [serve(tmp_path, prompts, params, dtype="bfloat16", max_batch_size=1, cuda_graphs=graphs)
+            for graphs in (True, False)]
+    assert [r["token_ids"] for r in runs[0]] == [r["token_ids"] for r in runs[1]]
+    for p, r in zip(params, runs[0]):
+        assert p.end_id not in r["token_ids"][:16] and len(r["token_ids"]) >= 16
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "smollm-shape"])
 def test_random_weight_model_fp32_matches_transformers(kind, tmp_path):
     hf = make_tiny_model(kind, tmp_path).cuda()
