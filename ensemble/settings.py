@@ -53,9 +53,12 @@ class ServeSettings:
     skip_special_tokens: bool = True       # postprocessing: decode(skip_special_tokens=)
     # ---- Triton side ---------------------------------------------------------------------------
     triton_max_batch_size: int = 64        # max_batch_size of every config (requests' batch dim)
-    preprocessing_instance_count: int = 1
-    postprocessing_instance_count: int = 1  # with preserve_ordering, pieces stay in order anyway
-    postprocessing_batching: bool = True    # dynamic batching of the streamed pieces
+    preprocessing_instance_count: int = 2
+    # Batching the streamed pieces in postprocessing (ragged windows, preserve_ordering) takes
+    # more pieces per execute, but Triton's batcher then drops the pieces of a cancelled ensemble
+    # request before postprocessing sees them, so the cancellation no longer reaches the engine.
+    postprocessing_batching: bool = False
+    postprocessing_instance_count: int = 1  # more only with postprocessing_batching (ordering)
     bls_instance_count: int = 1
     max_queue_delay_microseconds: int = 0  # dynamic batching delay of preprocessing/tensorrt_llm
     cancellation_check_period_ms: int = 100

@@ -66,8 +66,11 @@ def test_http_generate(triton, tokenizer, reference, model):
                  "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns",
                  "first_token_time_ns", "last_token_time_ns"):
         assert name in body, name
-    assert body["arrival_time_ns"] <= body["first_scheduled_time_ns"] \
-        <= body["first_token_time_ns"] <= body["last_token_time_ns"]
+    assert body["arrival_time_ns"] == body["last_token_time_ns"] == 0     # not asked for
+    timed = generate(triton.http, model, {"text_input": PROMPT, "max_tokens": MAX_TOKENS,
+                                          "return_perf_metrics": True}).json()
+    assert 0 < timed["arrival_time_ns"] <= timed["first_scheduled_time_ns"] \
+        <= timed["first_token_time_ns"] <= timed["last_token_time_ns"]
 
 
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])

@@ -50,12 +50,12 @@ def test_settings_reach_the_configs():
     assert "count: 2" in configs["tensorrt_llm_bls"]
     assert "decoupled: true" in configs["tensorrt_llm"]
     assert "decoupled: true" in configs["tensorrt_llm_bls"]
-    # streamed pieces stay in order: batched with preserve_ordering, or one instance unbatched
-    assert "preserve_ordering: true" in configs["postprocessing"]
-    assert "allow_ragged_batch: true" in configs["postprocessing"]
-    unbatched = render_configs(ServeSettings(postprocessing_batching=False,
-                                             postprocessing_instance_count=4))["postprocessing"]
-    assert "dynamic_batching" not in unbatched and "count: 1" in unbatched
+    # streamed pieces stay in order: one instance unbatched, or batched with preserve_ordering
+    assert "dynamic_batching" not in configs["postprocessing"] and "count: 1" in configs["postprocessing"]
+    batched = render_configs(ServeSettings(postprocessing_batching=True,
+                                           postprocessing_instance_count=4))["postprocessing"]
+    assert "preserve_ordering: true" in batched and "allow_ragged_batch: true" in batched
+    assert "count: 4" in batched
 
 
 def test_rendered_parameters_read_back_as_engine_config():

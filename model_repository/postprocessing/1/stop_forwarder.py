@@ -13,7 +13,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-CHECK_PERIOD_S = 0.05
+CHECK_PERIOD_S = 0.25
 FORGET_AFTER_S = 600.0
 
 

@@ -1,10 +1,15 @@
-"""Engine outputs of one row -> the output tensors of one `tensorrt_llm` response (numpy only).
+"""Engine outputs of one row -> the output tensors of its `tensorrt_llm` responses (numpy only).
 
 Streamed pieces concatenate to the non-streamed result: the ids shown are the prompt (unless
 exclude_input_in_output) followed by the generated ids; a streaming response carries the ids not
 shown yet, a non-streaming one all of them. The detok_* outputs give the postprocessing model what
 it needs to turn a piece into exact text without state of its own: a window of ids starting a few
 ids before the new ones, how many of those were already shown, and whether this is the last piece.
+
+A response carries every output (the ensemble needs each in every response), but most keep one
+value for the whole row: `fixed()` gives those once, from the row's first response on, and
+`take()` the rest. Perf metrics are zero unless the request asked for them (return_perf_metrics),
+log-probs empty unless asked (return_log_probs), as TensorRT-LLM leaves them out then.
 """
 from __future__ import annotations
 
@@ -13,7 +18,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backend.request import RequestOutput
+from ensemble.tensors import PERF_OUTPUTS
 from postprocessing.detokenizer import window_start
+
+_NUMPY = {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32}
+# Perf metrics that change after the first response (the others are set by then).
+_CHANGING_PERF = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
+                  "kv_cache_alloc_total_blocks", "last_token_time_ns")
 
 
 @dataclass
@@ -23,6 +34,8 @@ class RowStream:
     handle: str                                         # the engine request id
     batch_index: int
     streaming: bool
+    log_probs: bool = False                             # return_log_probs
+    perf_metrics: bool = False                          # return_perf_metrics
     shown: list[int] = field(default_factory=list)     # prompt (if echoed) + generated ids so far
     num_sent: int = 0                                   # of `shown`, already sent
     logprobs: list[float] = field(default_factory=list)
@@ -31,8 +44,9 @@ class RowStream:
 
     @classmethod
     def start(cls, handle: str, batch_index: int, streaming: bool, prompt_ids: list[int],
-              echo_prompt: bool) -> "RowStream":
-        return cls(handle, batch_index, streaming, shown=list(prompt_ids) if echo_prompt else [])
+              echo_prompt: bool, log_probs: bool = False, perf_metrics: bool = False) -> "RowStream":
+        return cls(handle, batch_index, streaming, log_probs, perf_metrics,
+                   shown=list(prompt_ids) if echo_prompt else [])
 
     def add(self, out: RequestOutput) -> None:
         self.shown += out.new_token_ids
@@ -43,36 +57,49 @@ class RowStream:
         """Whether a response is due after `out`: every step when streaming, else only at the end."""
         return out.finished or (self.streaming and len(self.shown) > self.num_sent)
 
+    def fixed(self, out: RequestOutput) -> dict[str, np.ndarray]:
+        """The tensors whose values stay the same in every response of the row, as of its first
+        response (without the batch dimension)."""
+        tensors = {"batch_index": _i32([self.batch_index]), "sequence_index": _i32([0]),
+                   "llm_request_id": np.array([self.handle.encode()], dtype=np.object_)}
+        perf = perf_tensors(out if self.perf_metrics else None)
+        tensors.update((name, value) for name, value in perf.items()
+                       if not self.perf_metrics or name not in _CHANGING_PERF)
+        if not self.log_probs:
+            tensors["cum_log_probs"] = np.zeros(1, dtype=np.float32)
+            tensors["output_log_probs"] = np.zeros((1, 0), dtype=np.float32)
+        return tensors
+
     def take(self, out: RequestOutput) -> dict[str, np.ndarray]:
-        """Tensors of the next response (without the batch dimension added), and mark them sent."""
-        if self.streaming:
-            start_sent = self.num_sent
-        else:
-            start_sent = 0
+        """The other tensors of the next response (without the batch dimension), marked sent."""
+        start_sent = self.num_sent if self.streaming else 0
         new_ids = self.shown[start_sent:]
-        new_logprobs = self.logprobs[self.num_logprobs_sent:] if self.streaming else self.logprobs
         start = window_start(start_sent)
         window = self.shown[start:]
         tensors = {
             "output_ids": _i32([new_ids]),
             "sequence_length": _i32([len(new_ids)]),
-            "cum_log_probs": np.array([out.cum_logprob], dtype=np.float32),
-            "output_log_probs": np.array([new_logprobs], dtype=np.float32).reshape(1, -1),
-            "batch_index": _i32([self.batch_index]),
-            "sequence_index": _i32([0]),
             "detok_window_ids": _i32([window]),
             "detok_window_length": _i32([len(window)]),
             "detok_context_length": _i32([start_sent - start]),
             "detok_final": np.array([out.finished], dtype=np.bool_),
-            "llm_request_id": np.array([self.handle.encode()], dtype=np.object_),
         }
-        tensors.update(perf_tensors(out))
+        if self.log_probs:
+            new_logprobs = self.logprobs[self.num_logprobs_sent:] if self.streaming else self.logprobs
+            tensors["cum_log_probs"] = np.array([out.cum_logprob], dtype=np.float32)
+            tensors["output_log_probs"] = np.array([new_logprobs], dtype=np.float32).reshape(1, -1)
+        if self.perf_metrics:
+            perf = perf_tensors(out)
+            tensors.update((name, perf[name]) for name in _CHANGING_PERF)
         self.num_sent = len(self.shown)
         self.num_logprobs_sent = len(self.logprobs)
         return tensors
 
 
-def perf_tensors(out: RequestOutput) -> dict[str, np.ndarray]:
+def perf_tensors(out: RequestOutput | None) -> dict[str, np.ndarray]:
+    """The perf-metric outputs of `out`; zeros for None."""
+    if out is None:
+        return {t.name: np.zeros(1, dtype=_NUMPY[t.dtype]) for t in PERF_OUTPUTS}
     return {
         "kv_cache_alloc_new_blocks": _i32([out.num_new_blocks]),
         "kv_cache_reused_blocks": _i32([out.num_reused_blocks]),

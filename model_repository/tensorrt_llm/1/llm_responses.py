@@ -1,15 +1,21 @@
-"""Live Triton requests of the LLM model and the thread that answers them.
+"""Live Triton requests of the LLM model and the threads that answer them.
 
-The engine handle calls `on_output` from its receiver thread; the call only enqueues. One response thread
-builds the tensors and sends them, so each request's responses leave in order and the engine loop
-never waits on a response-send round trip. Every request ends with the FINAL flag: after its last
-row finishes, errors and cancellations included.
+The engine handle calls `on_output` from its receiver thread; the call only enqueues. Responses
+are built and sent by a few sender threads, each owning a share of the requests (a request
+stays with one sender, so its responses leave in order). A send is a round trip to the server,
+most of it spent waiting with the interpreter lock released, so senders in parallel answer
+that many more streams. When a sender falls behind the engine, a streaming row's outputs that
+wait together go out as one response (fewer round trips, same text). A row's tensors that keep
+their value (llm_outputs.RowStream.fixed) are built once and sent again with each response.
+Every request ends with the FINAL flag: after its last row finishes, errors and cancellations
+included.
 
 A request is polled for cancellation only while its FINAL response has not been sent: the final
 send releases the request's response factory in the server, and asking a released factory
 whether it was cancelled crashed tritonserver 2.51 (SIGSEGV in
 TRITONBACKEND_ResponseFactoryIsCancelled, seen once under 32 concurrent streams). The poll and the
-final send take one lock, so they never overlap.
+final send take the request's lock, so they never overlap. Each poll is a round trip too: at
+most CANCEL_CHECKS_PER_S of them a second, in turn over the live requests.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Why the engine refused a request (RequestOutput.rejected) -> the Triton error code.
 ERROR_CODES = {"queue_full": "UNAVAILABLE", "invalid": "INVALID_ARG"}
+CANCEL_CHECKS_PER_S = 1000
 
 
 @dataclass
@@ -44,9 +51,11 @@ class LiveRequest:
     sender: object
     user_id: str
     requested: frozenset[str]              # empty = every output
+    shard: "_Sender"
     engine_ids: list[str] = field(default_factory=list)
     pending: int = 0
     closed: bool = False                   # its FINAL response was sent
+    lock: threading.Lock = field(default_factory=threading.Lock)   # a cancellation poll vs FINAL
 
 
 @dataclass
@@ -54,35 +63,36 @@ class LiveRow:
     request: LiveRequest
     stream: RowStream
     num_prompt_tokens: int
+    fixed: list | None = None              # pb_utils.Tensor of the row's fixed outputs
 
 
 class ResponseDispatcher:
-    def __init__(self, engine, metrics: LlmMetrics | None):
+    def __init__(self, engine, metrics: LlmMetrics | None, senders: int = 4):
         self._engine = engine
         self._metrics = metrics
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._rows: dict[str, LiveRow] = {}
         self._requests: dict[int, LiveRequest] = {}
         self._lock = threading.Lock()
-        self._final_lock = threading.Lock()        # a cancellation poll vs a FINAL send
         self._ids = itertools.count()
         self._prefix = f"llm-{uuid.uuid4().hex[:8]}-"          # engine ids never look like users'
-
-        self._thread = threading.Thread(target=self._run, name="llm-responses", daemon=True)
-        self._thread.start()
+        self._senders = [_Sender(self, i) for i in range(senders)]
+        self._poll_turn = 0
 
     # ---- from execute() ------------------------------------------------------------------------
     def submit(self, request, sender, rows: list[RowRequest]) -> None:
         """Queue every row in the engine. Raises ValueError (bad input) or RuntimeError (no engine)
         when no row was queued."""
-        user_id = request.request_id()
-        live = LiveRequest(request, sender, user_id, frozenset(request.requested_output_names()),
-                           pending=len(rows))
+        number = next(self._ids)
+        shard = self._senders[number % len(self._senders)]
+        live = LiveRequest(request, sender, request.request_id(),
+                           frozenset(request.requested_output_names()), shard, pending=len(rows))
         entries = []
-        for row in rows:
-            engine_id = f"{self._prefix}{next(self._ids)}"
+        for i, row in enumerate(rows):
+            engine_id = f"{self._prefix}{number}.{i}"
             stream = RowStream.start(engine_id, row.batch_index, row.streaming, row.prompt_ids,
-                                     echo_prompt=not row.exclude_input_in_output)
+                                     echo_prompt=not row.exclude_input_in_output,
+                                     log_probs=row.sampling.return_log_probs,
+                                     perf_metrics=row.return_perf_metrics)
             entries.append((engine_id, row, LiveRow(live, stream, len(row.prompt_ids))))
         with self._lock:
             for engine_id, _, entry in entries:
@@ -92,7 +102,7 @@ class ResponseDispatcher:
         submitted = []
         try:
             for engine_id, row, _ in entries:
-                self._engine.submit(engine_id, row.prompt_ids, row.sampling, self._enqueue)
+                self._engine.submit(engine_id, row.prompt_ids, row.sampling, shard.put)
                 submitted.append(engine_id)
         except (ValueError, RuntimeError) as exc:
             with self._lock:
@@ -120,12 +130,19 @@ class ResponseDispatcher:
                        for e in r.engine_ids]
         return sum(self._engine.cancel(engine_id) for engine_id in ids)
 
-    def poll_cancellations(self) -> None:
-        """Cancel the engine requests of Triton requests whose client went away."""
+    # ---- from the poll thread ------------------------------------------------------------------
+    def poll_cancellations(self, period_s: float) -> None:
+        """Cancel the engine requests of Triton requests whose client went away: the next share
+        of the live requests, as many as CANCEL_CHECKS_PER_S allows in `period_s`."""
         with self._lock:
             live = list(self._requests.values())
-        for request in live:
-            with self._final_lock:
+        if not live:
+            return
+        budget = max(1, int(CANCEL_CHECKS_PER_S * period_s))
+        start = self._poll_turn % len(live)
+        self._poll_turn = start + budget
+        for request in (live[(start + i) % len(live)] for i in range(min(budget, len(live)))):
+            with request.lock:
                 if request.closed:
                     continue
                 try:
@@ -141,32 +158,11 @@ class ResponseDispatcher:
             return len(self._requests)
 
     def shutdown(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=10)
+        for sender in self._senders:
+            sender.stop()
 
-    # ---- the engine handle's receiver thread -----------------------------------------------------------------------
-    def _enqueue(self, out: RequestOutput) -> None:
-        self._queue.put(out)
-
-    # ---- response thread -----------------------------------------------------------------------
-    def _run(self) -> None:
-        """Answer outputs in order. When several wait, a streaming row whose output is followed
-        by another of the same row is not answered on its own: the later response carries its
-        tokens too (fewer response round trips when the sends fall behind the engine)."""
-        while True:
-            batch = [self._queue.get()]
-            while batch[-1] is not None and not self._queue.empty():
-                batch.append(self._queue.get())
-            last = {out.request_id: i for i, out in enumerate(batch) if out is not None}
-            for i, out in enumerate(batch):
-                if out is None:
-                    return
-                try:
-                    self._handle(out, answer=out.finished or last[out.request_id] == i)
-                except Exception:
-                    log.exception("failed to answer engine request %s", out.request_id)
-
-    def _handle(self, out: RequestOutput, answer: bool = True) -> None:
+    # ---- sender threads ------------------------------------------------------------------------
+    def handle(self, out: RequestOutput, answer: bool = True) -> None:
         with self._lock:
             row = self._rows.get(out.request_id)
             if row is None:
@@ -188,7 +184,7 @@ class ResponseDispatcher:
             error = triton_error(out.error or "generation failed", code)
             self._send(live, pb_utils.InferenceResponse(error=error), flags)
         elif stream.ready(out):
-            self._send(live, self._response(stream.take(out), live.requested), flags)
+            self._send(live, self._response(row, out), flags)
         elif last:
             self._send(live, None, flags)
         if out.finished and self._metrics is not None:
@@ -199,14 +195,16 @@ class ResponseDispatcher:
                 last_token_time=out.last_token_time, end_time=time.time()))
 
     @staticmethod
-    def _response(tensors: dict[str, np.ndarray], requested: frozenset[str]):
-        outputs = [pb_utils.Tensor(name, value[np.newaxis, ...]) for name, value in tensors.items()
-                   if not requested or name in requested]
-        return pb_utils.InferenceResponse(output_tensors=outputs)
+    def _response(row: LiveRow, out: RequestOutput):
+        requested = row.request.requested
+        if row.fixed is None:
+            row.fixed = _tensors(row.stream.fixed(out), requested)
+        return pb_utils.InferenceResponse(
+            output_tensors=row.fixed + _tensors(row.stream.take(out), requested))
 
     def _send(self, live: LiveRequest, response, flags: int) -> None:
         if flags & FINAL:
-            with self._final_lock:
+            with live.lock:
                 live.closed = True
                 self._send_now(live, response, flags)
         else:
@@ -221,3 +219,40 @@ class ResponseDispatcher:
                 live.sender.send(response, flags=flags)
         except Exception as exc:  # the client is gone; nothing else to do for it
             log.info("could not send a response for request %r: %s", live.user_id, exc)
+
+
+class _Sender:
+    """One sender thread and its queue of engine outputs."""
+
+    def __init__(self, dispatcher: ResponseDispatcher, index: int):
+        self._dispatcher = dispatcher
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.put = self._queue.put               # the engine handle's output callback
+        self._thread = threading.Thread(target=self._run, name=f"llm-sender-{index}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        """Answer outputs in order. When several wait, a streaming row whose output is followed
+        by another of the same row is not answered on its own: the later response carries its
+        tokens too."""
+        while True:
+            batch = [self._queue.get()]
+            while batch[-1] is not None and not self._queue.empty():
+                batch.append(self._queue.get())
+            last = {out.request_id: i for i, out in enumerate(batch) if out is not None}
+            for i, out in enumerate(batch):
+                if out is None:
+                    return
+                try:
+                    self._dispatcher.handle(out, answer=out.finished or last[out.request_id] == i)
+                except Exception:
+                    log.exception("failed to answer engine request %s", out.request_id)
+
+
+def _tensors(values: dict[str, np.ndarray], requested: frozenset[str]) -> list:
+    return [pb_utils.Tensor(name, value[np.newaxis, ...]) for name, value in values.items()
+            if not requested or name in requested]

@@ -94,7 +94,7 @@ class TritonPythonModel:
         elapsed = 0.0
         while not self.stopping.wait(self.cancel_period_s):
             try:
-                self.dispatcher.poll_cancellations()
+                self.dispatcher.poll_cancellations(self.cancel_period_s)
                 elapsed += self.cancel_period_s
                 stats = self.engine.stats()
                 if elapsed >= next_stats and stats is not None:
