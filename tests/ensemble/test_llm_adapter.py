@@ -151,9 +151,7 @@ LLM_OUTPUTS = {t.name for t in TENSORRT_LLM.outputs}
 
 
 @pytest.mark.parametrize("log_probs, perf", [(False, False), (True, True)])
-def test_each_response_holds_every_output_and_fixed_ones_keep_their_value(log_probs, perf):
-    """The fixed tensors, built once from the first response, plus each response's own, are the
-    LLM model's outputs; what the fixed ones hold is what every later response would hold."""
+def test_each_response_holds_every_output_and_unasked_metrics_are_empty(log_probs, perf):
     stream = RowStream.start("r", 3, True, [5, 6], echo_prompt=False, log_probs=log_probs,
                              perf_metrics=perf)
     outs = [RequestOutput("r", [10 + i], [-0.5 * i] if log_probs else [], i + 1, i == 4,
@@ -161,20 +159,16 @@ def test_each_response_holds_every_output_and_fixed_ones_keep_their_value(log_pr
                           num_new_blocks=1 + i // 2, cum_logprob=-0.5 * i, arrival_time=100.0,
                           first_scheduled_time=100.5, first_token_time=101.0,
                           last_token_time=101.0 + i) for i in range(5)]
-    fixed = None
     for out in outs:
         stream.add(out)
-        fixed = fixed or stream.fixed(out)
-        varying = stream.take(out)
-        assert not set(fixed) & set(varying) and set(fixed) | set(varying) == LLM_OUTPUTS
-        for name, value in stream.fixed(out).items():
-            np.testing.assert_array_equal(value, fixed[name])
-    assert fixed["batch_index"].tolist() == [3] and fixed["llm_request_id"].tolist() == [b"r"]
+        tensors = stream.take(out)
+        assert set(tensors) == LLM_OUTPUTS
+    assert tensors["batch_index"].tolist() == [3] and tensors["llm_request_id"].tolist() == [b"r"]
     if perf:
-        assert fixed["arrival_time_ns"].tolist() == [100_000_000_000]
-        assert varying["last_token_time_ns"].tolist() == [105_000_000_000]
-        assert varying["kv_cache_alloc_new_blocks"].tolist() == [3]
-        assert varying["output_log_probs"].tolist() == [[-2.0]]
+        assert tensors["arrival_time_ns"].tolist() == [100_000_000_000]
+        assert tensors["last_token_time_ns"].tolist() == [105_000_000_000]
+        assert tensors["kv_cache_alloc_new_blocks"].tolist() == [3]
+        assert tensors["output_log_probs"].tolist() == [[-2.0]]
     else:                                  # not asked: zeros and no log-probs, as TensorRT-LLM
-        assert all(fixed[t.name].tolist() == [0] for t in PERF_OUTPUTS)
-        assert fixed["output_log_probs"].shape == (1, 0) and fixed["cum_log_probs"].tolist() == [0]
+        assert all(tensors[t.name].tolist() == [0] for t in PERF_OUTPUTS)
+        assert tensors["output_log_probs"].shape == (1, 0) and tensors["cum_log_probs"].tolist() == [0]

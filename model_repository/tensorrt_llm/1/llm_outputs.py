@@ -6,10 +6,9 @@ shown yet, a non-streaming one all of them. The detok_* outputs give the postpro
 it needs to turn a piece into exact text without state of its own: a window of ids starting a few
 ids before the new ones, how many of those were already shown, and whether this is the last piece.
 
-A response carries every output (the ensemble needs each in every response), but most keep one
-value for the whole row: `fixed()` gives those once, from the row's first response on, and
-`take()` the rest. Perf metrics are zero unless the request asked for them (return_perf_metrics),
-log-probs empty unless asked (return_log_probs), as TensorRT-LLM leaves them out then.
+A response carries every output (the ensemble needs each in every response when its client asks
+for all of them). Perf metrics are zero unless the request asked for them (return_perf_metrics),
+log-probs empty unless asked (return_log_probs): TensorRT-LLM leaves them out then.
 """
 from __future__ import annotations
 
@@ -22,9 +21,6 @@ from ensemble.tensors import PERF_OUTPUTS
 from postprocessing.detokenizer import window_start
 
 _NUMPY = {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32}
-# Perf metrics that change after the first response (the others are set by then).
-_CHANGING_PERF = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
-                  "kv_cache_alloc_total_blocks", "last_token_time_ns")
 
 
 @dataclass
@@ -57,40 +53,31 @@ class RowStream:
         """Whether a response is due after `out`: every step when streaming, else only at the end."""
         return out.finished or (self.streaming and len(self.shown) > self.num_sent)
 
-    def fixed(self, out: RequestOutput) -> dict[str, np.ndarray]:
-        """The tensors whose values stay the same in every response of the row, as of its first
-        response (without the batch dimension)."""
-        tensors = {"batch_index": _i32([self.batch_index]), "sequence_index": _i32([0]),
-                   "llm_request_id": np.array([self.handle.encode()], dtype=np.object_)}
-        perf = perf_tensors(out if self.perf_metrics else None)
-        tensors.update((name, value) for name, value in perf.items()
-                       if not self.perf_metrics or name not in _CHANGING_PERF)
-        if not self.log_probs:
-            tensors["cum_log_probs"] = np.zeros(1, dtype=np.float32)
-            tensors["output_log_probs"] = np.zeros((1, 0), dtype=np.float32)
-        return tensors
-
     def take(self, out: RequestOutput) -> dict[str, np.ndarray]:
-        """The other tensors of the next response (without the batch dimension), marked sent."""
+        """Tensors of the next response (without the batch dimension added), and mark them sent."""
         start_sent = self.num_sent if self.streaming else 0
         new_ids = self.shown[start_sent:]
         start = window_start(start_sent)
         window = self.shown[start:]
+        if self.log_probs:
+            new_logprobs = self.logprobs[self.num_logprobs_sent:] if self.streaming else self.logprobs
+            cum_logprob = out.cum_logprob
+        else:
+            new_logprobs, cum_logprob = [], 0.0
         tensors = {
             "output_ids": _i32([new_ids]),
             "sequence_length": _i32([len(new_ids)]),
+            "cum_log_probs": np.array([cum_logprob], dtype=np.float32),
+            "output_log_probs": np.array([new_logprobs], dtype=np.float32).reshape(1, -1),
+            "batch_index": _i32([self.batch_index]),
+            "sequence_index": _i32([0]),
             "detok_window_ids": _i32([window]),
             "detok_window_length": _i32([len(window)]),
             "detok_context_length": _i32([start_sent - start]),
             "detok_final": np.array([out.finished], dtype=np.bool_),
+            "llm_request_id": np.array([self.handle.encode()], dtype=np.object_),
         }
-        if self.log_probs:
-            new_logprobs = self.logprobs[self.num_logprobs_sent:] if self.streaming else self.logprobs
-            tensors["cum_log_probs"] = np.array([out.cum_logprob], dtype=np.float32)
-            tensors["output_log_probs"] = np.array([new_logprobs], dtype=np.float32).reshape(1, -1)
-        if self.perf_metrics:
-            perf = perf_tensors(out)
-            tensors.update((name, perf[name]) for name in _CHANGING_PERF)
+        tensors.update(perf_tensors(out if self.perf_metrics else None))
         self.num_sent = len(self.shown)
         self.num_logprobs_sent = len(self.logprobs)
         return tensors

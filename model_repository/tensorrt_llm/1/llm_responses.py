@@ -1,12 +1,12 @@
-"""Live Triton requests of the LLM model and the threads that answer them.
+"""Live Triton requests of the LLM model and the thread that answers them.
 
-The engine handle calls `on_output` from its receiver thread; the call only enqueues. Responses
-are built and sent by a few sender threads, each owning a share of the requests (a request
-stays with one sender, so its responses leave in order). A send is a round trip to the server,
-most of it spent waiting with the interpreter lock released, so senders in parallel answer
-that many more streams. When a sender falls behind the engine, a streaming row's outputs that
-wait together go out as one response (fewer round trips, same text). A row's tensors that keep
-their value (llm_outputs.RowStream.fixed) are built once and sent again with each response.
+The engine handle calls `on_output` from its receiver thread; the call only enqueues. One sender
+thread builds the responses and sends them, so each request's responses leave in order. A send
+is a round trip to the server (and, through the ensemble, the scheduling of the next step), so
+under load outputs wait: a row's outputs that wait together go out as one response (fewer round
+trips, the same text), and the sender answers rows that finished first, then rows that have
+had no response yet, then the one waiting longest. A finished request frees its client for the
+next request at once, and time to first token does not wait for every stream's next piece.
 Every request ends with the FINAL flag: after its last row finishes, errors and cancellations
 included.
 
@@ -19,6 +19,7 @@ most CANCEL_CHECKS_PER_S of them a second, in turn over the live requests.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -51,7 +52,6 @@ class LiveRequest:
     sender: object
     user_id: str
     requested: frozenset[str]              # empty = every output
-    shard: "_Sender"
     engine_ids: list[str] = field(default_factory=list)
     pending: int = 0
     closed: bool = False                   # its FINAL response was sent
@@ -63,29 +63,29 @@ class LiveRow:
     request: LiveRequest
     stream: RowStream
     num_prompt_tokens: int
-    fixed: list | None = None              # pb_utils.Tensor of the row's fixed outputs
 
 
 class ResponseDispatcher:
-    def __init__(self, engine, metrics: LlmMetrics | None, senders: int = 4):
+    def __init__(self, engine, metrics: LlmMetrics | None):
         self._engine = engine
         self._metrics = metrics
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._rows: dict[str, LiveRow] = {}
         self._requests: dict[int, LiveRequest] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._prefix = f"llm-{uuid.uuid4().hex[:8]}-"          # engine ids never look like users'
-        self._senders = [_Sender(self, i) for i in range(senders)]
         self._poll_turn = 0
+        self._thread = threading.Thread(target=self._run, name="llm-responses", daemon=True)
+        self._thread.start()
 
     # ---- from execute() ------------------------------------------------------------------------
     def submit(self, request, sender, rows: list[RowRequest]) -> None:
         """Queue every row in the engine. Raises ValueError (bad input) or RuntimeError (no engine)
         when no row was queued."""
         number = next(self._ids)
-        shard = self._senders[number % len(self._senders)]
         live = LiveRequest(request, sender, request.request_id(),
-                           frozenset(request.requested_output_names()), shard, pending=len(rows))
+                           frozenset(request.requested_output_names()), pending=len(rows))
         entries = []
         for i, row in enumerate(rows):
             engine_id = f"{self._prefix}{number}.{i}"
@@ -102,7 +102,7 @@ class ResponseDispatcher:
         submitted = []
         try:
             for engine_id, row, _ in entries:
-                self._engine.submit(engine_id, row.prompt_ids, row.sampling, shard.put)
+                self._engine.submit(engine_id, row.prompt_ids, row.sampling, self._queue.put)
                 submitted.append(engine_id)
         except (ValueError, RuntimeError) as exc:
             with self._lock:
@@ -158,10 +158,45 @@ class ResponseDispatcher:
             return len(self._requests)
 
     def shutdown(self) -> None:
-        for sender in self._senders:
-            sender.stop()
+        self._queue.put(None)
+        self._thread.join(timeout=10)
 
-    # ---- sender threads ------------------------------------------------------------------------
+    # ---- the sender thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        """Answer outputs, each row's in order, urgent rows first (see the module docstring)."""
+        waiting: dict[str, RequestOutput] = {}   # row -> its newest unanswered output, oldest first
+        urgent: collections.deque[str] = collections.deque()   # rows finished or not answered yet
+        while True:
+            for out in self._arrived(wait=not waiting):
+                if out is None:
+                    return
+                older = waiting.get(out.request_id)
+                if older is not None:
+                    self._answer(older, send=False)      # its tokens ride with the newer output
+                if out.finished or self._unanswered(out.request_id):
+                    urgent.append(out.request_id)
+                waiting[out.request_id] = out
+            while urgent and urgent[0] not in waiting:
+                urgent.popleft()
+            row = urgent.popleft() if urgent else next(iter(waiting))
+            self._answer(waiting.pop(row))
+
+    def _arrived(self, wait: bool) -> list:
+        outputs = [self._queue.get()] if wait else []
+        while not self._queue.empty():
+            outputs.append(self._queue.get())
+        return outputs
+
+    def _unanswered(self, row_id: str) -> bool:
+        row = self._rows.get(row_id)
+        return row is not None and row.stream.num_sent == 0
+
+    def _answer(self, out: RequestOutput, send: bool = True) -> None:
+        try:
+            self.handle(out, send)
+        except Exception:
+            log.exception("failed to answer engine request %s", out.request_id)
+
     def handle(self, out: RequestOutput, answer: bool = True) -> None:
         with self._lock:
             row = self._rows.get(out.request_id)
@@ -197,10 +232,9 @@ class ResponseDispatcher:
     @staticmethod
     def _response(row: LiveRow, out: RequestOutput):
         requested = row.request.requested
-        if row.fixed is None:
-            row.fixed = _tensors(row.stream.fixed(out), requested)
-        return pb_utils.InferenceResponse(
-            output_tensors=row.fixed + _tensors(row.stream.take(out), requested))
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor(name, value[np.newaxis, ...]) for name, value in row.stream.take(out).items()
+            if not requested or name in requested])
 
     def _send(self, live: LiveRequest, response, flags: int) -> None:
         if flags & FINAL:
@@ -219,40 +253,3 @@ class ResponseDispatcher:
                 live.sender.send(response, flags=flags)
         except Exception as exc:  # the client is gone; nothing else to do for it
             log.info("could not send a response for request %r: %s", live.user_id, exc)
-
-
-class _Sender:
-    """One sender thread and its queue of engine outputs."""
-
-    def __init__(self, dispatcher: ResponseDispatcher, index: int):
-        self._dispatcher = dispatcher
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.put = self._queue.put               # the engine handle's output callback
-        self._thread = threading.Thread(target=self._run, name=f"llm-sender-{index}", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        """Answer outputs in order. When several wait, a streaming row whose output is followed
-        by another of the same row is not answered on its own: the later response carries its
-        tokens too."""
-        while True:
-            batch = [self._queue.get()]
-            while batch[-1] is not None and not self._queue.empty():
-                batch.append(self._queue.get())
-            last = {out.request_id: i for i, out in enumerate(batch) if out is not None}
-            for i, out in enumerate(batch):
-                if out is None:
-                    return
-                try:
-                    self._dispatcher.handle(out, answer=out.finished or last[out.request_id] == i)
-                except Exception:
-                    log.exception("failed to answer engine request %s", out.request_id)
-
-
-def _tensors(values: dict[str, np.ndarray], requested: frozenset[str]) -> list:
-    return [pb_utils.Tensor(name, value[np.newaxis, ...]) for name, value in values.items()
-            if not requested or name in requested]
