@@ -104,7 +104,6 @@ def settings_for(args, model_dir: str):
         max_tokens_in_paged_kv_cache=args.kv_tokens or top * (isl[1] + osl[1] + 64),
         default_max_tokens=osl[1], triton_max_batch_size=min(64, top),
         postprocessing_batching=args.postprocessing_batching, preprocessing_instance_count=4,
-        response_senders=args.response_senders,
         http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
 
 
@@ -249,7 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens")
     p.add_argument("--no-engine-alone", action="store_true")
-    p.add_argument("--response-senders", type=int, default=1)
     p.add_argument("--postprocessing-batching", action="store_true",
                    help="batch postprocessing (faster; ensemble cancellation then stops at Triton)")
     p.add_argument("--check-text", type=int, default=4)

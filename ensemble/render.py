@@ -67,7 +67,6 @@ def render_tensorrt_llm(s: ServeSettings) -> str:
         "exclude_input_in_output": s.exclude_input_in_output,
         "default_max_tokens": s.default_max_tokens,
         "cancellation_check_period_ms": s.cancellation_check_period_ms,
-        "response_senders": s.response_senders,
         "stats_check_period_ms": s.stats_check_period_ms,
     })
     lines += _parameters(params)

@@ -62,7 +62,6 @@ class ServeSettings:
     bls_instance_count: int = 1
     max_queue_delay_microseconds: int = 0  # dynamic batching delay of preprocessing/tensorrt_llm
     cancellation_check_period_ms: int = 100
-    response_senders: int = 1              # tensorrt_llm threads that send responses
     stats_check_period_ms: int = 200
     # ---- server ------------------------------------------------------------------------------
     http_port: int = 8000
@@ -73,7 +72,7 @@ class ServeSettings:
         """Raise ValueError naming the field and the rule for the first invalid value."""
         EngineConfig(**{name: getattr(self, name) for name in ENGINE_FIELDS}).validate()
         positive = ("default_max_tokens", "triton_max_batch_size", "preprocessing_instance_count",
-                    "postprocessing_instance_count", "bls_instance_count", "response_senders",
+                    "postprocessing_instance_count", "bls_instance_count",
                     "cancellation_check_period_ms", "stats_check_period_ms")
         for name in positive:
             check_int(name, getattr(self, name), low=1)

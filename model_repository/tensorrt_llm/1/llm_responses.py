@@ -1,13 +1,12 @@
-"""Live Triton requests of the LLM model and the threads that answer them.
+"""Live Triton requests of the LLM model and the thread that answers them.
 
-The engine handle calls `on_output` from its receiver thread; the call only enqueues. Sender
-threads build the responses and send them; each owns a share of the requests, so a request's
-responses leave in order. A send is a round trip to the server (and, through the ensemble, the
-scheduling of the next step), so under load outputs wait: a row's outputs that wait together go
-out as one response (fewer round trips, the same text), and a sender answers rows that finished
-first, then rows that have had no response yet, then the one waiting longest. A finished request
-frees its client for the next request at once, and time to first token does not wait for every
-stream's next piece.
+The engine handle calls `on_output` from its receiver thread; the call only enqueues. One sender
+thread builds the responses and sends them, so each request's responses leave in order. A send
+is a round trip to the server (and, through the ensemble, the scheduling of the next step), so
+under load outputs wait: a row's outputs that wait together go out as one response (fewer round
+trips, the same text), and the sender answers rows that finished first, then rows that have
+had no response yet, then the one waiting longest. A finished request frees its client for the
+next request at once, and time to first token does not wait for every stream's next piece.
 Every request ends with the FINAL flag: after its last row finishes, errors and cancellations
 included.
 
@@ -67,23 +66,24 @@ class LiveRow:
 
 
 class ResponseDispatcher:
-    def __init__(self, engine, metrics: LlmMetrics | None, senders: int = 1):
+    def __init__(self, engine, metrics: LlmMetrics | None):
         self._engine = engine
         self._metrics = metrics
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._rows: dict[str, LiveRow] = {}
         self._requests: dict[int, LiveRequest] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._prefix = f"llm-{uuid.uuid4().hex[:8]}-"          # engine ids never look like users'
         self._poll_turn = 0
-        self._senders = [_Sender(self, i) for i in range(senders)]
+        self._thread = threading.Thread(target=self._run, name="llm-responses", daemon=True)
+        self._thread.start()
 
     # ---- from execute() ------------------------------------------------------------------------
     def submit(self, request, sender, rows: list[RowRequest]) -> None:
         """Queue every row in the engine. Raises ValueError (bad input) or RuntimeError (no engine)
         when no row was queued."""
         number = next(self._ids)
-        sender_queue = self._senders[number % len(self._senders)].queue
         live = LiveRequest(request, sender, request.request_id(),
                            frozenset(request.requested_output_names()), pending=len(rows))
         entries = []
@@ -102,7 +102,7 @@ class ResponseDispatcher:
         submitted = []
         try:
             for engine_id, row, _ in entries:
-                self._engine.submit(engine_id, row.prompt_ids, row.sampling, sender_queue.put)
+                self._engine.submit(engine_id, row.prompt_ids, row.sampling, self._queue.put)
                 submitted.append(engine_id)
         except (ValueError, RuntimeError) as exc:
             with self._lock:
@@ -158,13 +158,44 @@ class ResponseDispatcher:
             return len(self._requests)
 
     def shutdown(self) -> None:
-        for sender in self._senders:
-            sender.stop()
+        self._queue.put(None)
+        self._thread.join(timeout=10)
 
-    # ---- sender threads ------------------------------------------------------------------------
-    def unanswered(self, row_id: str) -> bool:
+    # ---- the sender thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        """Answer outputs, each row's in order, urgent rows first (see the module docstring)."""
+        waiting: dict[str, RequestOutput] = {}   # row -> its newest unanswered output, oldest first
+        urgent: collections.deque[str] = collections.deque()   # rows finished or not answered yet
+        while True:
+            for out in self._arrived(wait=not waiting):
+                if out is None:
+                    return
+                older = waiting.get(out.request_id)
+                if older is not None:
+                    self._answer(older, send=False)      # its tokens ride with the newer output
+                if out.finished or self._unanswered(out.request_id):
+                    urgent.append(out.request_id)
+                waiting[out.request_id] = out
+            while urgent and urgent[0] not in waiting:
+                urgent.popleft()
+            row = urgent.popleft() if urgent else next(iter(waiting))
+            self._answer(waiting.pop(row))
+
+    def _arrived(self, wait: bool) -> list:
+        outputs = [self._queue.get()] if wait else []
+        while not self._queue.empty():
+            outputs.append(self._queue.get())
+        return outputs
+
+    def _unanswered(self, row_id: str) -> bool:
         row = self._rows.get(row_id)
         return row is not None and row.stream.num_sent == 0
+
+    def _answer(self, out: RequestOutput, send: bool = True) -> None:
+        try:
+            self.handle(out, send)
+        except Exception:
+            log.exception("failed to answer engine request %s", out.request_id)
 
     def handle(self, out: RequestOutput, answer: bool = True) -> None:
         with self._lock:
@@ -222,48 +253,3 @@ class ResponseDispatcher:
                 live.sender.send(response, flags=flags)
         except Exception as exc:  # the client is gone; nothing else to do for it
             log.info("could not send a response for request %r: %s", live.user_id, exc)
-
-
-class _Sender:
-    """One sender thread: answers its requests' outputs, each row's in order, urgent rows first
-    (see the module docstring)."""
-
-    def __init__(self, dispatcher: ResponseDispatcher, index: int):
-        self._dispatcher = dispatcher
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"llm-sender-{index}", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self.queue.put(None)
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        waiting: dict[str, RequestOutput] = {}   # row -> its newest unanswered output, oldest first
-        urgent: collections.deque[str] = collections.deque()   # rows finished or not answered yet
-        while True:
-            for out in self._arrived(wait=not waiting):
-                if out is None:
-                    return
-                older = waiting.get(out.request_id)
-                if older is not None:
-                    self._answer(older, send=False)      # its tokens ride with the newer output
-                if out.finished or self._dispatcher.unanswered(out.request_id):
-                    urgent.append(out.request_id)
-                waiting[out.request_id] = out
-            while urgent and urgent[0] not in waiting:
-                urgent.popleft()
-            row = urgent.popleft() if urgent else next(iter(waiting))
-            self._answer(waiting.pop(row))
-
-    def _arrived(self, wait: bool) -> list:
-        outputs = [self.queue.get()] if wait else []
-        while not self.queue.empty():
-            outputs.append(self.queue.get())
-        return outputs
-
-    def _answer(self, out: RequestOutput, send: bool = True) -> None:
-        try:
-            self._dispatcher.handle(out, send)
-        except Exception:
-            log.exception("failed to answer engine request %s", out.request_id)

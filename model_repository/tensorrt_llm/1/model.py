@@ -53,8 +53,7 @@ class TritonPythonModel:
         self.engine = EngineProcess(self.config)
         self.metrics = LlmMetrics(args["model_name"], args["model_version"],
                                   self.config.max_batch_size)
-        self.dispatcher = ResponseDispatcher(self.engine, self.metrics,
-                                             senders=get_int(params, "response_senders", 1))
+        self.dispatcher = ResponseDispatcher(self.engine, self.metrics)
         self.stopping = threading.Event()
         self.poller = threading.Thread(target=self._poll, name="llm-poll", daemon=True)
         self.poller.start()
