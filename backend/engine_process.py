@@ -315,7 +315,6 @@ def serve(conn: Connection) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="engine %(levelname)s %(name)s: %(message)s")
-    pass  # SWITCH
     return serve(Connection(int(argv[0])))
 
 
