@@ -15,7 +15,10 @@ from backend.model_config import ModelConfig
 from backend.model_loader import build_model, iter_safetensors, load_model
 from backend.model_paths import default_gguf_path, resolve_model
 from backend.model_runner import ModelRunner, SequenceChunk
+from backend.executor import Executor
+from backend.models.null import NullModel
 from backend.presets import PRESETS, init_random_weights
+from backend.sampling_params import SamplingParams
 
 TORCH = get_attention_backend("torch")
 
@@ -161,3 +164,36 @@ def test_default_model_converts_once_and_matches_transformers(cache, monkeypatch
         tokens.append(int(runner.execute([chunk]).logits.argmax(-1)[0]))
         chunk = SequenceChunk(tokens[-1:], len(tokens) - 1, blocks, True)
     assert tokens[len(ids):] == expected.tolist()
+
+
+def test_a_preset_can_carry_another_models_tokenizer_and_vocabulary(tmp_path):
+    from backend.presets import write_preset
+    from preprocessing.tokenizer import load_tokenizer
+
+    source = resolve_model("default")
+    path = write_preset("llama-3.2-1b", str(tmp_path), tokenizer_from=source)
+    assert path != write_preset("llama-3.2-1b", str(tmp_path))      # the plain preset: another dir
+    cfg, src = ModelConfig.from_dir(path), ModelConfig.from_dir(source)
+    assert (cfg.hidden_size, cfg.num_layers) == (2048, 16)
+    assert (cfg.vocab_size, cfg.eos_token_ids) == (src.vocab_size, src.eos_token_ids)
+    tokenizer = load_tokenizer(path)
+    assert len(tokenizer) == cfg.vocab_size and tokenizer.decode(tokenizer.encode("Hi there")) == "Hi there"
+    assert write_preset("llama-3.2-1b", str(tmp_path), tokenizer_from=source) == path  # written once
+
+
+def test_the_null_model_answers_its_known_tokens_through_the_engine():
+    from backend.models.null import null_token
+
+    executor = Executor(EngineConfig(model_path="null", device="cpu", max_seq_len=64, max_batch_size=4))
+    try:
+        prompts = [[1200, 1300, 1400], [1500] * 9]
+        results = executor.generate(prompts, [SamplingParams(max_tokens=6),
+                                              SamplingParams(max_tokens=5, min_tokens=5)])
+    finally:
+        executor.shutdown()
+    for prompt, result in zip(prompts, results):
+        n = len(prompt)
+        assert result["token_ids"] == [null_token(p) for p in range(n, n + len(result["token_ids"]))]
+    assert [len(r["token_ids"]) for r in results] == [6, 5]
+    with pytest.raises(ValueError, match="null model needs a vocabulary of at least 3000"):
+        NullModel(ModelConfig.from_dict({**PRESETS["null"], "vocab_size": 500}))

@@ -82,3 +82,24 @@ def test_concurrent_streams_match_non_streamed_and_alone(triton):
     stopped = whole[requests.index({"text_input": ENGLISH[0], "max_tokens": 20,
                                     "stop_words": "answer"})]
     assert "answer" not in stopped
+
+
+def test_concurrent_token_streams_keep_their_order_under_coalescing(triton, tokenizer):
+    """24 streams of 40 tokens each from tensorrt_llm at once: the sender folds a stream's
+    waiting outputs into one response when it falls behind and answers finished streams first,
+    so each stream's ids, concatenated, must still be its non-streamed ids, with no empty data
+    response and the final flag once, at the end."""
+    prompts = [tokenizer.encode(p) for p in (ENGLISH + NON_ASCII)[:24]]
+
+    def ask(ids, streaming: bool):
+        return grpc_request(triton.grpc, "tensorrt_llm", {
+            "input_ids": ids, "input_lengths": len(ids), "request_output_len": 40, "end_id": -1,
+            "streaming": streaming})
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        streamed = list(pool.map(lambda ids: ask(ids, True), prompts))
+        whole = list(pool.map(lambda ids: ask(ids, False), prompts))
+    for stream, one in zip(streamed, whole):
+        assert stream.error is None and one.error is None, (stream.error, one.error)
+        assert all(r["output_ids"].size > 0 for r in stream.responses)
+        assert len(one.responses) == 1 and stream.ids() == one.ids() and len(one.ids()) == 40

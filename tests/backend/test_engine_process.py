@@ -1,0 +1,156 @@
+"""The engine in a process of its own (backend/engine_process.py), driven like an Executor."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from backend.config import EngineConfig
+from backend.engine_process import EngineProcess, _Outbox
+from backend.executor import Executor
+from backend.request import FinishReason, RequestOutput
+from backend.sampling_params import SamplingParams
+from tests.tiny_models import make_tiny_model, random_prompts
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-process")
+    make_tiny_model("llama", path)
+    return path
+
+
+def config_for(model_dir, **overrides) -> EngineConfig:
+    return EngineConfig(**{"model_path": str(model_dir), "device": "cpu", "max_seq_len": 256,
+                           "tokens_per_block": 8, "max_batch_size": 8, **overrides})
+
+
+class Outputs:
+    """Collects one request's outputs; `wait()` until its final one."""
+
+    def __init__(self):
+        self.items: list[RequestOutput] = []
+        self.done = threading.Event()
+
+    def __call__(self, out: RequestOutput) -> None:
+        self.items.append(out)
+        if out.finished:
+            self.done.set()
+
+    def wait(self, timeout: float = 60.0) -> RequestOutput:
+        assert self.done.wait(timeout), "no final output"
+        return self.items[-1]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for out in self.items for t in out.new_token_ids]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    process = EngineProcess(config_for(tiny_dir))
+    yield process
+    process.shutdown()
+
+
+def test_outputs_through_the_process_equal_the_executors(tiny_dir, engine):
+    prompts = random_prompts(6, 512, seed=5)
+    params = [SamplingParams(max_tokens=10, ignore_end_id=True),
+              SamplingParams(max_tokens=7, temperature=0.9, top_p=0.9, seed=3, return_log_probs=True)] * 3
+    executor = Executor(config_for(tiny_dir))
+    try:
+        expected = executor.generate(prompts, params)
+    finally:
+        executor.shutdown()
+    collected = [Outputs() for _ in prompts]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.submit(f"same-{i}", prompt, p, collected[i])
+    for outputs, result in zip(collected, expected):
+        final = outputs.wait()
+        assert outputs.token_ids == result["token_ids"]
+        assert [x for o in outputs.items for x in o.new_logprobs] == pytest.approx(result["logprobs"])
+        assert final.finish_reason == result["finish_reason"]
+    assert engine.vocab_size == executor.vocab_size and engine.max_seq_len == executor.max_seq_len
+    deadline = time.monotonic() + 5
+    while engine.stats().num_completed < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.05)                          # statistics come every STATS_PERIOD_S
+    assert engine.stats().num_completed >= len(prompts)
+
+
+def test_bad_input_is_refused_at_once_with_the_executors_message(engine):
+    with pytest.raises(ValueError, match=r"must be shorter than max_seq_len \(256\)"):
+        engine.submit("long", [5] * 300, SamplingParams(max_tokens=4), Outputs())
+    with pytest.raises(ValueError, match="prompt token ids must be integers in"):
+        engine.submit("oov", [5, 10**9], SamplingParams(max_tokens=4), Outputs())
+
+
+def test_a_full_queue_comes_back_as_a_rejected_output(tiny_dir):
+    """max_queue_size 1 and max_batch_size 2: of ten long requests sent at once, those that find
+    two running and one waiting are refused."""
+    process = EngineProcess(config_for(tiny_dir, max_queue_size=1, max_batch_size=2))
+    try:
+        collected = [Outputs() for _ in range(10)]
+        for i, outputs in enumerate(collected):
+            process.submit(f"queue-{i}", [3, 4, 5], SamplingParams(max_tokens=200, ignore_end_id=True),
+                           outputs)
+        finals = [o.wait() for o in collected]
+    finally:
+        process.shutdown()
+    rejected = [f for f in finals if f.rejected]
+    assert len(rejected) >= 7 and all(
+        r.rejected == "queue_full" and r.finish_reason == FinishReason.ERROR
+        and "Exceeds maximum queue size" in r.error for r in rejected)
+    assert sum(f.finish_reason == FinishReason.LENGTH for f in finals) >= 2
+
+
+def test_cancel_ends_a_request_as_cancelled(engine):
+    outputs = Outputs()
+    engine.submit("cancel-me", [3, 4, 5], SamplingParams(max_tokens=250, ignore_end_id=True), outputs)
+    while not outputs.items:
+        time.sleep(0.01)
+    assert engine.cancel("cancel-me")
+    assert outputs.wait().finish_reason == FinishReason.CANCELLED
+    assert not engine.cancel("cancel-me")                     # no longer in flight
+
+
+def test_a_dead_engine_fails_its_requests_and_refuses_new_ones(tiny_dir):
+    process = EngineProcess(config_for(tiny_dir))
+    try:
+        outputs = Outputs()
+        process.submit("doomed", [3, 4, 5], SamplingParams(max_tokens=250, ignore_end_id=True), outputs)
+        os.kill(process.process.pid, signal.SIGKILL)
+        final = outputs.wait(timeout=10)
+        assert final.finish_reason == FinishReason.ERROR and "engine process exited" in final.error
+        with pytest.raises(RuntimeError, match="engine process exited"):
+            process.submit("late", [3, 4], SamplingParams(max_tokens=2), Outputs())
+    finally:
+        process.shutdown()
+
+
+def test_a_model_that_cannot_load_fails_the_start_with_its_error(tmp_path):
+    with pytest.raises(RuntimeError, match="engine failed to start"):
+        EngineProcess(config_for(tmp_path / "missing"))
+
+
+def test_outputs_travel_as_tuples_of_every_field():
+    sent = []
+
+    class Conn:
+        def send(self, message):
+            sent.append(message)
+
+    outbox = _Outbox(Conn(), executor=type("Idle", (), {"stats": lambda self: None})())
+    out = RequestOutput("r", [1, 2], [-0.5, -0.25], 2, True, FinishReason.STOP, "e", 3, 1, 2, -0.75,
+                        1.0, 2.0, 3.0, 4.0, "invalid")
+    outbox.put(out)
+    deadline = time.monotonic() + 5
+    while not any(m[0] == "outputs" for m in sent) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    outbox.close()
+    values = next(m[1] for m in sent if m[0] == "outputs")[0]
+    assert RequestOutput(*values) == out
+    assert len(values) == len(dataclasses.fields(RequestOutput))
