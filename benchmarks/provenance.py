@@ -20,7 +20,7 @@ def device_name(device) -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"CPU: {cpu} ({torch.get_num_threads()} threads)"
+    return f"CPU: {cpu} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
 def git_commit() -> str:

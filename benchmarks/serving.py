@@ -208,15 +208,17 @@ def plot(result: dict, out: str) -> str | None:
         return None
     rows = result["runs"]
     targets = list(dict.fromkeys(r["target"] for r in rows))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+    panels = (("output_tokens_per_s", None, "output tokens/s"), ("ttft_ms", "p50", "TTFT p50 (ms)"),
+              ("e2e_ms", "p50", "end-to-end latency p50 (ms)"),
+              ("itl_ms", "p50", "inter-token latency p50 (ms)"))
     for target in targets:
         mine = sorted((r for r in rows if r["target"] == target), key=lambda r: r["concurrency"])
         cs = [r["concurrency"] for r in mine]
         style = "k--" if target == "engine" else "o-"
-        axes[0].plot(cs, [r["output_tokens_per_s"] for r in mine], style, label=target)
-        axes[1].plot(cs, [r["ttft_ms"].get("p50", 0) for r in mine], style, label=target)
-        axes[2].plot(cs, [r["itl_ms"].get("p50", 0) for r in mine], style, label=target)
-    for ax, label in zip(axes, ("output tokens/s", "TTFT p50 (ms)", "inter-token latency p50 (ms)")):
+        for ax, (key, stat, _) in zip(axes, panels):
+            ax.plot(cs, [r[key].get(stat, 0) if stat else r[key] for r in mine], style, label=target)
+    for ax, (_, _, label) in zip(axes, panels):
         ax.set(xscale="log", xlabel="concurrency", ylabel=label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
