@@ -52,13 +52,14 @@ def render_preprocessing(s: ServeSettings) -> str:
     lines += _parameters({
         "model_path": s.model_path, "tokenizer_dir": s.tokenizer_dir,
         "add_special_tokens": s.add_special_tokens, "default_max_tokens": s.default_max_tokens,
+        "apply_chat_template": s.apply_chat_template,
     })
     return _text(lines)
 
 
 def render_tensorrt_llm(s: ServeSettings) -> str:
     lines = _python_model("tensorrt_llm", s.triton_max_batch_size)
-    lines += ["model_transaction_policy {", "  decoupled: true", "}"]
+    lines += _transaction_policy(s.decoupled_mode)
     lines += _tensors("input", TENSORRT_LLM.inputs) + _tensors("output", TENSORRT_LLM.outputs)
     lines += _dynamic_batching(s.max_queue_delay_microseconds)
     lines += _instances(1)  # one engine per instance: it owns the KV cache
@@ -90,7 +91,7 @@ def render_postprocessing(s: ServeSettings) -> str:
 
 def render_bls(s: ServeSettings) -> str:
     lines = _python_model("tensorrt_llm_bls", s.triton_max_batch_size)
-    lines += ["model_transaction_policy {", "  decoupled: true", "}"]
+    lines += _transaction_policy(s.decoupled_mode)
     lines += _tensors("input", BLS.inputs) + _tensors("output", BLS.outputs)
     lines += _instances(s.bls_instance_count)
     lines += _parameters({"tensorrt_llm_model_name": "tensorrt_llm"})
@@ -100,6 +101,11 @@ def render_bls(s: ServeSettings) -> str:
 # ---- pbtxt pieces --------------------------------------------------------------------------------
 def _python_model(name: str, max_batch_size: int) -> list[str]:
     return [f'name: "{name}"', 'backend: "python"', f"max_batch_size: {max_batch_size}"]
+
+
+def _transaction_policy(decoupled: bool) -> list[str]:
+    # The ensemble has no policy of its own: Triton makes it decoupled when a step is.
+    return ["model_transaction_policy {", f"  decoupled: {to_param(decoupled)}", "}"]
 
 
 def _tensors(kind: str, tensors: tuple[Tensor, ...]) -> list[str]:

@@ -50,9 +50,15 @@ class ServeSettings:
     default_max_tokens: int = 64           # when a request has no max_tokens/request_output_len
     exclude_input_in_output: bool = True   # default of the per-request input of the same name
     add_special_tokens: bool = True        # preprocessing: tokenizer.encode(add_special_tokens=)
+    # preprocessing: wrap text_input as one user message in the model's chat template (the
+    # per-request input apply_chat_template overrides it); off by default as in tensorrtllm_backend
+    apply_chat_template: bool = False
     skip_special_tokens: bool = True       # postprocessing: decode(skip_special_tokens=)
     # ---- Triton side ---------------------------------------------------------------------------
     triton_max_batch_size: int = 64        # max_batch_size of every config (requests' batch dim)
+    # tensorrt_llm and tensorrt_llm_bls decoupled (streaming; gRPC stream, generate_stream) or not
+    # (one response per request; plain infer() over HTTP/gRPC); the ensemble follows tensorrt_llm
+    decoupled_mode: bool = True
     preprocessing_instance_count: int = 2
     # Batching the streamed pieces in postprocessing (ragged windows, preserve_ordering) takes
     # more pieces per execute, but Triton's batcher then drops the pieces of a cancelled ensemble

@@ -53,6 +53,8 @@ LLM_SIDE_OUTPUTS = (
     Tensor("output_log_probs", "FP32", (-1, -1)),
     Tensor("batch_index", "INT32"),
     Tensor("sequence_index", "INT32"),
+    # why the row ended (backend FinishReason: length, stop, end_id, cancelled); "" until then
+    Tensor("finish_reason", "STRING"),
 ) + PERF_OUTPUTS
 
 # ---- ensemble / BLS (text in, text out) ----------------------------------------------------------
@@ -86,6 +88,7 @@ TEXT_INPUTS = (
     _opt("stream", "BOOL"),
     _opt("embedding_bias_words", "STRING", (-1,)),
     _opt("embedding_bias_weights", "FP32", (-1,)),
+    _opt("apply_chat_template", "BOOL"),
 )
 TEXT_OUTPUTS = (Tensor("text_output", "STRING", (-1,)),) + LLM_SIDE_OUTPUTS
 
@@ -100,6 +103,7 @@ PREPROCESSING = ModelIO(
         _opt("EMBEDDING_BIAS_WEIGHTS", "FP32", (-1,)),
         _opt("END_ID", "INT32"),
         _opt("PAD_ID", "INT32"),
+        _opt("APPLY_CHAT_TEMPLATE", "BOOL"),
     ),
     outputs=(
         Tensor("INPUT_ID", "INT32", (-1,)),
@@ -179,6 +183,7 @@ _PRE_FROM_ENSEMBLE = {
     "QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
     "STOP_WORDS_DICT": "stop_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
     "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights", "END_ID": "end_id", "PAD_ID": "pad_id",
+    "APPLY_CHAT_TEMPLATE": "apply_chat_template",
 }
 _PRE_TO_LLM = {  # preprocessing output -> (internal tensor, tensorrt_llm input)
     "INPUT_ID": ("_INPUT_ID", "input_ids"),

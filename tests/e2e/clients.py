@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import requests
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from tritonclient.utils import np_to_triton_dtype
 
 # ensemble input -> numpy dtype (what tensorrtllm_backend clients send)
@@ -23,6 +24,7 @@ ENSEMBLE_DTYPES = {
     "return_perf_metrics": np.bool_, "beam_width": np.int32, "num_return_sequences": np.int32,
     "embedding_bias_words": np.object_, "embedding_bias_weights": np.float32,
     "return_generation_logits": np.bool_, "return_context_logits": np.bool_,
+    "apply_chat_template": np.bool_,
 }
 LLM_DTYPES = {
     "input_ids": np.int32, "input_lengths": np.int32, "request_output_len": np.int32,
@@ -33,7 +35,7 @@ LLM_DTYPES = {
 }
 
 
-def tensor(name: str, value, dtype=None) -> grpcclient.InferInput:
+def tensor(name: str, value, dtype=None, client=grpcclient):
     """One batch row: scalars become [1, 1], lists [1, n] (arrays are sent as given)."""
     if isinstance(value, np.ndarray):
         arr = value
@@ -43,9 +45,27 @@ def tensor(name: str, value, dtype=None) -> grpcclient.InferInput:
         if dtype == np.object_:
             items = [v.encode("utf-8") if isinstance(v, str) else v for v in items]
         arr = np.array([items], dtype=dtype)
-    inp = grpcclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+    inp = client.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
     inp.set_data_from_numpy(arr)
     return inp
+
+
+def infer(protocol: str, url: str, model: str, inputs: dict, request_id: str = "",
+          timeout: float = 120.0) -> dict[str, np.ndarray]:
+    """One plain `infer()` call (not a stream) with tritonclient's "http" or "grpc" client: what
+    a client of a model that is not decoupled does. Raises InferenceServerException on errors."""
+    client_module = httpclient if protocol == "http" else grpcclient
+    options = {"network_timeout": timeout} if protocol == "http" else {}
+    client = client_module.InferenceServerClient(url, **options)
+    try:
+        result = client.infer(model, [tensor(k, v, client=client_module) for k, v in inputs.items()],
+                              request_id=request_id)
+        response = result.get_response()
+        names = ([o["name"] for o in response["outputs"]] if protocol == "http"
+                 else [o.name for o in response.outputs])
+        return {name: result.as_numpy(name) for name in names}
+    finally:
+        client.close()
 
 
 @dataclass

@@ -5,8 +5,10 @@ max_seq_len) into a temporary directory, on free ports; the server is stopped at
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -42,12 +44,18 @@ class Triton:
 
 @pytest.fixture(scope="session")
 def triton(tmp_path_factory) -> Triton:
+    with running_triton(tmp_path_factory.mktemp("triton")) as server:
+        yield server
+
+
+@contextmanager
+def running_triton(tmp: Path, **settings_overrides) -> Iterator[Triton]:
+    """A tritonserver on free ports with E2E_SETTINGS (and the overrides), stopped on exit."""
     pytest.importorskip("pytriton", reason="nvidia-pytriton (the tritonserver binary) is missing")
     from backend.model_paths import resolve_model
     resolve_model("default")                     # convert once here, not in three stubs at once
-    tmp = tmp_path_factory.mktemp("triton")
-    settings = ServeSettings(**E2E_SETTINGS, http_port=free_port(), grpc_port=free_port(),
-                             metrics_port=free_port())
+    settings = ServeSettings(**{**E2E_SETTINGS, **settings_overrides}, http_port=free_port(),
+                             grpc_port=free_port(), metrics_port=free_port())
     repository = build_repository(settings, tmp / "model_repository")
     log_file = tmp / "tritonserver.log"
     server = TritonServer(repository, settings.http_port, settings.grpc_port,

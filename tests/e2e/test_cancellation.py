@@ -107,6 +107,7 @@ def test_stop_input(triton, tokenizer, idle):
         rest = stream.collect(timeout=30)             # the stopped request ends with FINAL
         assert rest.error is None
         assert 3 + len(rest.ids()) < 400
+        assert rest.responses[-1]["finish_reason"].reshape(-1).tolist() == [b"cancelled"]
     finally:
         stopper.close()
         stream.close()

@@ -13,7 +13,7 @@ from ensemble.tensors import PERF_OUTPUTS, TENSORRT_LLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "model_repository/tensorrt_llm/1"))
 from llm_inputs import Defaults, convert_request, is_stop_request  # noqa: E402
-from llm_outputs import RowStream  # noqa: E402
+from llm_outputs import RowStream, stack_rows  # noqa: E402
 
 VOCAB = 1000
 
@@ -172,3 +172,41 @@ def test_each_response_holds_every_output_and_unasked_metrics_are_empty(log_prob
     else:                                  # not asked: zeros and no log-probs, as TensorRT-LLM
         assert all(tensors[t.name].tolist() == [0] for t in PERF_OUTPUTS)
         assert tensors["output_log_probs"].shape == (1, 0) and tensors["cum_log_probs"].tolist() == [0]
+
+
+def test_streaming_is_refused_by_a_model_that_is_not_decoupled():
+    not_decoupled = Defaults(decoupled=False)
+    assert not convert_request(_request(streaming=False), not_decoupled, VOCAB)[0].streaming
+    with pytest.raises(ValueError) as err:
+        convert_request(_request(streaming=True), not_decoupled, VOCAB)
+    assert "stream (input streaming) must be false" in str(err.value)
+    assert "decoupled_mode" in str(err.value)
+    assert convert_request(_request(streaming=True), Defaults(), VOCAB)[0].streaming
+
+
+@pytest.mark.parametrize("reason", list(FinishReason))
+def test_finish_reason_is_empty_until_the_final_response(reason):
+    stream = RowStream.start("r", 0, True, [5], echo_prompt=False)
+    reasons = []
+    for i in range(3):
+        out = RequestOutput("r", [10 + i], [], i + 1, i == 2, reason if i == 2 else None)
+        stream.add(out)
+        reasons.append(stream.take(out)["finish_reason"].tolist())
+    assert reasons == [[b""], [b""], [reason.value.encode()]]
+
+
+def test_rows_of_a_request_stack_into_one_batch():
+    rows = []
+    for index, ids in enumerate(([7, 8, 9], [4])):
+        stream = RowStream.start(f"r{index}", index, False, [5], echo_prompt=False)
+        out = RequestOutput(f"r{index}", ids, [], len(ids), True, FinishReason.END_ID)
+        stream.add(out)
+        rows.append(stream.take(out))
+    batch = stack_rows(rows)
+    assert set(batch) == LLM_OUTPUTS
+    assert batch["output_ids"].tolist() == [[[7, 8, 9]], [[4, 0, 0]]]       # [batch, beam, n]
+    assert batch["sequence_length"].tolist() == [[3], [1]]
+    assert batch["batch_index"].tolist() == [[0], [1]]
+    assert batch["finish_reason"].tolist() == [[b"end_id"], [b"end_id"]]
+    assert batch["llm_request_id"].tolist() == [[b"r0"], [b"r1"]]
+    assert stack_rows(rows[:1])["output_ids"].shape == (1, 1, 3)

@@ -58,6 +58,20 @@ def test_settings_reach_the_configs():
     assert "count: 4" in batched
 
 
+def test_decoupled_mode_and_chat_template_settings():
+    default = render_configs(ServeSettings())
+    assert "model_transaction_policy" not in default["ensemble"]   # Triton infers it
+    assert _params(default["preprocessing"])["apply_chat_template"] == "false"
+    plain = render_configs(ServeSettings(decoupled_mode=False, apply_chat_template=True))
+    for name in ("tensorrt_llm", "tensorrt_llm_bls"):
+        assert "model_transaction_policy {\n  decoupled: false\n}" in plain[name]
+        assert "decoupled: true" in default[name]
+    assert "model_transaction_policy" not in plain["ensemble"]
+    for name in ("preprocessing", "postprocessing"):
+        assert "decoupled" not in plain[name]
+    assert _params(plain["preprocessing"])["apply_chat_template"] == "true"
+
+
 def test_rendered_parameters_read_back_as_engine_config():
     s = ServeSettings(max_batch_size=8, max_seq_len=512, kv_cache_free_gpu_mem_fraction=0.5,
                       enable_chunked_context=False, device="cpu")

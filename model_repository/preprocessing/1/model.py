@@ -9,14 +9,15 @@ import triton_python_backend_utils as pb_utils
 
 from ensemble.environment import check_stub_numpy
 from ensemble.params import get_bool, get_int, parameters, tokenizer_dir, triton_error
-from preprocessing.tokenizer import default_end_id, default_pad_id, encode, load_tokenizer
+from preprocessing.prompt import encode_prompt
+from preprocessing.tokenizer import default_end_id, default_pad_id, load_tokenizer
 from preprocessing.word_lists import embedding_bias, encode_word_list, parse_words
 
 # preprocessing input -> the ensemble input users know it as
 FIELD = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
          "STOP_WORDS_DICT": "stop_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
          "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights", "END_ID": "end_id",
-         "PAD_ID": "pad_id"}
+         "PAD_ID": "pad_id", "APPLY_CHAT_TEMPLATE": "apply_chat_template"}
 
 
 class TritonPythonModel:
@@ -26,6 +27,7 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(tokenizer_dir(params))
         self.add_special_tokens = get_bool(params, "add_special_tokens", True)
         self.default_max_tokens = get_int(params, "default_max_tokens", 64)
+        self.apply_chat_template = get_bool(params, "apply_chat_template", False)
         self.vocab_size = len(self.tokenizer)
         self.end_id = default_end_id(self.tokenizer)
         self.pad_id = default_pad_id(self.tokenizer)
@@ -46,7 +48,8 @@ class TritonPythonModel:
             raise ValueError("text_input is required")
         queries = tensors["QUERY"].reshape(len(tensors["QUERY"]), -1)
         batch = len(queries)
-        ids = [self.encode_query(row) for row in queries]
+        chat = self.chat_flags(tensors, batch)
+        ids = [self.encode_query(row, use_chat) for row, use_chat in zip(queries, chat)]
         lengths = np.array([[len(x)] for x in ids], dtype=np.int32)
         input_ids = np.full((batch, max(len(x) for x in ids)), self.pad_id, dtype=np.int32)
         for i, row in enumerate(ids):
@@ -63,16 +66,21 @@ class TritonPythonModel:
             "OUT_PAD_ID": self.scalar(tensors, "PAD_ID", batch, self.pad_id, low=0),
         }
 
-    def encode_query(self, row: np.ndarray) -> list[int]:
+    def encode_query(self, row: np.ndarray, chat: bool) -> list[int]:
         if row.size != 1:
             raise ValueError(f"text_input must hold one string per batch row, got {row.size}")
-        text = _text(row[0], "text_input")
-        if not text:
-            raise ValueError("text_input must not be empty")
-        ids = encode(self.tokenizer, text, add_special_tokens=self.add_special_tokens)
-        if not ids:
-            raise ValueError("text_input encodes to no tokens")
-        return ids
+        return encode_prompt(self.tokenizer, _text(row[0], "text_input"), chat,
+                             add_special_tokens=self.add_special_tokens)
+
+    def chat_flags(self, tensors, batch: int) -> list[bool]:
+        """apply_chat_template per batch row; the repository's default where not sent."""
+        if "APPLY_CHAT_TEMPLATE" not in tensors:
+            return [self.apply_chat_template] * batch
+        values = tensors["APPLY_CHAT_TEMPLATE"].reshape(batch, -1)
+        if values.shape[1] != 1 or values.dtype != np.bool_:
+            raise ValueError("apply_chat_template must hold one BOOL per batch row, got "
+                             f"{values.shape[1]} of {values.dtype}")
+        return [bool(v) for v in values[:, 0]]
 
     def scalar(self, tensors, name: str, batch: int, default: int, low: int) -> np.ndarray:
         if name not in tensors:

@@ -50,6 +50,7 @@ class RowRequest:
 class Defaults:
     max_tokens: int = 64
     exclude_input_in_output: bool = True
+    decoupled: bool = True          # the model's transaction policy: streaming needs it
 
 
 def batch_size(tensors: dict[str, np.ndarray]) -> int:
@@ -93,6 +94,10 @@ def convert_row(row: dict[str, np.ndarray], index: int, defaults: Defaults,
     for name in ("return_context_logits", "return_generation_logits"):
         if bools[name]:
             raise ValueError(f"{name} is not supported; send false or leave it out")
+    if bools["streaming"] and not defaults.decoupled:
+        raise ValueError(f"{label('streaming')} must be false: this model is not decoupled "
+                         "(decoupled_mode=false) and answers each request with one response; "
+                         "stream from a server built with decoupled_mode=true")
 
     prompt = _prompt(row, ints["input_lengths"])
     max_tokens = ints["request_output_len"]

@@ -71,6 +71,7 @@ class RowStream:
             "output_log_probs": np.array([new_logprobs], dtype=np.float32).reshape(1, -1),
             "batch_index": _i32([self.batch_index]),
             "sequence_index": _i32([0]),
+            "finish_reason": np.array([_reason(out).encode()], dtype=np.object_),
             "detok_window_ids": _i32([window]),
             "detok_window_length": _i32([len(window)]),
             "detok_context_length": _i32([start_sent - start]),
@@ -81,6 +82,26 @@ class RowStream:
         self.num_sent = len(self.shown)
         self.num_logprobs_sent = len(self.logprobs)
         return tensors
+
+
+def stack_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The tensors of several rows as one batch (one response per request when not decoupled):
+    ragged ids and log-probs are padded with zeros; sequence_length and detok_window_length
+    say how many are real."""
+    stacked = {}
+    for name in rows[0]:
+        arrays = [row[name] for row in rows]
+        shape = tuple(max(sizes) for sizes in zip(*(a.shape for a in arrays)))
+        dtype = arrays[0].dtype
+        out = np.full((len(arrays), *shape), b"" if dtype == np.object_ else 0, dtype=dtype)
+        for i, a in enumerate(arrays):
+            out[(i, *(slice(0, n) for n in a.shape))] = a
+        stacked[name] = out
+    return stacked
+
+
+def _reason(out: RequestOutput) -> str:
+    return out.finish_reason.value if out.finished and out.finish_reason else ""
 
 
 def perf_tensors(out: RequestOutput | None) -> dict[str, np.ndarray]:

@@ -8,7 +8,8 @@ trips, the same text), and the sender answers rows that finished first, then row
 had no response yet, then the one waiting longest. A finished request frees its client for the
 next request at once, and time to first token does not wait for every stream's next piece.
 Every request ends with the FINAL flag: after its last row finishes, errors and cancellations
-included.
+included. A model that is not decoupled answers each request once, when its last row finishes,
+with every row in one batch (or the first error).
 
 A request is polled for cancellation only while its FINAL response has not been sent: the final
 send releases the request's response factory in the server, and asking a released factory
@@ -35,7 +36,7 @@ from backend.request import FinishReason, RequestOutput
 from ensemble.params import triton_error
 from llm_inputs import RowRequest
 from llm_metrics import FinishedRequest, LlmMetrics
-from llm_outputs import RowStream
+from llm_outputs import RowStream, stack_rows
 
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -55,6 +56,9 @@ class LiveRequest:
     engine_ids: list[str] = field(default_factory=list)
     pending: int = 0
     closed: bool = False                   # its FINAL response was sent
+    # not decoupled: each finished row's tensors (by batch row), the first failure (message, code)
+    finished_rows: dict[int, dict] = field(default_factory=dict)
+    error: tuple[str, str] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)   # a cancellation poll vs FINAL
 
 
@@ -66,9 +70,10 @@ class LiveRow:
 
 
 class ResponseDispatcher:
-    def __init__(self, engine, metrics: LlmMetrics | None):
+    def __init__(self, engine, metrics: LlmMetrics | None, decoupled: bool = True):
         self._engine = engine
         self._metrics = metrics
+        self._decoupled = decoupled
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._rows: dict[str, LiveRow] = {}
         self._requests: dict[int, LiveRequest] = {}
@@ -115,7 +120,10 @@ class ResponseDispatcher:
             if not submitted:
                 raise
             # Some rows run already: report the error now, their ends carry the FINAL flag.
-            self._send(live, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), 0)
+            if self._decoupled:
+                self._send(live, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), 0)
+            else:
+                live.error = (str(exc), "INVALID_ARG" if isinstance(exc, ValueError) else "INTERNAL")
             for engine_id in submitted:
                 self._engine.cancel(engine_id)
 
@@ -213,21 +221,43 @@ class ResponseDispatcher:
         stream.add(out)
         if not answer:
             return
-        flags = FINAL if last else 0
-        if out.finish_reason == FinishReason.ERROR:
-            code = ERROR_CODES.get(out.rejected, "INTERNAL")
-            error = triton_error(out.error or "generation failed", code)
-            self._send(live, pb_utils.InferenceResponse(error=error), flags)
-        elif stream.ready(out):
-            self._send(live, self._response(row, out), flags)
-        elif last:
-            self._send(live, None, flags)
+        if self._decoupled:
+            self._answer_row(live, row, out, FINAL if last else 0)
+        else:
+            self._answer_whole(live, row, out, last)
         if out.finished and self._metrics is not None:
             self._metrics.record_finished(FinishedRequest(
                 num_input_tokens=row.num_prompt_tokens, num_output_tokens=stream.num_generated,
                 finish_reason=out.finish_reason.value if out.finish_reason else "error",
                 arrival_time=out.arrival_time, first_token_time=out.first_token_time,
                 last_token_time=out.last_token_time, end_time=time.time()))
+
+    def _answer_row(self, live: LiveRequest, row: LiveRow, out: RequestOutput, flags: int) -> None:
+        if out.finish_reason == FinishReason.ERROR:
+            code = ERROR_CODES.get(out.rejected, "INTERNAL")
+            error = triton_error(out.error or "generation failed", code)
+            self._send(live, pb_utils.InferenceResponse(error=error), flags)
+        elif row.stream.ready(out):
+            self._send(live, self._response(row, out), flags)
+        elif flags & FINAL:
+            self._send(live, None, flags)
+
+    def _answer_whole(self, live: LiveRequest, row: LiveRow, out: RequestOutput, last: bool) -> None:
+        """Not decoupled: keep each finished row; after the last, send one response with all."""
+        if out.finish_reason == FinishReason.ERROR:
+            live.error = live.error or (out.error or "generation failed",
+                                        ERROR_CODES.get(out.rejected, "INTERNAL"))
+        elif out.finished:
+            live.finished_rows[row.stream.batch_index] = row.stream.take(out)
+        if not last:
+            return
+        if live.error is not None:
+            self._send(live, pb_utils.InferenceResponse(error=triton_error(*live.error)), FINAL)
+            return
+        tensors = stack_rows([live.finished_rows[i] for i in sorted(live.finished_rows)])
+        self._send(live, pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor(name, value) for name, value in tensors.items()
+            if not live.requested or name in live.requested]), FINAL)
 
     @staticmethod
     def _response(row: LiveRow, out: RequestOutput):

@@ -45,15 +45,18 @@ class TritonPythonModel:
         check_stub_numpy()
         params = parameters(args["model_config"])
         self.config = EngineConfig(**engine_kwargs(params))
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(
+            json.loads(args["model_config"]))
         self.defaults = Defaults(
             max_tokens=get_int(params, "default_max_tokens", 64),
-            exclude_input_in_output=get_bool(params, "exclude_input_in_output", True))
+            exclude_input_in_output=get_bool(params, "exclude_input_in_output", True),
+            decoupled=self.decoupled)
         self.cancel_period_s = get_int(params, "cancellation_check_period_ms", 100) / 1000
         self.stats_period_s = get_int(params, "stats_check_period_ms", 200) / 1000
         self.engine = EngineProcess(self.config)
         self.metrics = LlmMetrics(args["model_name"], args["model_version"],
                                   self.config.max_batch_size)
-        self.dispatcher = ResponseDispatcher(self.engine, self.metrics)
+        self.dispatcher = ResponseDispatcher(self.engine, self.metrics, self.decoupled)
         self.stopping = threading.Event()
         self.poller = threading.Thread(target=self._poll, name="llm-poll", daemon=True)
         self.poller.start()
@@ -87,7 +90,10 @@ class TritonPythonModel:
             sender.send(_error("stop: a request id is required to stop a request"), flags=FINAL)
             return
         self.dispatcher.stop(user_id)
-        sender.send(flags=FINAL)
+        if self.decoupled:
+            sender.send(flags=FINAL)
+        else:  # a model that is not decoupled must send a response with its FINAL flag
+            sender.send(pb_utils.InferenceResponse(output_tensors=[]), flags=FINAL)
 
     def _poll(self) -> None:
         next_stats = 0.0

@@ -2,10 +2,13 @@
 
 Same inputs and outputs as `ensemble`; the wiring is the ensemble's own (ensemble/tensors.py), so
 the two entry points cannot drift apart. Each request runs in its own thread, so one instance
-serves many requests at once; a watcher stops the LLM request of a client that went away.
+serves many requests at once; a watcher stops the LLM request of a client that went away. Its
+transaction policy is tensorrt_llm's (both rendered from decoupled_mode): when not decoupled it
+calls the LLM once and answers with one response.
 """
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 
@@ -48,6 +51,8 @@ def outputs_of(step, response) -> dict[str, np.ndarray]:
 class TritonPythonModel:
     def initialize(self, args):
         check_stub_numpy()
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(
+            json.loads(args["model_config"]))
         self.threads: set[threading.Thread] = set()
         self.live: dict[str, object] = {}          # LLM request id -> the client's sender
         self.lock = threading.Lock()
@@ -84,13 +89,20 @@ class TritonPythonModel:
         tensors.update(outputs_of(PRE, call(PRE, tensors)))
         with self.lock:
             self.live[llm_id] = sender
-        for response in call(LLM, tensors, request_id=llm_id, decoupled=True):
+        responses = call(LLM, tensors, request_id=llm_id, decoupled=self.decoupled)
+        for response in responses if self.decoupled else [responses]:
             if len(response.output_tensors()) == 0 and not response.has_error():
                 continue                                    # a flag-only final response
             step_tensors = outputs_of(LLM, response)
             merged = {**step_tensors, **outputs_of(POST, call(POST, step_tensors))}
-            self.send(sender, pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor(name, merged[name]) for name in OUTPUT_NAMES]), 0)
+            answer = pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor(name, merged[name]) for name in OUTPUT_NAMES])
+            if not self.decoupled:                          # its one response carries FINAL
+                self.send(sender, answer, FINAL, llm_id)
+                return
+            self.send(sender, answer, 0)
+        if not self.decoupled:
+            raise StepError(f"{LLM.model} answered without outputs")
         self.send(sender, None, FINAL, llm_id)
 
     def watch(self) -> None:
@@ -113,11 +125,13 @@ class TritonPythonModel:
                 if cancelled:
                     self.stop(llm_id)
 
-    @staticmethod
-    def stop(llm_id: str) -> None:
+    def stop(self, llm_id: str) -> None:
         request = pb_utils.InferenceRequest(
             model_name=LLM.model, request_id=llm_id, requested_output_names=[],
             inputs=[pb_utils.Tensor("stop", np.array([[True]], dtype=np.bool_))])
+        if not self.decoupled:
+            request.exec()
+            return
         for _ in request.exec(decoupled=True):
             pass
 
