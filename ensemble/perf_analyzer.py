@@ -96,7 +96,10 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["run"]:
         rest = argv[1:]
         return run(rest[1:] if rest[:1] == ["--"] else rest).returncode
-    print(__doc__)
+    if argv[:1] in (["-h"], ["--help"], ["help"]):
+        print(__doc__)
+        return 0
+    print(__doc__, file=sys.stderr)
     return 2
 
 
