@@ -170,7 +170,9 @@ class TritonServer:
             return self.process.wait()
 
     def curl_example(self) -> str:
-        body = '{"text_input": "What is machine learning?", "max_tokens": 32}'
+        # A question to an instruct model needs its chat template (else it may answer "").
+        body = ('{"text_input": "What is the capital of France?", "max_tokens": 32, '
+                '"apply_chat_template": true}')
         return (f"curl -s -X POST localhost:{self.http_port}/v2/models/ensemble/generate "
                 f"-d '{body}'")
 

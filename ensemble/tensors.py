@@ -117,7 +117,7 @@ PREPROCESSING = ModelIO(
     ),
 )
 
-# ---- tensorrt_llm (token ids in, token ids out; decoupled) ----------------------------------------
+# ---- tensorrt_llm (token ids in, token ids out; decoupled unless decoupled_mode=false) --------
 # The detok_* outputs carry the stateless incremental-detokenization window (see
 # postprocessing/detokenizer.py): ids[window_start:], how many of them were already shown, final.
 # llm_request_id names the engine request, so that the postprocessing step, which learns of a

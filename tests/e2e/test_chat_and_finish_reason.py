@@ -4,6 +4,8 @@ Reference: the token ids that `tensorrt_llm` returns for the same prompt ids, gr
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from preprocessing.tokenizer import apply_chat_template, default_end_id
@@ -57,6 +59,15 @@ def test_chat_request_answers_what_the_engine_gives_on_the_templated_ids(
         "stream": True})
     assert streamed.error is None, streamed.error
     assert streamed.text() == answer
+
+
+def test_the_curl_example_printed_by_serve_gets_an_answer(triton, tokenizer, chat_reference):
+    command = triton.server.curl_example()
+    assert f"localhost:{triton.settings.http_port}/v2/models/ensemble/generate" in command
+    body = json.loads(command.split(" -d '", 1)[1].rstrip("'"))
+    answer = generate(triton.http, "ensemble", body).json()["text_output"]
+    assert answer and answer == tokenizer.decode(chat_reference[0][:body["max_tokens"]],
+                                                 skip_special_tokens=True)
 
 
 def test_the_repository_default_is_plain_text(triton, tokenizer, reference):

@@ -117,6 +117,7 @@ def test_stop_input_answers_once(plain):
 
 def test_the_decoupled_server_refuses_plain_infer(triton):
     """Why the setting exists: Triton refuses infer() on a decoupled model."""
-    for protocol in PROTOCOLS:
-        with pytest.raises(InferenceServerException, match="decoupled"):
+    for protocol, status in (("http", "501"), ("grpc", "StatusCode.UNIMPLEMENTED")):
+        with pytest.raises(InferenceServerException, match="decoupled") as err:
             infer(protocol, _url(triton, protocol), "ensemble", {"text_input": PROMPT})
+        assert status in f"{err.value.status()} {err.value}", protocol

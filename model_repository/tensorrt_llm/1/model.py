@@ -1,4 +1,5 @@
-"""Triton adapter of the engine: token ids in, token ids out (decoupled, TensorRT-LLM names).
+"""Triton adapter of the engine: token ids in, token ids out (TensorRT-LLM names); decoupled
+unless rendered with decoupled_mode=false (then one response per request).
 
 The engine runs in a process of its own (backend/engine_process.py), started by initialize():
 this stub answers Triton, the engine process computes, and neither waits for the other's
