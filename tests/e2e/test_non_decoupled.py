@@ -1,7 +1,9 @@
 """decoupled_mode=false: plain `infer()` over HTTP and gRPC gets one response holding the whole
 answer, the same greedy tokens and text as the decoupled server's streamed path.
 
-One extra server for the module (the session's decoupled server is the reference).
+One extra server for the module (the session's decoupled server is the reference). It also
+applies the chat template by default (apply_chat_template=true), so the text requests here send
+apply_chat_template=false, the per-request override.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ pytestmark = pytest.mark.e2e
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 24
+PLAIN = {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "apply_chat_template": False}
 PROTOCOLS = ["http", "grpc"]
 
 
@@ -23,7 +26,7 @@ PROTOCOLS = ["http", "grpc"]
 def plain(tmp_path_factory):
     """A server whose tensorrt_llm and tensorrt_llm_bls are not decoupled (nor is the ensemble)."""
     with running_triton(tmp_path_factory.mktemp("triton-not-decoupled"),
-                        decoupled_mode=False) as server:
+                        decoupled_mode=False, apply_chat_template=True) as server:
         yield server
 
 
@@ -62,8 +65,7 @@ def test_text_infer_equals_the_streamed_text(triton, plain, streamed, model):
     assert grpc_request(triton.grpc, model, {"text_input": PROMPT, "max_tokens": MAX_TOKENS,
                                              "stream": True}).text() == text
     for protocol in PROTOCOLS:
-        out = infer(protocol, _url(plain, protocol), model,
-                    {"text_input": PROMPT, "max_tokens": MAX_TOKENS})
+        out = infer(protocol, _url(plain, protocol), model, PLAIN)
         assert out["text_output"].reshape(-1)[0].decode() == text, protocol
         assert out["finish_reason"].reshape(-1).tolist() == [b"length" if len(streamed[1]) ==
                                                             MAX_TOKENS else b"end_id"]
@@ -89,25 +91,32 @@ def test_rows_of_one_request_come_back_together(plain, tokenizer):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_streaming_request_is_refused_alone(plain, streamed, protocol):
     with pytest.raises(InferenceServerException) as err:
-        infer(protocol, _url(plain, protocol), "ensemble",
-              {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "stream": True})
+        infer(protocol, _url(plain, protocol), "ensemble", {**PLAIN, "stream": True})
     assert "stream (input streaming) must be false" in str(err.value)
     assert "decoupled_mode" in str(err.value)
-    out = infer(protocol, _url(plain, protocol), "ensemble",
-                {"text_input": PROMPT, "max_tokens": MAX_TOKENS})
+    out = infer(protocol, _url(plain, protocol), "ensemble", PLAIN)
     assert out["text_output"].reshape(-1)[0].decode() == streamed[2]
 
 
 def test_generate_and_grpc_stream_give_one_response(plain, streamed):
     text = streamed[2]
-    body = generate(plain.http, "ensemble", {"text_input": PROMPT, "max_tokens": MAX_TOKENS})
+    body = generate(plain.http, "ensemble", PLAIN)
     assert body.status_code == 200, body.text
     assert body.json()["text_output"] == text
-    events = generate_stream(plain.http, "ensemble", {"text_input": PROMPT, "max_tokens": MAX_TOKENS})
+    events = generate_stream(plain.http, "ensemble", PLAIN)
     assert [e.get("text_output") for e in events] == [text]
-    result = grpc_request(plain.grpc, "ensemble", {"text_input": PROMPT, "max_tokens": MAX_TOKENS})
+    result = grpc_request(plain.grpc, "ensemble", PLAIN)
     assert result.error is None and len(result.responses) == 1
     assert result.text() == text
+
+
+@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
+def test_the_repository_default_applies_the_chat_template(triton, plain, model):
+    question = {"text_input": "What is the capital of France?", "max_tokens": 32}
+    chat = generate(triton.http, model, {**question, "apply_chat_template": True}).json()
+    assert chat["text_output"].strip()
+    out = infer("http", plain.http, model, question)
+    assert out["text_output"].reshape(-1)[0].decode() == chat["text_output"]
 
 
 def test_stop_input_answers_once(plain):
