@@ -169,7 +169,8 @@ def test_a_directory_without_tokenizer_json_is_a_clear_error(tmp_path):
 
 def test_the_stub_side_imports_neither_torch_nor_transformers():
     code = ("import sys; from preprocessing.tokenizer import load_tokenizer; "
-            "import preprocessing.word_lists, postprocessing.detokenizer, ensemble.params, "
+            "import preprocessing.word_lists, preprocessing.prompt, postprocessing.detokenizer, "
+            "ensemble.params, "
             "backend.engine_process, backend.model_paths, ensemble.environment; "
             f"t = load_tokenizer({smollm2_tokenizer_dir()!r}); t.decode(t.encode('hi')); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
