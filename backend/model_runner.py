@@ -296,11 +296,9 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         mc = self.model_config
         shape = (mc.num_layers, 2, num_blocks, self.tokens_per_block, mc.num_kv_heads, mc.head_dim)
-        if self.device.type == "cuda":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        # On the host, untouched pages of an empty tensor cost no memory; attention only reads
-        # slots that were written.
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+        # Zeroed on the host too: the pages are committed now, so a cache too large fails at
+        # start and the process does not grow under load as blocks are first touched.
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _blocks_from_free_memory(self) -> int:
         """Warm up at max_num_tokens with a temporary cache, then size the real one."""
