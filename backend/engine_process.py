@@ -8,6 +8,11 @@ own, and they meet once per engine step. The engine may also run under another P
 caller: a GPU host's own torch (and numpy 2) while Triton's Python backend, whose stub reads
 tensors through numpy 1.x only, runs in an environment of its own.
 
+SIGTERM to the engine process drains it: the requests in flight end at once with the error "the
+server is shutting down" (`rejected` = "shutting_down", which clients should retry elsewhere),
+later submits are refused the same way, and the process waits for the handle's stop. A server
+being stopped sends it first, so that Triton has no request in flight left to wait for.
+
 Protocol: one socket pair, `multiprocessing.connection` framing, pickled tuples.
 
     handle -> engine   EngineConfig (first), then ("submit", id, prompt_ids, SamplingParams)
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,7 +38,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from backend.config import EngineConfig
@@ -45,6 +51,7 @@ log = logging.getLogger(__name__)
 ENGINE_PYTHON_ENV = "TRITONLLM_ENGINE_PYTHON"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 STATS_PERIOD_S = 0.1
+SHUTTING_DOWN = "the server is shutting down; retry the request (on another replica)"
 
 
 @dataclass(frozen=True)
@@ -225,6 +232,7 @@ class _Outbox:
 
     def __init__(self, conn: Connection, executor):
         self._conn, self._executor = conn, executor
+        self.rejected_reason: str | None = None      # set while draining: why requests end
         self._items: list[tuple] = []
         self._cond = threading.Condition()
         self._closing = False
@@ -236,7 +244,8 @@ class _Outbox:
         values = (out.request_id, out.new_token_ids, out.new_logprobs, out.num_output_tokens,
                   out.finished, out.finish_reason, out.error, out.num_prompt_tokens,
                   out.num_reused_blocks, out.num_new_blocks, out.cum_logprob, out.arrival_time,
-                  out.first_scheduled_time, out.first_token_time, out.last_token_time, out.rejected)
+                  out.first_scheduled_time, out.first_token_time, out.last_token_time,
+                  out.rejected or (self.rejected_reason if out.error else None))
         with self._cond:
             self._items.append(values)
             if len(self._items) == 1:
@@ -286,14 +295,26 @@ def serve(conn: Connection) -> int:
     conn.send(("ready", EngineInfo(executor.model_dir, executor.vocab_size, executor.max_seq_len,
                                    list(executor.eos_token_ids), executor.limits,
                                    str(executor.runner.device), os.getpid())))
+    wake_read, wake_write = os.pipe()
+    signal.signal(signal.SIGTERM, lambda signum, frame: os.write(wake_write, b"x"))
+    draining = False
     try:
         while True:
+            if wake_read in wait([conn, wake_read]):
+                os.read(wake_read, 64)
+                if not draining:
+                    draining = True
+                    outbox.rejected_reason = "shutting_down"
+                    executor.shutdown(reason=SHUTTING_DOWN)
+                continue
             try:
                 message = conn.recv()
             except (EOFError, OSError):      # the handle is gone: stop
                 break
             kind = message[0]
-            if kind == "submit":
+            if kind == "submit" and draining:
+                outbox.reject(message[1], "shutting_down", SHUTTING_DOWN)
+            elif kind == "submit":
                 _, request_id, prompt_ids, sampling = message
                 try:
                     executor.submit(request_id, prompt_ids, sampling, outbox.put)

@@ -62,6 +62,7 @@ class Executor:
                                      self.overlap)
         self._work = threading.Condition(self._lock)
         self._stopping = False
+        self._stop_reason = "executor shut down"
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._thread.start()
 
@@ -100,11 +101,13 @@ class Executor:
                 stats.last_num_scheduled_tokens = 0
             return stats
 
-    def shutdown(self) -> None:
-        """Stop the loop; then free the model, KV cache and CUDA graphs of a runner this executor
-        built (an injected runner stays the caller's)."""
+    def shutdown(self, reason: str = "executor shut down") -> None:
+        """Stop the loop (requests in flight end as cancelled, with `reason` as their error);
+        then free the model, KV cache and CUDA graphs of a runner this executor built (an
+        injected runner stays the caller's)."""
         with self._lock:
             self._stopping = True
+            self._stop_reason = reason
             self._work.notify()
         self._thread.join(timeout=30)
         if self._owns_runner and not self._thread.is_alive():
@@ -154,7 +157,7 @@ class Executor:
                 cancelled, self._cancel_requests = self._cancel_requests, set()
             if stopping:
                 for live in list(self._live.values()):
-                    self.outputs.finish(live.request, FinishReason.CANCELLED, error="executor shut down")
+                    self.outputs.finish(live.request, FinishReason.CANCELLED, error=self._stop_reason)
                 return
             for request_id in cancelled:
                 live = self._live.get(request_id)

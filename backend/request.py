@@ -101,4 +101,4 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    rejected: str | None = None           # refused unserved: "queue_full" (retry later) or "invalid"
+    rejected: str | None = None   # refused unserved: "queue_full", "shutting_down" (retry) or "invalid"

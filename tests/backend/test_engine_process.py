@@ -154,3 +154,27 @@ def test_outputs_travel_as_tuples_of_every_field():
     values = next(m[1] for m in sent if m[0] == "outputs")[0]
     assert RequestOutput(*values) == out
     assert len(values) == len(dataclasses.fields(RequestOutput))
+
+
+def test_sigterm_drains_the_engine(tiny_dir):
+    """A server being stopped: requests in flight end at once, refused as "shutting_down", and
+    so is every later submit; the process then waits for its handle's stop."""
+    process = EngineProcess(config_for(tiny_dir))
+    try:
+        running = Outputs()
+        process.submit("long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_end_id=True), running)
+        deadline = time.monotonic() + 60
+        while not running.items and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(process.process.pid, signal.SIGTERM)
+        final = running.wait(timeout=10)
+        assert final.rejected == "shutting_down" and "shutting down" in final.error
+        assert len(running.token_ids) < 200
+        later = Outputs()
+        process.submit("later", [1, 2, 3], SamplingParams(max_tokens=4), later)
+        refused = later.wait(timeout=10)
+        assert refused.rejected == "shutting_down" and refused.finish_reason == FinishReason.ERROR
+        assert process.process.poll() is None, "a drained engine waits for its handle's stop"
+    finally:
+        process.shutdown()
+    assert process.process.returncode == 0

@@ -41,7 +41,7 @@ from llm_outputs import RowStream, stack_rows
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Why the engine refused a request (RequestOutput.rejected) -> the Triton error code.
-ERROR_CODES = {"queue_full": "UNAVAILABLE", "invalid": "INVALID_ARG"}
+ERROR_CODES = {"queue_full": "UNAVAILABLE", "shutting_down": "UNAVAILABLE", "invalid": "INVALID_ARG"}
 CANCEL_CHECKS_PER_S = 1000
 
 
@@ -230,10 +230,10 @@ class ResponseDispatcher:
                 num_input_tokens=row.num_prompt_tokens, num_output_tokens=stream.num_generated,
                 finish_reason=out.finish_reason.value if out.finish_reason else "error",
                 arrival_time=out.arrival_time, first_token_time=out.first_token_time,
-                last_token_time=out.last_token_time, end_time=time.time()))
+                last_token_time=out.last_token_time, end_time=time.time(), rejected=out.rejected))
 
     def _answer_row(self, live: LiveRequest, row: LiveRow, out: RequestOutput, flags: int) -> None:
-        if out.finish_reason == FinishReason.ERROR:
+        if out.finish_reason == FinishReason.ERROR or out.rejected:
             code = ERROR_CODES.get(out.rejected, "INTERNAL")
             error = triton_error(out.error or "generation failed", code)
             self._send(live, pb_utils.InferenceResponse(error=error), flags)
@@ -244,7 +244,7 @@ class ResponseDispatcher:
 
     def _answer_whole(self, live: LiveRequest, row: LiveRow, out: RequestOutput, last: bool) -> None:
         """Not decoupled: keep each finished row; after the last, send one response with all."""
-        if out.finish_reason == FinishReason.ERROR:
+        if out.finish_reason == FinishReason.ERROR or out.rejected:
             live.error = live.error or (out.error or "generation failed",
                                         ERROR_CODES.get(out.rejected, "INTERNAL"))
         elif out.finished:
