@@ -13,6 +13,7 @@ import triton_python_backend_utils as pb_utils
 
 from ensemble.environment import check_stub_numpy
 from ensemble.params import get_bool, parameters, tokenizer_dir, triton_error
+from ensemble.stub_watch import dismiss, watch_stub
 from postprocessing.detokenizer import text_delta
 from preprocessing.tokenizer import load_tokenizer
 from stop_forwarder import StopForwarder
@@ -25,6 +26,10 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(tokenizer_dir(params))
         self.skip_special_tokens = get_bool(params, "skip_special_tokens", True)
         self.stop_forwarder = StopForwarder()
+        self.stub_watch = watch_stub(args["model_name"])  # last: a failed load is not a death
+
+    def finalize(self):
+        dismiss(self.stub_watch)
 
     def execute(self, requests):
         responses = []

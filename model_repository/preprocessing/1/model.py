@@ -9,6 +9,7 @@ import triton_python_backend_utils as pb_utils
 
 from ensemble.environment import check_stub_numpy
 from ensemble.params import get_bool, get_int, parameters, tokenizer_dir, triton_error
+from ensemble.stub_watch import dismiss, watch_stub
 from preprocessing.prompt import encode_prompt
 from preprocessing.tokenizer import default_end_id, default_pad_id, load_tokenizer
 from preprocessing.word_lists import embedding_bias, encode_word_list, parse_words
@@ -31,6 +32,10 @@ class TritonPythonModel:
         self.vocab_size = len(self.tokenizer)
         self.end_id = default_end_id(self.tokenizer)
         self.pad_id = default_pad_id(self.tokenizer)
+        self.stub_watch = watch_stub(args["model_name"])  # last: a failed load is not a death
+
+    def finalize(self):
+        dismiss(self.stub_watch)
 
     def execute(self, requests):
         responses = []

@@ -10,8 +10,6 @@ poll thread checks client cancellation and refreshes the metrics.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import threading
 
 import triton_python_backend_utils as pb_utils
@@ -20,6 +18,7 @@ from backend.config import EngineConfig
 from backend.engine_process import EngineProcess
 from ensemble.environment import check_stub_numpy
 from ensemble.params import engine_kwargs, get_bool, get_int, parameters, triton_error
+from ensemble.stub_watch import dismiss, watch_stub
 from llm_inputs import Defaults, convert_request, is_stop_request
 from llm_metrics import LlmMetrics
 from llm_responses import ResponseDispatcher
@@ -29,16 +28,6 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 def _error(message: str, code_name: str = "INVALID_ARG"):
     return pb_utils.InferenceResponse(error=triton_error(message, code_name))
-
-
-def exit_with_server(server_pid: int) -> subprocess.Popen:
-    """A watcher process that kills this one if tritonserver dies abruptly. A thread cannot do
-    it: a metric update blocked on the dead server holds the GIL, and the process would live on
-    as an orphan holding the model and its KV cache."""
-    script = (f"while kill -0 {server_pid} && kill -0 {os.getpid()}; do sleep 1; done 2>/dev/null;"
-              f" kill -0 {server_pid} 2>/dev/null || kill -9 {os.getpid()} 2>/dev/null")
-    return subprocess.Popen(["sh", "-c", script], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 class TritonPythonModel:
@@ -61,12 +50,12 @@ class TritonPythonModel:
         self.stopping = threading.Event()
         self.poller = threading.Thread(target=self._poll, name="llm-poll", daemon=True)
         self.poller.start()
-        self.watchdog = exit_with_server(os.getppid())
         info = self.engine.info
         pb_utils.Logger.log_info(
             f"tensorrt_llm ready: engine process {info.pid} on {info.device}, model {info.model_dir}, "
             f"vocab {info.vocab_size}, max_seq_len {info.max_seq_len}, "
             f"config {json.dumps(vars(self.config))}")
+        self.stub_watch = watch_stub(args["model_name"])  # last: a failed load is not a death
 
     def execute(self, requests):
         for request in requests:
@@ -111,6 +100,7 @@ class TritonPythonModel:
                 pb_utils.Logger.log_warn(f"tensorrt_llm poll: {exc!r}")
 
     def finalize(self):
+        dismiss(self.stub_watch)
         self.stopping.set()
         self.poller.join(timeout=5)
         self.engine.shutdown()

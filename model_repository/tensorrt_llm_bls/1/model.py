@@ -16,6 +16,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ensemble.environment import check_stub_numpy
+from ensemble.stub_watch import dismiss, watch_stub
 from ensemble.tensors import ENSEMBLE
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -59,6 +60,7 @@ class TritonPythonModel:
         self.stopping = threading.Event()
         self.watcher = threading.Thread(target=self.watch, name="bls-cancel", daemon=True)
         self.watcher.start()
+        self.stub_watch = watch_stub(args["model_name"])  # last: a failed load is not a death
 
     def execute(self, requests):
         for request in requests:
@@ -155,6 +157,7 @@ class TritonPythonModel:
             pb_utils.Logger.log_info(f"tensorrt_llm_bls: could not send a response: {exc}")
 
     def finalize(self):
+        dismiss(self.stub_watch)
         self.stopping.set()
         self.watcher.join(timeout=5)
         with self.lock:
