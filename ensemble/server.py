@@ -27,6 +27,12 @@ from backend.cache import cache_root
 from ensemble.environment import StubEnvironment, stub_environment
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DRAIN_S = 1.0
+# Triton 2.51 keeps a model loaded while a client holds a gRPC stream that used it, waits its exit
+# timeout for it, then hangs: past these the server is killed and its shared memory removed.
+EXIT_TIMEOUT_S = 5
+STOP_TIMEOUT_S = 15.0
+SHM_DIR, SHM_PATTERN = Path("/dev/shm"), "triton_python_backend_shm_region_*"
 
 
 @dataclass
@@ -76,6 +82,84 @@ def prepare_backends(install: TritonInstall, dest: Path | None = None) -> Path:
     return dest
 
 
+def check_ports_free(ports: dict[str, int]) -> None:
+    """Raise OSError naming the setting of the first port something already listens on (as
+    tritonserver binds them: all interfaces); 0 = the port is not used."""
+    for name, port in ports.items():
+        if not port:
+            continue
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError as exc:
+                raise OSError(f"{name} {port} is already in use ({exc.strerror}): stop what "
+                              f"listens there or choose another --{name.replace('_', '-')}") from None
+
+
+def engine_processes(server_pid: int) -> list[int]:
+    """The engine processes started by the server's models (descendants running
+    backend.engine_process)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], list(children.get(server_pid, []))
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            if b"backend.engine_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def remove_orphan_shm_regions(before: set[Path]) -> None:
+    """Remove the Python backend's shared-memory regions created since `before` that no process
+    maps any more (a killed server cannot remove its own)."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split()[-1] for line in maps.read_text().splitlines()
+                          if "triton_python_backend_shm_region" in line)
+        except OSError:
+            continue
+    for region in set(SHM_DIR.glob(SHM_PATTERN)) - before:
+        if str(region) not in mapped:
+            region.unlink(missing_ok=True)
+
+
+def _wait_group_gone(pgid: int, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launcher dies, however it dies."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -92,6 +176,7 @@ class TritonServer:
     log_verbose: int = 0
     extra_args: list[str] = field(default_factory=list)
     process: subprocess.Popen | None = None
+    _shm_before: set = field(default_factory=set)
 
     @property
     def http_url(self) -> str:
@@ -109,7 +194,8 @@ class TritonServer:
         return [str(install.binary), f"--model-repository={Path(self.repository).resolve()}",
                 f"--backend-directory={backends}", f"--http-port={self.http_port}",
                 f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
-                f"--log-verbose={self.log_verbose}", *self.extra_args]
+                f"--log-verbose={self.log_verbose}", f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+                *self.extra_args]
 
     def environment(self, install: TritonInstall, stubs: StubEnvironment) -> dict[str, str]:
         env = dict(os.environ)
@@ -127,14 +213,17 @@ class TritonServer:
         return env
 
     def start(self) -> "TritonServer":
+        check_ports_free({"http_port": self.http_port, "grpc_port": self.grpc_port,
+                          "metrics_port": self.metrics_port})
         install = locate_tritonserver()
         backends = prepare_backends(install)
         stubs = stub_environment()
+        self._shm_before = set(SHM_DIR.glob(SHM_PATTERN))
         output = open(self.log_file, "ab") if self.log_file else None
         self.process = subprocess.Popen(
             self.command(install, backends), env=self.environment(install, stubs),
             stdout=output, stderr=subprocess.STDOUT if output else None, start_new_session=True,
-            cwd=PROJECT_ROOT)
+            cwd=PROJECT_ROOT, preexec_fn=_terminate_with_parent)
         if output:
             output.close()
         return self
@@ -153,21 +242,37 @@ class TritonServer:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.process.returncode}"
                                    + self._log_tail())
-            if self.is_ready():
+            if self.is_ready() and (self.process is None or self.process.poll() is None):
                 return
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s" + self._log_tail())
 
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        """Graceful shutdown (SIGINT: Triton unloads the models), then kill what is left."""
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        self.process.send_signal(signal.SIGINT)
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            return self.process.wait()
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        """Drain the engines (requests in flight end with "the server is shutting down", so Triton
+        has none to wait for), shut down gracefully (SIGINT: Triton unloads the models), kill what
+        is left after `timeout_s`; after any unclean end, also what the server left behind."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            engines = engine_processes(self.process.pid)
+            for pid in engines:
+                _signal(pid, signal.SIGTERM)
+            if engines:   # let the ends pass through the ensembles before Triton unloads their steps
+                time.sleep(DRAIN_S)
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.process.poll() != 0:    # killed, crashed or hung: its stubs and engine may live on
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
+            _wait_group_gone(self.process.pid)
+            remove_orphan_shm_regions(self._shm_before)
+        return self.process.returncode
 
     def curl_example(self) -> str:
         # A question to an instruct model needs its chat template (else it may answer "").
@@ -196,18 +301,26 @@ class TritonServer:
 
 
 def serve_forever(server: TritonServer) -> int:
-    """Start, wait until ready, print how to call it, and stop cleanly on Ctrl-C or SIGTERM."""
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)   # also when started where SIGINT was ignored (e.g. `&`)
+    """Start, wait until ready, print how to call it, and stop cleanly on Ctrl-C, SIGTERM or
+    SIGHUP (a closed terminal). Returns tritonserver's exit code (128 + signal if killed), so a
+    supervisor sees a server that died as a failure."""
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # SIGINT: also when started with `&`
+        signal.signal(signum, _interrupt)
     server.start()
     try:
         server.wait_ready()
         print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}")
         print(server.curl_example(), flush=True)
-        return server.process.wait()
+        code = server.process.wait()
+        code = 128 - code if code < 0 else code
+        print(f"tritonserver exited with code {code}", file=sys.stderr, flush=True)
+        return code
     except KeyboardInterrupt:
         print("stopping tritonserver ...", flush=True)
         return 0
+    except (RuntimeError, TimeoutError) as exc:      # it did not start; the log says why
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         server.stop()
 

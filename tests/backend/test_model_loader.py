@@ -197,3 +197,28 @@ def test_the_null_model_answers_its_known_tokens_through_the_engine():
     assert [len(r["token_ids"]) for r in results] == [6, 5]
     with pytest.raises(ValueError, match="null model needs a vocabulary of at least 3000"):
         NullModel(ModelConfig.from_dict({**PRESETS["null"], "vocab_size": 500}))
+
+
+def test_a_conversion_waits_for_the_one_running_and_reuses_its_result(tmp_path, capfd):
+    """Models starting together convert once: the second waits on the cache's lock, then finds
+    the first one's result complete and converts nothing."""
+    import fcntl
+    import threading
+    source = resolve_model("default")       # the shared cache's copy, converted once
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    out_dir = gguf_convert.gguf_cache_dir(default_gguf_path(), str(cache))
+    lock = os.open(cache, os.O_RDONLY)
+    fcntl.flock(lock, fcntl.LOCK_EX)        # "another process" is converting
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(
+        dir=gguf_convert.convert_gguf(default_gguf_path(), str(cache))))
+    waiter.start()
+    waiter.join(timeout=2)
+    assert waiter.is_alive(), "it did not wait for the conversion in progress"
+    os.symlink(source, out_dir)             # the other process finishes ...
+    os.close(lock)                          # ... and releases the lock
+    waiter.join(timeout=30)
+    assert result["dir"] == out_dir
+    err = capfd.readouterr().err
+    assert "Waiting for another process converting" in err and "Converting" not in err
