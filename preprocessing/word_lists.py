@@ -23,15 +23,32 @@ import numpy as np
 from preprocessing.tokenizer import encode
 
 
+# Per list and request: each word is tokenized in the preprocessing model, ahead of the
+# requests queued behind it, so a list must stay cheap.
+MAX_WORDS = 256
+MAX_WORD_CHARS = 1024
+
+
 def parse_words(strings, field: str = "words") -> list[str]:
-    """Words from a STRING tensor's elements (str or UTF-8 bytes); see the module docstring."""
+    """Words from a STRING tensor's elements (str or UTF-8 bytes); see the module docstring.
+    Raises ValueError past MAX_WORDS words or MAX_WORD_CHARS characters in a word."""
     if strings is None:
         return []
     if isinstance(strings, (str, bytes)):
         strings = [strings]
-    elements = [_as_text(element, field) for element in np.asarray(strings, dtype=object).ravel()]
+    elements = np.asarray(strings, dtype=object).ravel()
+    if elements.size > MAX_WORDS:
+        raise ValueError(f"{field} has {elements.size} words; at most {MAX_WORDS} are allowed")
+    elements = [_as_text(element, field) for element in elements]
     words = _split_commas(elements[0], field) if len(elements) == 1 else elements
-    return [word for word in words if word]
+    words = [word for word in words if word]
+    if len(words) > MAX_WORDS:
+        raise ValueError(f"{field} has {len(words)} words; at most {MAX_WORDS} are allowed")
+    for word in words:
+        if len(word) > MAX_WORD_CHARS:
+            raise ValueError(f"{field}: a word of {len(word)} characters; at most "
+                             f"{MAX_WORD_CHARS} are allowed")
+    return words
 
 
 def encode_word_list(tokenizer, words: Sequence[str]) -> np.ndarray:

@@ -166,3 +166,14 @@ def test_embedding_bias_errors(smollm2):
         embedding_bias(smollm2, ["a"], [float("nan")], 49152)
     with pytest.raises(ValueError, match="embedding_bias_words: 'Hello' has token id 19556"):
         embedding_bias(smollm2, ["Hello"], [1.0], vocab_size=1000)
+
+
+def test_word_lists_are_bounded():
+    from preprocessing.word_lists import MAX_WORD_CHARS, MAX_WORDS
+    assert len(parse_words(",".join(["w"] * MAX_WORDS), "stop_words")) == MAX_WORDS
+    with pytest.raises(ValueError, match=f"bad_words has {MAX_WORDS + 1} words; at most {MAX_WORDS}"):
+        parse_words(",".join(["w"] * (MAX_WORDS + 1)), "bad_words")
+    with pytest.raises(ValueError, match=f"bad_words has {MAX_WORDS + 1} words"):
+        parse_words(np.array(["w"] * (MAX_WORDS + 1), dtype=object), "bad_words")
+    with pytest.raises(ValueError, match=f"stop_words: a word of {MAX_WORD_CHARS + 1} characters"):
+        parse_words("x" * (MAX_WORD_CHARS + 1), "stop_words")

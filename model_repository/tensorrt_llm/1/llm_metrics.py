@@ -11,6 +11,7 @@ makes no metric IPC). Families and label values:
   nv_trt_llm_general_metrics{general_type=iteration_counter|timestamp}   (timestamp: µs since epoch)
   nv_llm_input_token_len / nv_llm_output_token_len  histograms, buckets 10 50 100 500 1000
   nv_llm_requests_finished_total{finish_reason=length|stop|end_id|cancelled|error}  counter
+  nv_llm_requests_rejected_total{reason=queue_full|shutting_down|invalid}  counter
   nv_llm_time_to_first_token_seconds, nv_llm_inter_token_latency_seconds (mean per request),
   nv_llm_request_latency_seconds  histograms
 """
@@ -26,6 +27,7 @@ TOKEN_BUCKETS = [10, 50, 100, 500, 1000]
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    10.0, 20.0, 40.0, 80.0]
 FINISH_REASONS = ("length", "stop", "end_id", "cancelled", "error")
+REJECT_REASONS = ("queue_full", "shutting_down", "invalid")
 
 
 @dataclass
@@ -37,6 +39,7 @@ class FinishedRequest:
     first_token_time: float | None
     last_token_time: float | None
     end_time: float
+    rejected: str | None = None     # why the engine refused it (see REJECT_REASONS)
 
 
 class LlmMetrics:
@@ -77,6 +80,12 @@ class LlmMetrics:
         self._families.append(family)
         self.finished = {r: family.Metric(labels={**self._labels, "finish_reason": r})
                          for r in FINISH_REASONS}
+        family = pb_utils.MetricFamily(name="nv_llm_requests_rejected_total",
+                                       description="Requests the engine refused, by reason",
+                                       kind=pb_utils.MetricFamily.COUNTER)
+        self._families.append(family)
+        self.rejected = {r: family.Metric(labels={**self._labels, "reason": r})
+                         for r in REJECT_REASONS}
 
     # ---- called from the response thread: cheap, no IPC ----------------------------------------
     def record_finished(self, item: FinishedRequest) -> None:
@@ -109,6 +118,8 @@ class LlmMetrics:
             self.output_len.observe(item.num_output_tokens)
             if item.finish_reason in self.finished:
                 self.finished[item.finish_reason].increment(1)
+            if item.rejected in self.rejected:
+                self.rejected[item.rejected].increment(1)
             if item.first_token_time:
                 self.ttft.observe(max(0.0, item.first_token_time - item.arrival_time))
                 if item.num_output_tokens > 1 and item.last_token_time:
