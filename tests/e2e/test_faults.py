@@ -1,0 +1,249 @@
+"""Faults and lifecycle of a served repository, through `python -m ensemble serve` as users run it.
+
+A stub that dies fails its clients and stops the server (exit non-zero, for a supervisor); a
+signal (SIGTERM, SIGHUP) ends the requests in flight with "shutting down" and stops the server
+fast and clean; a taken port or a bad model path is refused before anything starts; the LLM's
+processes do not grow under a stream of short requests.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from ensemble.server import SHM_DIR, SHM_PATTERN, free_port
+from tests.e2e.clients import grpc_request
+
+pytestmark = pytest.mark.e2e
+PROJECT = Path(__file__).resolve().parents[2]
+SMALL = ["--device", "cpu", "--max-batch-size", "8", "--max-seq-len", "512",
+         "--max-tokens-in-paged-kv-cache", "4096", "--cancellation-check-period-ms", "50"]
+LONG = {"text_input": "Count from one to one thousand:", "max_tokens": 480, "end_id": -1}
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    children = [int(p) for p in out.split()]
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+class Launcher:
+    """`python -m ensemble serve` on free ports, its output in a file."""
+
+    def __init__(self, tmp_path: Path, *args: str):
+        self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
+        self.log = tmp_path / "serve.log"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ensemble", "serve", *SMALL, "--http-port", str(self.http),
+             "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), *args],
+            cwd=PROJECT, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
+
+    def ready(self) -> bool:
+        try:
+            return requests.get(f"http://localhost:{self.http}/v2/health/ready", timeout=1).ok
+        except requests.RequestException:
+            return False
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "not ready"
+            time.sleep(0.5)
+
+    def server_pid(self) -> int:
+        return next(p for p in _descendants(self.process.pid) if "tritonserver" in _cmdline(p))
+
+    def stub(self, model: str) -> int:
+        return next(p for p in _descendants(self.server_pid())
+                    if f"/{model}/1/model.py" in _cmdline(p))
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    started = []
+
+    def start(*args: str) -> Launcher:
+        started.append(Launcher(tmp_path, *args))
+        return started[-1]
+    yield start
+    for each in started:
+        each.close()
+
+
+def _stream_in_background(url: str, results: list, model: str = "ensemble") -> threading.Thread:
+    def run():
+        start = time.monotonic()
+        result = grpc_request(url, model, LONG, timeout=120)
+        results.append((result, time.monotonic() - start))
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _wait_streaming(launcher: Launcher, count: int, timeout: float = 60) -> None:
+    """Until `count` requests run in the engine (the gauge of active requests says so)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = requests.get(f"http://localhost:{launcher.metrics}/metrics", timeout=2).text
+        for line in text.splitlines():
+            if line.startswith("nv_trt_llm_request_metrics") and 'request_type="active"' in line:
+                if float(line.split()[-1]) >= count:
+                    return
+        time.sleep(0.2)
+    raise AssertionError("the requests did not start")
+
+
+@pytest.mark.parametrize("model", ["tensorrt_llm", "postprocessing"])
+def test_a_killed_stub_fails_its_clients_and_stops_the_server(launcher, model):
+    served = launcher()
+    served.wait_ready()
+    shm_before = set(SHM_DIR.glob(SHM_PATTERN))
+    server_pid = served.server_pid()
+    engine = next(p for p in _descendants(server_pid) if "backend.engine_process" in _cmdline(p))
+    results: list = []
+    threads = [_stream_in_background(f"localhost:{served.grpc}", results) for _ in range(3)]
+    _wait_streaming(served, 3)
+    killed_at = time.monotonic()
+    os.kill(served.stub(model), signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert len(results) == 3
+    for result, _ in results:
+        assert result.error is not None, "a client of the dead stub got no error"
+    assert time.monotonic() - killed_at < 10, "the clients waited more than 10 s for their error"
+    assert not served.ready()
+    code = served.process.wait(timeout=30)
+    assert code != 0, "the launcher must exit non-zero so that a supervisor restarts it"
+    assert "died; stopping tritonserver" in served.log.read_text()
+    assert not Path(f"/proc/{server_pid}").exists(), "tritonserver lives on"
+    assert not Path(f"/proc/{engine}").exists(), "the engine process lives on"
+    assert not set(SHM_DIR.glob(SHM_PATTERN)) - shm_before, "shared memory left behind"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_drains_and_stops_fast_and_clean(launcher, signum):
+    served = launcher()
+    served.wait_ready()
+    server_pid = served.server_pid()
+    repository = next(a for a in _cmdline(server_pid).split() if a.startswith("--model-repository="))
+    shm_before = set(SHM_DIR.glob(SHM_PATTERN))
+    results: list = []
+    threads = [_stream_in_background(f"localhost:{served.grpc}", results) for _ in range(3)]
+    _wait_streaming(served, 3)
+    signalled_at = time.monotonic()
+    served.process.send_signal(signum)
+    for thread in threads:
+        thread.join(timeout=30)
+    for result, _ in results:
+        assert result.error is not None and "shutting down" in result.error, result.error
+    assert served.process.wait(timeout=30) == 0
+    assert time.monotonic() - signalled_at < 10, "shutdown took more than 10 s"
+    assert not Path(f"/proc/{server_pid}").exists(), "tritonserver outlived its launcher"
+    assert not Path(repository.split("=", 1)[1]).exists(), "the temporary repository is left"
+    assert not set(SHM_DIR.glob(SHM_PATTERN)) - shm_before, "shared memory left behind"
+
+
+def test_a_taken_port_is_refused_before_starting(launcher):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        served = launcher("--grpc-port", str(port))  # the last --grpc-port given wins
+        code = served.process.wait(timeout=60)
+    output = served.log.read_text()
+    assert code == 2 and f"grpc_port {port} is already in use" in output, output
+    assert "ready:" not in output and "tritonserver" not in output
+    assert time.monotonic() - started < 30
+
+
+def test_a_bad_model_path_is_refused_before_building(tmp_path):
+    out = tmp_path / "repository"
+    result = subprocess.run([sys.executable, "-m", "ensemble", "build", "--model",
+                             "/does/not/exist", "--out", str(out)], cwd=PROJECT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "model '/does/not/exist' not found" in result.stderr
+    assert not out.exists()
+
+
+def _rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def test_the_llm_processes_do_not_grow_under_short_requests(triton):
+    server = triton.server.process.pid
+    stub = next(p for p in _descendants(server) if "/tensorrt_llm/1/model.py" in _cmdline(p))
+    engine = next(p for p in _descendants(stub) if "backend.engine_process" in _cmdline(p))
+    request = {"input_ids": [1, 2, 3, 4, 5], "input_lengths": 5, "request_output_len": 4,
+               "end_id": -1}
+
+    def send(i: int) -> None:      # distinct prompts: each takes fresh KV blocks
+        result = grpc_request(triton.grpc, "tensorrt_llm", dict(request, input_ids=[i, 2, 3, 4, 5]))
+        assert result.error is None, result.error
+    sizes = {}
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        for start, end in ((1, 51), (51, 301)):
+            list(pool.map(send, range(start, end)))
+            sizes[end - 1] = (_rss_mb(stub), _rss_mb(engine))
+    for name, after_50, after_300 in zip(("stub", "engine process"), sizes[50], sizes[300]):
+        assert after_300 - after_50 < 64, f"the {name} grew {after_300 - after_50:.0f} MB"
+
+
+def test_a_full_queue_reads_try_again_later_and_is_counted(launcher):
+    served = launcher("--max-batch-size", "1", "--max-queue-size", "1")
+    served.wait_ready()
+    results: list = []
+    threads = [_stream_in_background(f"localhost:{served.grpc}", results) for _ in range(2)]
+    _wait_streaming(served, 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:     # one running, one waiting: the queue is full
+        text = requests.get(f"http://localhost:{served.metrics}/metrics", timeout=2).text
+        if 'request_type="waiting"} 1' in text:
+            break
+        time.sleep(0.2)
+    response = requests.post(f"http://localhost:{served.http}/v2/models/ensemble/generate",
+                             json={"text_input": "Hi", "max_tokens": 4}, timeout=60)
+    # Triton 2.51's generate endpoints answer every model error with 400: the text says why.
+    assert response.status_code == 400, (response.status_code, response.text)
+    assert "maximum queue size" in response.json()["error"]
+    assert "retry later" in response.json()["error"]
+    refused = grpc_request(f"localhost:{served.grpc}", "ensemble", {"text_input": "Hi", "max_tokens": 4})
+    # A gRPC stream carries an error's text only, not its code.
+    assert refused.error is not None and "retry later" in refused.error, refused.error
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        text = requests.get(f"http://localhost:{served.metrics}/metrics", timeout=2).text
+        counted = [line for line in text.splitlines()
+                   if line.startswith("nv_llm_requests_rejected_total") and "queue_full" in line]
+        if counted and float(counted[0].split()[-1]) >= 2:
+            break
+        time.sleep(0.2)
+    assert counted and float(counted[0].split()[-1]) >= 2, counted
+    served.process.send_signal(signal.SIGTERM)
+    assert served.process.wait(timeout=30) == 0
+    for thread in threads:
+        thread.join(timeout=30)
