@@ -59,3 +59,16 @@ def test_the_server_runs_stubs_from_their_environment_and_the_engine_under_this_
     assert env["PATH"].startswith(str(tmp_path / "serving-env" / "bin"))
     assert env["VIRTUAL_ENV"] == str(tmp_path / "serving-env")
     assert env[ENGINE_PYTHON_ENV] == sys.executable
+
+
+def test_the_backends_directory_is_per_python_version_under_the_cache(tmp_path, monkeypatch):
+    """A 3.12 checkout must not overwrite the stub a running 3.11 server executes."""
+    pytest.importorskip("pytriton")
+    from ensemble.server import default_backends_dir, locate_tritonserver, prepare_backends
+    monkeypatch.setenv("TRITONLLM_CACHE", str(tmp_path))
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert default_backends_dir() == tmp_path / f"backends-py{version}"
+    install = locate_tritonserver()
+    stub = prepare_backends(install) / "python" / "triton_python_backend_stub"
+    assert stub.read_bytes() == install.stub.read_bytes()
+    assert f"/{version}/" in str(install.stub)
