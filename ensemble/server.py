@@ -25,6 +25,8 @@ from pathlib import Path
 from backend.engine_process import ENGINE_PYTHON_ENV
 from backend.cache import cache_root
 from ensemble.environment import StubEnvironment, stub_environment
+from ensemble.processes import (SHM_DIR, SHM_PATTERN, engine_processes, remove_orphan_shm_regions,
+                                send_signal, terminate_with_parent, wait_group_gone)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DRAIN_S = 1.0
@@ -32,7 +34,6 @@ DRAIN_S = 1.0
 # timeout for it, then hangs: past these the server is killed and its shared memory removed.
 EXIT_TIMEOUT_S = 5
 STOP_TIMEOUT_S = 15.0
-SHM_DIR, SHM_PATTERN = Path("/dev/shm"), "triton_python_backend_shm_region_*"
 
 
 @dataclass
@@ -95,69 +96,6 @@ def check_ports_free(ports: dict[str, int]) -> None:
             except OSError as exc:
                 raise OSError(f"{name} {port} is already in use ({exc.strerror}): stop what "
                               f"listens there or choose another --{name.replace('_', '-')}") from None
-
-
-def engine_processes(server_pid: int) -> list[int]:
-    """The engine processes started by the server's models (descendants running
-    backend.engine_process)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (ValueError, OSError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], list(children.get(server_pid, []))
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
-        try:
-            if b"backend.engine_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:
-            continue
-    return found
-
-
-def remove_orphan_shm_regions(before: set[Path]) -> None:
-    """Remove the Python backend's shared-memory regions created since `before` that no process
-    maps any more (a killed server cannot remove its own)."""
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            mapped.update(line.split()[-1] for line in maps.read_text().splitlines()
-                          if "triton_python_backend_shm_region" in line)
-        except OSError:
-            continue
-    for region in set(SHM_DIR.glob(SHM_PATTERN)) - before:
-        if str(region) not in mapped:
-            region.unlink(missing_ok=True)
-
-
-def _wait_group_gone(pgid: int, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-
-
-def _signal(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
-
-
-def _terminate_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the launcher dies, however it dies."""
-    import ctypes
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -223,7 +161,7 @@ class TritonServer:
         self.process = subprocess.Popen(
             self.command(install, backends), env=self.environment(install, stubs),
             stdout=output, stderr=subprocess.STDOUT if output else None, start_new_session=True,
-            cwd=PROJECT_ROOT, preexec_fn=_terminate_with_parent)
+            cwd=PROJECT_ROOT, preexec_fn=terminate_with_parent)
         if output:
             output.close()
         return self
@@ -256,7 +194,7 @@ class TritonServer:
         if self.process.poll() is None:
             engines = engine_processes(self.process.pid)
             for pid in engines:
-                _signal(pid, signal.SIGTERM)
+                send_signal(pid, signal.SIGTERM)
             if engines:   # let the ends pass through the ensembles before Triton unloads their steps
                 time.sleep(DRAIN_S)
             self.process.send_signal(signal.SIGINT)
@@ -270,7 +208,7 @@ class TritonServer:
             except ProcessLookupError:
                 pass
             self.process.wait()
-            _wait_group_gone(self.process.pid)
+            wait_group_gone(self.process.pid)
             remove_orphan_shm_regions(self._shm_before)
         return self.process.returncode
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from ensemble.server import SHM_DIR, SHM_PATTERN, free_port
+from ensemble.processes import SHM_DIR, SHM_PATTERN
+from ensemble.server import free_port
 from tests.e2e.clients import grpc_request
 
 pytestmark = pytest.mark.e2e
