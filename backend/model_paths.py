@@ -35,33 +35,38 @@ def default_gguf_path() -> str:
 def check_model(path_or_name: str) -> None:
     """Raise FileNotFoundError / ValueError, naming the path and what is expected, unless
     `resolve_model` can load it; converts nothing (fast, for checks before a build or a start)."""
-    if path_or_name == "default" or path_or_name == "null":
+    kind, path = _classify(path_or_name)
+    if kind in ("default", "null"):
         default_gguf_path()
-        return
-    if path_or_name in PRESETS:
-        return
-    path = os.path.expanduser(path_or_name)
-    if os.path.isfile(path) and path.endswith(".gguf"):
+    elif kind == "gguf":
         check_gguf_magic(path)
-        return
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        return
-    _not_loadable(path_or_name, path)
 
 
 def resolve_model(path_or_name: str) -> str:
     """Return a Hugging Face-style directory for `path_or_name` (see the module docstring)."""
-    if path_or_name == "default":
+    kind, path = _classify(path_or_name)
+    if kind == "default":
         return convert_gguf(default_gguf_path(), cache_root())
-    if path_or_name == "null":
+    if kind == "null":
         return write_preset("null", cache_root(), tokenizer_from=resolve_model("default"))
-    if path_or_name in PRESETS:
+    if kind == "preset":
         return write_preset(path_or_name, cache_root())
+    if kind == "gguf":
+        return convert_gguf(path, cache_root())
+    return os.path.abspath(path)
+
+
+def _classify(path_or_name: str) -> tuple[str, str]:
+    """("default" | "null" | "preset" | "gguf" | "directory", the expanded path)."""
+    if path_or_name in ("default", "null"):
+        return path_or_name, path_or_name
+    if path_or_name in PRESETS:
+        return "preset", path_or_name
     path = os.path.expanduser(path_or_name)
     if os.path.isfile(path) and path.endswith(".gguf"):
-        return convert_gguf(path, cache_root())
+        return "gguf", path
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        return os.path.abspath(path)
+        return "directory", path
     _not_loadable(path_or_name, path)
 
 

@@ -17,6 +17,20 @@ SHM_DIR, SHM_PATTERN = Path("/dev/shm"), "triton_python_backend_shm_region_*"
 def engine_processes(server_pid: int) -> list[int]:
     """The engine processes started by the server's models (descendants running
     backend.engine_process)."""
+    return [pid for pid in descendants(server_pid)
+            if b"backend.engine_process" in cmdline(pid)]
+
+
+def cmdline(pid: int) -> bytes:
+    """A process's arguments separated by NULs; empty once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def descendants(pid: int) -> list[int]:
+    """Children, their children, and so on."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -26,15 +40,10 @@ def engine_processes(server_pid: int) -> list[int]:
         except (ValueError, OSError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], list(children.get(server_pid, []))
+    found, todo = [], list(children.get(pid, []))
     while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
-        try:
-            if b"backend.engine_process" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:
-            continue
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
     return found
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from ensemble.processes import SHM_DIR, SHM_PATTERN
+from ensemble.processes import SHM_DIR, SHM_PATTERN, cmdline, descendants
 from ensemble.server import free_port
 from tests.e2e.clients import grpc_request
 
@@ -31,17 +31,8 @@ SMALL = ["--device", "cpu", "--max-batch-size", "8", "--max-seq-len", "512",
 LONG = {"text_input": "Count from one to one thousand:", "max_tokens": 480, "end_id": -1}
 
 
-def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    children = [int(p) for p in out.split()]
-    return children + [d for c in children for d in _descendants(c)]
-
-
 def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+    return cmdline(pid).replace(b"\0", b" ").decode()
 
 
 class Launcher:
@@ -69,10 +60,10 @@ class Launcher:
             time.sleep(0.5)
 
     def server_pid(self) -> int:
-        return next(p for p in _descendants(self.process.pid) if "tritonserver" in _cmdline(p))
+        return next(p for p in descendants(self.process.pid) if "tritonserver" in _cmdline(p))
 
     def stub(self, model: str) -> int:
-        return next(p for p in _descendants(self.server_pid())
+        return next(p for p in descendants(self.server_pid())
                     if f"/{model}/1/model.py" in _cmdline(p))
 
     def close(self) -> None:
@@ -122,7 +113,7 @@ def test_a_killed_stub_fails_its_clients_and_stops_the_server(launcher, model):
     served.wait_ready()
     shm_before = set(SHM_DIR.glob(SHM_PATTERN))
     server_pid = served.server_pid()
-    engine = next(p for p in _descendants(server_pid) if "backend.engine_process" in _cmdline(p))
+    engine = next(p for p in descendants(server_pid) if "backend.engine_process" in _cmdline(p))
     results: list = []
     threads = [_stream_in_background(f"localhost:{served.grpc}", results) for _ in range(3)]
     _wait_streaming(served, 3)
@@ -197,8 +188,8 @@ def _rss_mb(pid: int) -> float:
 
 def test_the_llm_processes_do_not_grow_under_short_requests(triton):
     server = triton.server.process.pid
-    stub = next(p for p in _descendants(server) if "/tensorrt_llm/1/model.py" in _cmdline(p))
-    engine = next(p for p in _descendants(stub) if "backend.engine_process" in _cmdline(p))
+    stub = next(p for p in descendants(server) if "/tensorrt_llm/1/model.py" in _cmdline(p))
+    engine = next(p for p in descendants(stub) if "backend.engine_process" in _cmdline(p))
     request = {"input_ids": [1, 2, 3, 4, 5], "input_lengths": 5, "request_output_len": 4,
                "end_id": -1}
 

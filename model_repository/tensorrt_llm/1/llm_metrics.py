@@ -74,18 +74,13 @@ class LlmMetrics:
                                    LATENCY_BUCKETS)
         self.latency = self._histogram("nv_llm_request_latency_seconds",
                                        "Time from arrival to the last response", {}, LATENCY_BUCKETS)
-        family = pb_utils.MetricFamily(name="nv_llm_requests_finished_total",
-                                       description="Finished engine requests by finish reason",
-                                       kind=pb_utils.MetricFamily.COUNTER)
-        self._families.append(family)
-        self.finished = {r: family.Metric(labels={**self._labels, "finish_reason": r})
-                         for r in FINISH_REASONS}
-        family = pb_utils.MetricFamily(name="nv_llm_requests_rejected_total",
-                                       description="Requests the engine refused, by reason",
-                                       kind=pb_utils.MetricFamily.COUNTER)
-        self._families.append(family)
-        self.rejected = {r: family.Metric(labels={**self._labels, "reason": r})
-                         for r in REJECT_REASONS}
+        counter = pb_utils.MetricFamily.COUNTER
+        self.finished = self._labelled("nv_llm_requests_finished_total",
+                                       "Finished engine requests by finish reason",
+                                       "finish_reason", FINISH_REASONS, counter)
+        self.rejected = self._labelled("nv_llm_requests_rejected_total",
+                                       "Requests the engine refused, by reason", "reason",
+                                       REJECT_REASONS, counter)
 
     # ---- called from the response thread: cheap, no IPC ----------------------------------------
     def record_finished(self, item: FinishedRequest) -> None:
@@ -129,8 +124,12 @@ class LlmMetrics:
 
     # ---- construction --------------------------------------------------------------------------
     def _gauges(self, name: str, description: str, label: str, values: tuple[str, ...]) -> dict:
-        family = pb_utils.MetricFamily(name=name, description=description,
-                                       kind=pb_utils.MetricFamily.GAUGE)
+        return self._labelled(name, description, label, values, pb_utils.MetricFamily.GAUGE)
+
+    def _labelled(self, name: str, description: str, label: str, values: tuple[str, ...],
+                  kind) -> dict:
+        """One metric per value of `label`, in a family of `kind`."""
+        family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
         self._families.append(family)
         return {v: family.Metric(labels={**self._labels, label: v}) for v in values}
 
