@@ -61,12 +61,10 @@ def test_http_generate(triton, tokenizer, reference, model):
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["text_output"] == tokenizer.decode(ids, skip_special_tokens=True)
-    for name in ("cum_log_probs", "output_log_probs", "batch_index", "sequence_index",
-                 "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
-                 "kv_cache_alloc_total_blocks", "arrival_time_ns", "first_scheduled_time_ns",
-                 "first_token_time_ns", "last_token_time_ns"):
-        assert name in body, name
-    assert body["arrival_time_ns"] == body["last_token_time_ns"] == 0     # not asked for
+    assert "batch_index" in body and "sequence_index" in body
+    for name in ("cum_log_probs", "output_log_probs", "kv_cache_alloc_new_blocks",
+                 "arrival_time_ns", "last_token_time_ns"):
+        assert name not in body, name                     # as TensorRT-LLM: only when asked
     timed = generate(triton.http, model, {"text_input": PROMPT, "max_tokens": MAX_TOKENS,
                                           "return_perf_metrics": True}).json()
     assert 0 < timed["arrival_time_ns"] <= timed["first_scheduled_time_ns"] \

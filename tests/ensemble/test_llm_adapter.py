@@ -151,7 +151,7 @@ LLM_OUTPUTS = {t.name for t in TENSORRT_LLM.outputs}
 
 
 @pytest.mark.parametrize("log_probs, perf", [(False, False), (True, True)])
-def test_each_response_holds_every_output_and_unasked_metrics_are_empty(log_probs, perf):
+def test_each_response_holds_every_output_asked_for(log_probs, perf):
     stream = RowStream.start("r", 3, True, [5, 6], echo_prompt=False, log_probs=log_probs,
                              perf_metrics=perf)
     outs = [RequestOutput("r", [10 + i], [-0.5 * i] if log_probs else [], i + 1, i == 4,
@@ -159,19 +159,32 @@ def test_each_response_holds_every_output_and_unasked_metrics_are_empty(log_prob
                           num_new_blocks=1 + i // 2, cum_logprob=-0.5 * i, arrival_time=100.0,
                           first_scheduled_time=100.5, first_token_time=101.0,
                           last_token_time=101.0 + i) for i in range(5)]
+    left_out = (set() if log_probs else {"cum_log_probs", "output_log_probs"}) \
+        | (set() if perf else {t.name for t in PERF_OUTPUTS})
     for out in outs:
         stream.add(out)
         tensors = stream.take(out)
-        assert set(tensors) == LLM_OUTPUTS
+        assert set(tensors) == LLM_OUTPUTS - left_out        # as TensorRT-LLM: only when asked
     assert tensors["batch_index"].tolist() == [3] and tensors["llm_request_id"].tolist() == [b"r"]
     if perf:
         assert tensors["arrival_time_ns"].tolist() == [100_000_000_000]
         assert tensors["last_token_time_ns"].tolist() == [105_000_000_000]
         assert tensors["kv_cache_alloc_new_blocks"].tolist() == [3]
         assert tensors["output_log_probs"].tolist() == [[-2.0]]
-    else:                                  # not asked: zeros and no log-probs, as TensorRT-LLM
-        assert all(tensors[t.name].tolist() == [0] for t in PERF_OUTPUTS)
-        assert tensors["output_log_probs"].shape == (1, 0) and tensors["cum_log_probs"].tolist() == [0]
+        assert tensors["cum_log_probs"].tolist() == [-2.0]
+
+
+def test_rows_stacked_with_an_output_only_some_rows_asked_for():
+    rows = []
+    for i, perf in enumerate((False, True)):
+        stream = RowStream.start(f"r{i}", i, False, [5], echo_prompt=False, perf_metrics=perf)
+        out = RequestOutput(f"r{i}", [7, 8][: i + 1], [], i + 1, True, FinishReason.LENGTH,
+                            num_prompt_tokens=1, num_new_blocks=2)
+        stream.add(out)
+        rows.append(stream.take(out))
+    stacked = stack_rows(rows)
+    assert stacked["output_ids"].tolist() == [[[7, 0]], [[7, 8]]]
+    assert stacked["kv_cache_alloc_new_blocks"].tolist() == [[0], [2]]
 
 
 def test_streaming_is_refused_by_a_model_that_is_not_decoupled():
@@ -203,7 +216,7 @@ def test_rows_of_a_request_stack_into_one_batch():
         stream.add(out)
         rows.append(stream.take(out))
     batch = stack_rows(rows)
-    assert set(batch) == LLM_OUTPUTS
+    assert set(batch) == set(rows[0])
     assert batch["output_ids"].tolist() == [[[7, 8, 9]], [[4, 0, 0]]]       # [batch, beam, n]
     assert batch["sequence_length"].tolist() == [[3], [1]]
     assert batch["batch_index"].tolist() == [[0], [1]]

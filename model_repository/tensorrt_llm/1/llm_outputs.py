@@ -6,9 +6,9 @@ shown yet, a non-streaming one all of them. The detok_* outputs give the postpro
 it needs to turn a piece into exact text without state of its own: a window of ids starting a few
 ids before the new ones, how many of those were already shown, and whether this is the last piece.
 
-A response carries every output (the ensemble needs each in every response when its client asks
-for all of them). Perf metrics are zero unless the request asked for them (return_perf_metrics),
-log-probs empty unless asked (return_log_probs): TensorRT-LLM leaves them out then.
+As in TensorRT-LLM, the optional outputs are left out unless asked: the perf metrics without
+return_perf_metrics, the log-probs without return_log_probs. The ensemble then leaves them out of
+its responses too, and every response costs the sender half the tensors.
 """
 from __future__ import annotations
 
@@ -17,10 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from backend.request import RequestOutput
-from ensemble.tensors import PERF_OUTPUTS
 from postprocessing.detokenizer import window_start
-
-_NUMPY = {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32}
 
 
 @dataclass
@@ -59,16 +56,9 @@ class RowStream:
         new_ids = self.shown[start_sent:]
         start = window_start(start_sent)
         window = self.shown[start:]
-        if self.log_probs:
-            new_logprobs = self.logprobs[self.num_logprobs_sent:] if self.streaming else self.logprobs
-            cum_logprob = out.cum_logprob
-        else:
-            new_logprobs, cum_logprob = [], 0.0
         tensors = {
             "output_ids": _i32([new_ids]),
             "sequence_length": _i32([len(new_ids)]),
-            "cum_log_probs": np.array([cum_logprob], dtype=np.float32),
-            "output_log_probs": np.array([new_logprobs], dtype=np.float32).reshape(1, -1),
             "batch_index": _i32([self.batch_index]),
             "sequence_index": _i32([0]),
             "finish_reason": np.array([_reason(out).encode()], dtype=np.object_),
@@ -78,7 +68,12 @@ class RowStream:
             "detok_final": np.array([out.finished], dtype=np.bool_),
             "llm_request_id": np.array([self.handle.encode()], dtype=np.object_),
         }
-        tensors.update(perf_tensors(out if self.perf_metrics else None))
+        if self.log_probs:
+            new_logprobs = self.logprobs[self.num_logprobs_sent:] if self.streaming else self.logprobs
+            tensors["cum_log_probs"] = np.array([out.cum_logprob], dtype=np.float32)
+            tensors["output_log_probs"] = np.array([new_logprobs], dtype=np.float32).reshape(1, -1)
+        if self.perf_metrics:
+            tensors.update(perf_tensors(out))
         self.num_sent = len(self.shown)
         self.num_logprobs_sent = len(self.logprobs)
         return tensors
@@ -87,15 +82,17 @@ class RowStream:
 def stack_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """The tensors of several rows as one batch (one response per request when not decoupled):
     ragged ids and log-probs are padded with zeros; sequence_length and detok_window_length
-    say how many are real."""
+    say how many are real. An optional output asked for by some rows only is zero in the others."""
     stacked = {}
-    for name in rows[0]:
-        arrays = [row[name] for row in rows]
-        shape = tuple(max(sizes) for sizes in zip(*(a.shape for a in arrays)))
-        dtype = arrays[0].dtype
+    for name in dict.fromkeys(name for row in rows for name in row):
+        arrays = [row.get(name) for row in rows]
+        present = [a for a in arrays if a is not None]
+        shape = tuple(max(sizes) for sizes in zip(*(a.shape for a in present)))
+        dtype = present[0].dtype
         out = np.full((len(arrays), *shape), b"" if dtype == np.object_ else 0, dtype=dtype)
         for i, a in enumerate(arrays):
-            out[(i, *(slice(0, n) for n in a.shape))] = a
+            if a is not None:
+                out[(i, *(slice(0, n) for n in a.shape))] = a
         stacked[name] = out
     return stacked
 
@@ -104,10 +101,8 @@ def _reason(out: RequestOutput) -> str:
     return out.finish_reason.value if out.finished and out.finish_reason else ""
 
 
-def perf_tensors(out: RequestOutput | None) -> dict[str, np.ndarray]:
-    """The perf-metric outputs of `out`; zeros for None."""
-    if out is None:
-        return {t.name: np.zeros(1, dtype=_NUMPY[t.dtype]) for t in PERF_OUTPUTS}
+def perf_tensors(out: RequestOutput) -> dict[str, np.ndarray]:
+    """The perf-metric outputs of `out`."""
     return {
         "kv_cache_alloc_new_blocks": _i32([out.num_new_blocks]),
         "kv_cache_reused_blocks": _i32([out.num_reused_blocks]),

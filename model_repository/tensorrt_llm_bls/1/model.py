@@ -98,7 +98,8 @@ class TritonPythonModel:
             step_tensors = outputs_of(LLM, response)
             merged = {**step_tensors, **outputs_of(POST, call(POST, step_tensors))}
             answer = pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor(name, merged[name]) for name in OUTPUT_NAMES])
+                pb_utils.Tensor(name, merged[name]) for name in OUTPUT_NAMES
+                if name in merged])                         # optional ones only when asked
             if not self.decoupled:                          # its one response carries FINAL
                 self.send(sender, answer, FINAL, llm_id)
                 return
