@@ -95,7 +95,7 @@ def qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(-1) == 1
     tile = {"BLOCK_N": QKV_BLOCK_N} if (head_dim // 2) % (QKV_BLOCK_N // 2) == 0 else {}
-    config = checked_config(n, k, {**tile, **(config or {})})
+    config = checked_config(n, k, {**tile, **(config or {})}, device=weight.device)
     assert config["BLOCK_N"] >= 2 and (head_dim // 2) % (config["BLOCK_N"] // 2) == 0, \
         "a program's features must be whole rotary pairs within one head"
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
