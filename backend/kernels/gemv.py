@@ -1,9 +1,8 @@
 """Linear layers for one-token steps: out = x @ weight^T with x a single row (a GEMV).
 
-At batch 1 a decode step's projections read their weights once and do almost no arithmetic.
-cuBLAS streamed Llama-3.2-1B's qkv, o and down weights at 33-58% of the copy rate on H200 (timed
-back to back in a CUDA graph), and each projection came with a separate norm, activation or
-residual kernel. Here one program owns BLOCK_N output features and walks the whole of K: every
+At batch 1 a decode step's projections read their weights once and do almost no arithmetic;
+cuBLAS streams them well short of the copy rate, with a separate norm, activation or residual
+kernel around each (benchmarks/README.md, "Kernel choices"). Here one program owns BLOCK_N output features and walks the whole of K: every
 weight row is read exactly once, there is no split-K reduction, and the products accumulate
 elementwise in float32 and are summed over K once, at the end.
 
@@ -28,9 +27,8 @@ program reads its first PREFETCH_K weight columns before it waits for the previo
 are never written by a kernel), so a kernel's weights stream while its predecessor drains.
 `stream_rows_dot` is that weight-streaming dot, shared with `backend.kernels.qkv_rope`.
 
-Two to sixteen rows were tried as one 16-row tensor-core dot with the same fusions: on H200 the
-fused prologues in the loop made it 2-3x slower than cuBLAS, so steps of several tokens keep the
-general layers.
+Steps of several tokens keep the general layers: a 16-row tensor-core dot with these fusions lost
+to cuBLAS (benchmarks/README.md). Launch configs are per device (`backend.kernels.tuning`).
 """
 from __future__ import annotations
 

@@ -12,9 +12,8 @@ cache at the token's slot (slot -1 is skipped).
 Rounding is the unfused path's: the product (plus bias) is rounded to the activation dtype, then
 rotated in float32 and rounded again.
 
-Tiles are the GEMV's (`gemv.launch_config`) except for 8 features a program (`QKV_BLOCK_N`, where
-the head size allows), not 4: alternated in one process, the Llama-3.2-1B batch-1 step went from
-1.019 to 0.998 ms on H100 and from 0.812 to 0.788 ms on H200.
+Tiles are the GEMV's for the shape and device (`gemv.checked_config`) except for 8 features a
+program (`QKV_BLOCK_N`, where the head size allows), faster than 4 (benchmarks/README.md).
 """
 from __future__ import annotations
 

@@ -24,16 +24,14 @@ With one split used, the program writes the output itself. Otherwise each split 
 normalised partial output and its log-sum-exp, and counts itself in on an arrival counter of its
 (request, kv head); the last to arrive merges the splits,
     out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max),
-and sets the counter back to zero for the next launch. At batch 1 that saves a separate reduce
-kernel per layer, 16 launches a step on Llama-3.2-1B. While the group's partials are few (up to
-MERGE_AT_ONCE_MAX_VALUES), the merger loads all of them in one go, not head by head: on one H100
-that took a batch-8 decode step of Llama-3.2-1B from 1.323 to 1.304 ms (batch 1 and 64 unchanged).
+and sets the counter back to zero for the next launch: no separate reduce kernel per layer. While
+the group's partials are few (up to MERGE_AT_ONCE_MAX_VALUES), the merger loads all of them in one
+go, not head by head, which overlaps their loads.
 
 `choose_num_splits` adds splits only while (requests x kv heads x splits) is short of about four
 programs per SM, and keeps at least MIN_TOKENS_PER_SPLIT context tokens per split; the count is
-rounded down to a power of two so only a few kernel variants are compiled. On H200 (bf16,
-head_dim 128, 8 kv heads) this picked the fastest or near-fastest count from 1 to 64 for batch 1
-to 256; large batches read K/V at ~4.1 TB/s.
+rounded down to a power of two so only a few kernel variants are compiled. Tiles, warps and stages
+are per device (`launch_config`). Measurements behind these choices: benchmarks/README.md.
 """
 from __future__ import annotations
 
