@@ -2,9 +2,10 @@
 
 At batch 1 a decode step's projections read their weights once and do almost no arithmetic;
 cuBLAS streams them well short of the copy rate, with a separate norm, activation or residual
-kernel around each (benchmarks/README.md, "Kernel choices"). Here one program owns BLOCK_N output features and walks the whole of K: every
-weight row is read exactly once, there is no split-K reduction, and the products accumulate
-elementwise in float32 and are summed over K once, at the end.
+kernel around each (benchmarks/README.md, "Kernel choices"). Here one program owns BLOCK_N output
+features and walks the whole of K: every weight row is read exactly once, there is no split-K
+reduction, and the products accumulate elementwise in float32 and are summed over K once, at the
+end.
 
 Fusions, each saving a kernel launch and a round trip of the activations:
 - prologue "norm": the operand is RMSNorm(x) * norm_weight. The norm is folded into the one pass
