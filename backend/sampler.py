@@ -38,7 +38,7 @@ from backend.logits_processors import (
 from backend.request import Request
 from backend.sampling_params import SamplingParams
 
-try:  # on GPU, a two-kernel argmax (torch's takes ~28 us for one 128k-wide row on H200)
+try:  # on GPU, a two-kernel argmax: torch's is slow on one vocabulary-wide row (benchmarks/README.md)
     from backend.kernels.argmax import argmax_rows
 except ImportError:
     argmax_rows = None

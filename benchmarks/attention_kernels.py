@@ -1,6 +1,6 @@
 """GPU check and timing of the Triton attention kernels (run on a CUDA machine).
 
-    python -m benchmarks.attention_kernels [--sweep] [--skip-check]
+    python -m benchmarks.attention_kernels [--sweep [--write-tuning]] [--skip-check]
 
 1. Correctness in bf16 on model-sized shapes against the fp32 torch reference (relative error).
 2. KV write and decode, timed as CUDA-graph replays (decode runs under graphs in serving; this also
@@ -11,11 +11,14 @@
    chunk mixed with decodes (triton.testing.do_bench medians, L2 flushed between calls), next to
    torch's scaled_dot_product_attention on contiguous K/V (no paging) as a yardstick.
 4. The fused RMSNorm(+residual) and rotary kernels (backend/kernels) next to the model's torch code.
---sweep also times other split counts, tile shapes, warps and pipeline stages.
+--sweep also times other split counts, tile shapes, warps and pipeline stages; with
+--write-tuning it writes the fastest (least total time over the cases of a shape key) into
+backend/kernels/tuning/{decode,prefill}_attention.json under this GPU's name.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import torch
@@ -26,7 +29,9 @@ from triton.testing import do_bench
 from backend.attention import reference
 from backend.attention.kernels import decode, kv_write, prefill
 from backend.attention.metadata import AttentionMetadata
+from backend.kernels import tuning
 from benchmarks.graph_timing import graph_us_per_call
+from benchmarks.provenance import provenance
 
 BLOCK_SIZE = 32
 CACHE_TOKENS = 1 << 20
@@ -104,10 +109,13 @@ def bench_kv_write(s: Setup):
     print(f"== kv write {s.name()}: {num_tokens} tokens {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s")
 
 
-def bench_decode(s: Setup, shapes, sweep):
+def bench_decode(s: Setup, shapes, sweep) -> dict[str, dict[str, dict]]:
+    """Prints the timings; returns shape key -> config as JSON -> case -> us (at the chosen splits)."""
     print(f"== decode {s.name()} (CUDA graph replays)")
     print(f"  {'bs':>4} {'ctx':>6} {'splits':>6} {'config':>12} {'us':>8} {'GB/s':>7}")
-    default = decode._decode_launch_config
+    default = decode.launch_config
+    device_name = tuning.device_name(torch.device("cuda"))
+    timings: dict[str, dict[str, dict]] = {}
     configs = [None]
     if sweep:
         configs += [dict(BLOCK_N=n, num_warps=w, num_stages=st)
@@ -119,12 +127,14 @@ def bench_decode(s: Setup, shapes, sweep):
         metas = [s.meta([1] * bs, [ctx] * bs) for _ in range(sets)]
         query = s.query(bs)
         chosen = decode.choose_num_splits(bs, s.kv_heads, ctx, decode.num_sms(query.device))
+        few = decode.FEW_PAIRS_PER_SM * bs * s.kv_heads <= decode.num_sms(query.device)
+        key = decode.tuning_key(s.head_dim, few)
         runs = [(None, chosen)]
         if sweep:
             runs += [(None, n) for n in (1, 2, 4, 8, 16, 32, 64) if n != chosen]
             runs += [(cfg, chosen) for cfg in configs[1:]]
         for cfg, splits in runs:
-            decode._decode_launch_config = (lambda hd, few=False, c=cfg: c) if cfg else default
+            decode.launch_config = (lambda hd, few, dev, c=cfg: c) if cfg else default
             us = graph_us_per_call([
                 lambda m=m, n=splits: decode.decode_attention(
                     query, s.k_cache, s.v_cache, m.block_tables, m.seq_lens, m.query_start_loc,
@@ -132,7 +142,11 @@ def bench_decode(s: Setup, shapes, sweep):
             label = "default" if cfg is None else f"N{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
             mark = "*" if (cfg is None and splits == chosen) else " "
             print(f" {mark}{bs:4d} {ctx:6d} {splits:6d} {label:>12} {us:8.1f} {nbytes / us / 1e3:7.0f}")
-    decode._decode_launch_config = default
+            if splits == chosen:
+                used = json.dumps(dict(cfg or default(s.head_dim, few, device_name)), sort_keys=True)
+                timings.setdefault(key, {}).setdefault(used, {})[(bs, ctx)] = us
+    decode.launch_config = default
+    return timings
 
 
 def causal_flops(q_lens, s_lens, s: Setup):
@@ -140,31 +154,38 @@ def causal_flops(q_lens, s_lens, s: Setup):
     return 4 * visible * s.head_dim * s.heads
 
 
-def bench_prefill(s: Setup, tiles, sweep):
+def bench_prefill(s: Setup, tiles, sweep) -> dict[str, dict[str, dict]]:
+    """Prints the timings; returns shape key -> config as JSON -> case -> ms."""
     print(f"== prefill {s.name()} (do_bench medians)")
     print(f"  {'case':>24} {'config':>20} {'ms':>8} {'TFLOP/s':>8}")
     cases = {"prompt 4096": ([4096], [4096]),
              "chunk 2048 + prefix 2048": ([2048], [4096]),
              "8 x 512 prompts": ([512] * 8, [512] * 8),
              "chunk 1024 + 64 decodes": ([1024] + [1] * 64, [2048] + [1024] * 64)}
-    default = prefill._prefill_launch_config
+    default = prefill.launch_config
     variants = [None] + (tiles if sweep else [])
+    key = prefill.tuning_key(s.heads // s.kv_heads, s.head_dim, s.k_cache.element_size())
+    default_config = default(s.heads // s.kv_heads, s.head_dim, s.k_cache.element_size(),
+                             tuning.device_name(s.k_cache.device))
+    timings: dict[str, dict] = {}
     for name, (q_lens, s_lens) in cases.items():
         meta = s.meta(q_lens, s_lens)
         query = s.query(sum(q_lens))
         flops = causal_flops(q_lens, s_lens, s)
         for tile in variants:
             if tile:
-                prefill._prefill_launch_config = lambda g, hd, t=tile: dict(
-                    BLOCK_M=t[0], BLOCK_N=t[1], num_warps=t[2], num_stages=t[3])
+                config = dict(BLOCK_M=tile[0], BLOCK_N=tile[1], num_warps=tile[2], num_stages=tile[3])
+                prefill.launch_config = lambda g, hd, es, dev, c=config: c
             else:
-                prefill._prefill_launch_config = default
+                config = dict(default_config)
+                prefill.launch_config = default
             try:
                 ms = do_bench(lambda: run_kernel(query, s.k_cache, s.v_cache, meta, s.scale),
                               warmup=25, rep=100, return_mode="median")
             except Exception as e:   # e.g. out of shared memory for a large tile
                 print(f"  {name:>24} {str(tile):>20} failed: {type(e).__name__}")
                 continue
+            timings.setdefault(json.dumps(config, sort_keys=True), {})[name] = ms
             label = "default" if tile is None else "M{} N{} w{} s{}".format(*tile)
             print(f"  {name:>24} {label:>20} {ms:8.3f} {flops / ms / 1e9:8.1f}")
         if len(q_lens) == 1 and q_lens == s_lens:      # yardstick: torch SDPA, contiguous K/V
@@ -174,7 +195,27 @@ def bench_prefill(s: Setup, tiles, sweep):
             ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True),
                           warmup=25, rep=100, return_mode="median")
             print(f"  {name:>24} {'torch sdpa (MHA)':>20} {ms:8.3f} {flops / ms / 1e9:8.1f}")
-    prefill._prefill_launch_config = default
+    prefill.launch_config = default
+    return {key: timings}
+
+
+def fastest(timings: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """Per shape key the config of least total time over the key's cases; configs that did not
+    run every case are left out."""
+    best = {}
+    for key, by_config in timings.items():
+        cases = set().union(*by_config.values())
+        totals = {c: sum(t.values()) for c, t in by_config.items() if set(t) == cases}
+        best[key] = json.loads(min(totals, key=totals.get))
+    return best
+
+
+def write_tuning(kernel: str, timings: dict[str, dict[str, dict]]) -> None:
+    """The fastest configs into this GPU's entries of `kernel`'s table."""
+    run = provenance(torch.device("cuda"))
+    best = fastest(timings)
+    source = f"benchmarks.attention_kernels --sweep at {run['commit']}, {run['date']}"
+    print("wrote", tuning.write(kernel, run["device"], best, source))
 
 
 def bench_fused():
@@ -219,7 +260,11 @@ def main():
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--fused-only", action="store_true")
+    parser.add_argument("--write-tuning", action="store_true",
+                        help="with --sweep: write the fastest configs into this GPU's tuning tables")
     args = parser.parse_args()
+    if args.write_tuning and not args.sweep:
+        parser.error("--write-tuning needs --sweep")
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), "SMs", decode.num_sms(torch.device("cuda")),
           "triton", triton.__version__)
@@ -232,15 +277,18 @@ def main():
     bench_kv_write(big)
     shapes = [(1, 1024), (1, 8192), (4, 4096), (8, 2048), (16, 1024), (32, 1024), (32, 4096),
               (64, 2048), (128, 1024), (256, 1024)]
-    bench_decode(big, shapes, args.sweep)
-    bench_prefill(big, [(64, 64, 4, 4), (64, 32, 4, 3), (128, 32, 4, 2), (128, 64, 8, 3),
-                        (128, 64, 4, 3)], args.sweep)
+    decode_timings = bench_decode(big, shapes, args.sweep)
+    prefill_timings = bench_prefill(big, [(64, 64, 4, 4), (64, 32, 4, 3), (128, 32, 4, 2), (128, 64, 8, 3),
+                                         (128, 64, 4, 3)], args.sweep)
     del big
     torch.cuda.empty_cache()
     small = Setup(32, 8, 64)                                       # Llama-3.2-1B attention
-    bench_decode(small, [(1, 4096), (16, 1024), (64, 2048), (256, 1024)], args.sweep)
-    bench_prefill(small, [(128, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3),
-                          (128, 128, 8, 3)], args.sweep)
+    decode_timings |= bench_decode(small, [(1, 4096), (16, 1024), (64, 2048), (256, 1024)], args.sweep)
+    prefill_timings |= bench_prefill(small, [(128, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3),
+                                            (64, 128, 4, 3), (128, 128, 8, 3)], args.sweep)
+    if args.write_tuning:
+        write_tuning("decode_attention", decode_timings)
+        write_tuning("prefill_attention", prefill_timings)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ def _changes(variant: str) -> list:
         override = {key: int(value) for key, value in pairs}
         base = qkv_rope.checked_config
         return [mock.patch.object(qkv_rope, "checked_config",
-                                  lambda n, k, config: base(n, k, {**(config or {}), **override}))]
+                                  lambda n, k, config, **kw: base(n, k, {**(config or {}), **override}, **kw))]
     if variant == "attention_merges":
         return [mock.patch.object(gemv, "takes_partials", lambda weight, head_dim: False)]
     if variant == "no_attention":

@@ -11,12 +11,15 @@ stages per shape and reports the fastest.
 gate_up (+RMSNorm), down (+silu·mul, +residual), then lm_head, all in one CUDA graph, where a
 kernel's start overlaps its predecessor's end (prefetch, early launch). With `--sweep` it improves
 the per-projection configs one projection at a time (one pass of coordinate descent) from
-`launch_config`'s; that is what `launch_config` is tuned from. With `--wait-cost` it also times
+`launch_config`'s (this GPU's table entries, else the default rule). With `--wait-cost` it also times
 the chain with the kernels' waits for their predecessor skipped (a diagnostic: the results are
 wrong, the weights stream exactly as before), for every projection and for each kind alone: the
-difference is what waiting for the previous kernel costs.
+difference is what waiting for the previous kernel costs. `--chain --sweep --write-tuning` also
+writes the configs it kept into `backend/kernels/tuning/gemv.json` under this GPU's name (review
+the diff before committing: a one-pass sweep's gains may be noise, see the README).
 
-    python -m benchmarks.gemv --model llama-3.2-1b [--chain [--wait-cost]] [--sweep] --json OUT
+    python -m benchmarks.gemv --model llama-3.2-1b [--chain [--wait-cost]] [--sweep [--write-tuning]] \
+        --json OUT
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ import json
 import torch
 import torch.nn.functional as F
 
-from backend.kernels.gemv import gemv, launch_config
+from backend.kernels import tuning
+from backend.kernels.gemv import gemv, launch_config, tuning_key
 from backend.model_config import ModelConfig
 from backend.model_paths import resolve_model
 from benchmarks.decode_floor import copy_rate_bytes_per_s
@@ -64,9 +68,10 @@ def measure(name: str, n: int, k: int, copies: int, sweep: bool, copy_rate: floa
     weight_bytes = weights[0].numel() * weights[0].element_size()
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     error = float((gemv(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max())
+    default = launch_config(n, k, device_name=tuning.device_name(x.device))
     row = {"projection": name, "n": n, "k": k, "weight_mb": round(weight_bytes / 1e6, 1),
            "max_abs_diff_vs_cublas": error, "cublas_us": round(time_us(F.linear, x, weights), 2),
-           "gemv_us": round(time_us(gemv, x, weights), 2), "default_config": launch_config(n, k)}
+           "gemv_us": round(time_us(gemv, x, weights), 2), "default_config": default}
     if sweep:
         timings = []
         for c in configs(k):
@@ -120,7 +125,8 @@ def measure_chain(config: ModelConfig, sweep: bool, copy_rate: float, wait_cost:
             return gemv(x, lm_head, config=configs["lm_head"])
         return time_us(run, stream, [None])
 
-    defaults = {name: launch_config(*shapes[name]) for name in shapes}
+    device_name = tuning.device_name(stream.device)
+    defaults = {name: launch_config(*shapes[name], device_name=device_name) for name in shapes}
     best = defaults
     floor_us = nbytes / copy_rate * 1e6
     row = {"projections": "qkv, o, gate_up, down per layer; lm_head", "weight_mb": round(nbytes / 1e6, 1),
@@ -157,6 +163,15 @@ def wait_cost_us(step, configs: dict, first_default_us: float) -> dict:
     return result
 
 
+def write_tuning(config: ModelConfig, row: dict, result_path: str | None) -> None:
+    """The chain sweep's kept config per projection, keyed by its weight's shape, into the table."""
+    shapes = projection_shapes(config)
+    configs = {tuning_key(*shapes[name]): dict(best) for name, best in row["best_configs"].items()}
+    source = f"benchmarks.gemv --chain --sweep at {row['commit']}, {row['date']}" + (
+        f" ({result_path})" if result_path else "")
+    print("wrote", tuning.write("gemv", row["device"], configs, source))
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gemv", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3.2-1b")
@@ -164,8 +179,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--chain", action="store_true", help="time a decode step's whole chain of products")
     p.add_argument("--wait-cost", action="store_true",
                    help="with --chain: also time it with the waits for the previous kernel skipped")
+    p.add_argument("--write-tuning", action="store_true",
+                   help="with --chain --sweep: write the kept configs into this GPU's tuning table")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.write_tuning and not (args.chain and args.sweep):
+        p.error("--write-tuning needs --chain --sweep")
     device = torch.device("cuda")
     config = ModelConfig.from_dir(resolve_model(args.model))
     copy_rate = copy_rate_bytes_per_s(device)
@@ -174,6 +193,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                "copy_rate_tb_s": round(copy_rate / 1e12, 3), **measure_chain(config, args.sweep, copy_rate, args.wait_cost)}
         print(json.dumps(row), flush=True)
         save_json(args.json, row)
+        if args.write_tuning:
+            write_tuning(config, row, args.json)
         return [row]
     results = []
     for name, (n, k) in projection_shapes(config).items():

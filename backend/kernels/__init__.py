@@ -14,5 +14,7 @@ reference and the CPU path).
   in the decode CUDA graphs).
 - `step_inputs.load_step_inputs`: a decode CUDA graph's first kernel, reading the step's inputs
   from pinned host memory and filling placeholder input ids.
+- `tuning`: launch configs per device, read from the JSON tables in `tuning/` that the
+  sweeps in `benchmarks/` write.
 - `pdl`: programmatic dependent launch for the decode kernel chain (Hopper and later).
 """

@@ -1,8 +1,8 @@
 """Row-wise argmax of float logits [B, V], ties to the first index like `torch.argmax`.
 
-Greedy sampling takes the argmax of every row of the logits each step. torch reduces a
-[1, 128256] row in about 28 us on H200 (one output spread over few programs), a few percent of a
-batch-1 decode step. Here it is two short kernels: each program finds the maximum and its first
+Greedy sampling takes the argmax of every row of the logits each step. torch reduces one
+vocabulary-wide row with few programs, slow enough to matter in a batch-1 decode step
+(benchmarks/README.md). Here it is two short kernels: each program finds the maximum and its first
 index in one CHUNK of one row, then one program per row picks the largest of its chunks' maxima
 (the lowest index among equal ones, so ties still go to the first index). Logits are assumed
 NaN-free (torch.argmax would pick a NaN).

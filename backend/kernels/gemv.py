@@ -1,11 +1,11 @@
 """Linear layers for one-token steps: out = x @ weight^T with x a single row (a GEMV).
 
-At batch 1 a decode step's projections read their weights once and do almost no arithmetic.
-cuBLAS streamed Llama-3.2-1B's qkv, o and down weights at 33-58% of the copy rate on H200 (timed
-back to back in a CUDA graph), and each projection came with a separate norm, activation or
-residual kernel. Here one program owns BLOCK_N output features and walks the whole of K: every
-weight row is read exactly once, there is no split-K reduction, and the products accumulate
-elementwise in float32 and are summed over K once, at the end.
+At batch 1 a decode step's projections read their weights once and do almost no arithmetic;
+cuBLAS streams them well short of the copy rate, with a separate norm, activation or residual
+kernel around each (benchmarks/README.md, "Kernel choices"). Here one program owns BLOCK_N output
+features and walks the whole of K: every weight row is read exactly once, there is no split-K
+reduction, and the products accumulate elementwise in float32 and are summed over K once, at the
+end.
 
 Fusions, each saving a kernel launch and a round trip of the activations:
 - prologue "norm": the operand is RMSNorm(x) * norm_weight. The norm is folded into the one pass
@@ -28,16 +28,20 @@ program reads its first PREFETCH_K weight columns before it waits for the previo
 are never written by a kernel), so a kernel's weights stream while its predecessor drains.
 `stream_rows_dot` is that weight-streaming dot, shared with `backend.kernels.qkv_rope`.
 
-Two to sixteen rows were tried as one 16-row tensor-core dot with the same fusions: on H200 the
-fused prologues in the loop made it 2-3x slower than cuBLAS, so steps of several tokens keep the
-general layers.
+Steps of several tokens keep the general layers: a 16-row tensor-core dot with these fusions lost
+to cuBLAS (benchmarks/README.md). Launch configs are per device (`backend.kernels.tuning`).
 """
 from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
 
+from backend.kernels import tuning
 from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from backend.kernels.split_merge import merge_splits
 
@@ -158,54 +162,61 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def takes_partials(weight: torch.Tensor, head_dim: int) -> bool:
     """Whether `gemv(partials=...)` can merge heads of `head_dim` for this weight: its K tiles
     hold whole heads."""
-    config = launch_config(*weight.shape, merge=True)
+    if weight.shape[1] % 64:
+        return False
+    config = checked_config(*weight.shape, None, merge=True, device=weight.device)
     return config["BLOCK_K"] % head_dim == 0 and config["PREFETCH_K"] % head_dim == 0
 
 
-def launch_config(n: int, k: int, merge: bool = False) -> dict:
-    """Tile and launch shape, from a sweep on H200 of one decode step's whole chain of products
-    (Llama-3.2-1B shapes: qkv, o, gate_up, down per layer, then lm_head, in one CUDA graph).
-
-    What made the chain fastest (889 -> 733 us against a 583 us copy-rate floor):
-    - each program reads its first PREFETCH_K weight columns before it waits for the previous
-      kernel, so with programmatic dependent launch the weights stream while the previous kernel
-      finishes; for Llama-3.2-1B that is each program's whole rows (at most 128 values a thread);
-    - EARLY_LAUNCH: let the next kernel start (and prefetch) as soon as this one starts;
-    - narrow tiles (4 features; 4 warps on hidden-sized K, 16 on the 8192-long down projection,
-      up from 8: 1.030 -> 1.025 ms on H100 for the Llama-3.2-1B batch-1 step, alternated in one
-      process); the vocabulary-wide lm_head keeps 16-feature tiles, and on H100 its prefetch of
-      whole rows (2048 columns, up from 512) took that step from 1.044 to 1.028 ms.
-    With the merge prologue every program reads all of the heads' split partials, so wider
-    programs pay: 16 features and 8 warps took a batch-1 Llama-3.2-1B decode step on one H100
-    from 1.072 to 1.042 ms (1.063 with attention merging its splits itself).
-    """
+def default_launch_config(n: int, k: int, merge: bool = False) -> dict:
+    """Tile and launch shape for devices without a table entry: the rule tuned on the H100 and
+    H200 over one decode step's chain of products (benchmarks/README.md, "Kernel choices")."""
     def widest_k(*choices):
         return next((b for b in choices if k % b == 0), 64)
-    if n > 32768:
+    if n > 32768:       # the vocabulary-wide lm_head: wider tiles
         config = dict(BLOCK_N=16, BLOCK_K=widest_k(256, 128), num_warps=8, num_stages=2, EARLY_LAUNCH=True)
-        prefetch = k
-    elif merge:
+    elif merge:         # every program reads all split partials: fewer, wider programs
         config = dict(BLOCK_N=16, BLOCK_K=widest_k(512, 256, 128), num_warps=8, num_stages=4, EARLY_LAUNCH=True)
-        prefetch = k
     elif k <= 2048:
         config = dict(BLOCK_N=4, BLOCK_K=widest_k(512, 256, 128), num_warps=4, num_stages=4, EARLY_LAUNCH=True)
-        prefetch = k
-    else:
+    else:               # long rows (the down projection): more warps per program
         config = dict(BLOCK_N=4, BLOCK_K=widest_k(512, 256, 128), num_warps=16, num_stages=2, EARLY_LAUNCH=True)
-        prefetch = k
-    held = 128 * 32 * config["num_warps"] // config["BLOCK_N"]    # at most 128 values a thread
-    prefetch = 1 << (min(prefetch, k, held).bit_length() - 1)    # a power of two ...
-    config["PREFETCH_K"] = prefetch if prefetch >= config["BLOCK_K"] else 0   # ... of whole tiles
+    # Prefetch whole rows before the PDL wait, at most 128 values a thread, in whole tiles.
+    held = 128 * 32 * config["num_warps"] // config["BLOCK_N"]
+    prefetch = 1 << (min(k, held).bit_length() - 1)
+    config["PREFETCH_K"] = prefetch if prefetch >= config["BLOCK_K"] else 0
     return config
 
 
-def checked_config(n: int, k: int, overrides: dict | None, merge: bool = False) -> dict:
-    """`launch_config(n, k, merge)` with `overrides` applied, checked against K."""
-    config = {**launch_config(n, k, merge), **(overrides or {})}
+def tuning_key(n: int, k: int, merge: bool = False) -> str:
+    """The shape key of `tuning/gemv.json`."""
+    return tuning.shape_key(n=n, k=k, merge=merge)
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_config(n: int, k: int, merge: bool, device_name: str | None) -> Mapping:
+    config = tuning.lookup("gemv", tuning_key(n, k, merge), device_name) or default_launch_config(n, k, merge)
+    return MappingProxyType(_checked(k, config))
+
+
+def launch_config(n: int, k: int, merge: bool = False, device_name: str | None = None) -> dict:
+    """Tile and launch shape for weight [n, k]: the table's on the named device, else the default."""
+    return dict(_tuned_config(n, k, merge, device_name))
+
+
+def _checked(k: int, config: dict) -> dict:
     prefetch = config["PREFETCH_K"]
     assert k % config["BLOCK_K"] == 0 and prefetch <= k and prefetch % config["BLOCK_K"] == 0, (k, config)
     assert prefetch & (prefetch - 1) == 0, "PREFETCH_K must be 0 or a power of two"
     return config
+
+
+def checked_config(n: int, k: int, overrides: dict | None, merge: bool = False,
+                   device: torch.device | None = None) -> Mapping:
+    """The config for this shape on `device` with `overrides` applied, checked against K
+    (without overrides, the one cached for the shape: no work per call)."""
+    tuned = _tuned_config(n, k, merge, tuning.device_name(device) if device is not None else None)
+    return _checked(k, {**tuned, **overrides}) if overrides else tuned
 
 
 def gemv(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -224,7 +235,7 @@ def gemv(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None
     `linear(x).float()` would be, without a second kernel.
     """
     n, k = weight.shape
-    config = checked_config(n, k, config, merge=partials is not None)
+    config = checked_config(n, k, config, merge=partials is not None, device=weight.device)
     merge = {}
     if partials is not None:
         x, lse = partials

@@ -12,9 +12,8 @@ cache at the token's slot (slot -1 is skipped).
 Rounding is the unfused path's: the product (plus bias) is rounded to the activation dtype, then
 rotated in float32 and rounded again.
 
-Tiles are the GEMV's (`gemv.launch_config`) except for 8 features a program (`QKV_BLOCK_N`, where
-the head size allows), not 4: alternated in one process, the Llama-3.2-1B batch-1 step went from
-1.019 to 0.998 ms on H100 and from 0.812 to 0.788 ms on H200.
+Tiles are the GEMV's for the shape and device (`gemv.checked_config`) except for 8 features a
+program (`QKV_BLOCK_N`, where the head size allows), faster than 4 (benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -95,7 +94,7 @@ def qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(-1) == 1
     tile = {"BLOCK_N": QKV_BLOCK_N} if (head_dim // 2) % (QKV_BLOCK_N // 2) == 0 else {}
-    config = checked_config(n, k, {**tile, **(config or {})})
+    config = checked_config(n, k, {**tile, **(config or {})}, device=weight.device)
     assert config["BLOCK_N"] >= 2 and (head_dim // 2) % (config["BLOCK_N"] // 2) == 0, \
         "a program's features must be whole rotary pairs within one head"
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)

@@ -1,13 +1,11 @@
 """A decode CUDA graph step's inputs, read by the graph itself from mapped host memory.
 
-Between two replays of a decode graph the device used to run two copies of its own: the sampled
-ids to the host and the next step's inputs to the device, each behind a few microseconds of idle
-time in a profile (4-5 us apiece on H100). Instead the host writes a step's packed inputs into
-pinned host memory, which the GPU can address, and the graph's first kernel (this one) reads them
-into the graph's device buffer; the graph's last kernel writes the sampled ids into pinned memory
-too (`backend.kernels.argmax`). Replays then follow each other with nothing in between. (The
-step time gained less than the profile suggested: within ~5 us at batch 1 on H100, this kernel's
-reads over PCIe taking ~3 us of it.)
+Two device copies between replays of a decode graph (the sampled ids to the host, the next step's
+inputs to the device) would each leave the GPU idle for a few microseconds. Instead the host
+writes a step's packed inputs into pinned host memory, which the GPU can address, and the graph's
+first kernel (this one) reads them into the graph's device buffer; the graph's last kernel writes
+the sampled ids into pinned memory too (`backend.kernels.argmax`). Replays then follow each other
+with nothing in between (what that gains: benchmarks/README.md, "Kernel choices").
 
 The host memory is a ring of two slots, so that step n+1 can be packed while step n runs: the
 replay reads slot `replays % 2`, where `replays` (a device counter) counts the replays run so

@@ -24,26 +24,27 @@ With one split used, the program writes the output itself. Otherwise each split 
 normalised partial output and its log-sum-exp, and counts itself in on an arrival counter of its
 (request, kv head); the last to arrive merges the splits,
     out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max),
-and sets the counter back to zero for the next launch. At batch 1 that saves a separate reduce
-kernel per layer, 16 launches a step on Llama-3.2-1B. While the group's partials are few (up to
-MERGE_AT_ONCE_MAX_VALUES), the merger loads all of them in one go, not head by head: on one H100
-that took a batch-8 decode step of Llama-3.2-1B from 1.323 to 1.304 ms (batch 1 and 64 unchanged).
+and sets the counter back to zero for the next launch: no separate reduce kernel per layer. While
+the group's partials are few (up to MERGE_AT_ONCE_MAX_VALUES), the merger loads all of them in one
+go, not head by head, which overlaps their loads.
 
 `choose_num_splits` adds splits only while (requests x kv heads x splits) is short of about four
 programs per SM, and keeps at least MIN_TOKENS_PER_SPLIT context tokens per split; the count is
-rounded down to a power of two so only a few kernel variants are compiled. On H200 (bf16,
-head_dim 128, 8 kv heads) this picked the fastest or near-fastest count from 1 to 64 for batch 1
-to 256; large batches read K/V at ~4.1 TB/s.
+rounded down to a power of two so only a few kernel variants are compiled. Tiles, warps and stages
+are per device (`launch_config`). Measurements behind these choices: benchmarks/README.md.
 """
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
 
 from backend.attention.kernels.tile import attend_key_tile, attend_loaded_tile, load_key_tile
+from backend.kernels import tuning
 from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
 from backend.kernels.split_merge import merge_splits
 
@@ -54,6 +55,7 @@ MERGE_AT_ONCE_MAX_VALUES = 8192      # partials a merging program may hold at on
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 CPU_NOMINAL_SMS = 8      # interpreter runs: keep the heuristic meaningful
+FEW_PAIRS_PER_SM = 8     # grids of at most SMs / 8 (request, kv head) pairs take the few-programs tile
 
 
 @functools.lru_cache(maxsize=None)
@@ -255,16 +257,24 @@ def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, used, 
         tl.store(out_ptr + row * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty))
 
 
-def _decode_launch_config(head_dim: int, few_programs: bool = False) -> dict:
-    """Key tile and launch shape. On H200 bf16 (benchmarks/attention_kernels.py --sweep) 64 tokens,
-    4 warps, 2-3 stages was best for large batches; 128 tokens / 8 warps won ~10% on small
-    split-heavy batches but lost as much on large ones. In whole Llama-3.2-1B decode steps on
-    H100 the 128-token tile shortened batch 1 (8 (request, kv head) pairs) by ~2% (1.095-1.107 ->
-    1.076-1.088 ms) and lengthened batch 8 (64 pairs) by 11% (1.335 -> 1.490 ms); so only grids
-    of at most an eighth as many pairs as SMs take it."""
+def default_launch_config(head_dim: int, few_programs: bool = False) -> dict:
+    """Key tile and launch shape for devices without a table entry: 64-token tiles, and 128-token
+    tiles with 8 warps for grids of few programs (benchmarks/README.md, "Kernel choices")."""
     if few_programs:
         return dict(BLOCK_N=128, num_warps=8, num_stages=3)
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def tuning_key(head_dim: int, few_programs: bool) -> str:
+    """The shape key of `tuning/decode_attention.json`."""
+    return tuning.shape_key(head_dim=head_dim, few_programs=few_programs)
+
+
+@functools.lru_cache(maxsize=None)
+def launch_config(head_dim: int, few_programs: bool, device_name: str | None = None) -> Mapping:
+    """The table's config on the named device, else the default; read-only, cached."""
+    config = tuning.lookup("decode_attention", tuning_key(head_dim, few_programs), device_name)
+    return MappingProxyType(config or default_launch_config(head_dim, few_programs))
 
 
 _arrivals: dict[torch.device, list[torch.Tensor]] = {}
@@ -345,7 +355,8 @@ def _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sc
     assert num_heads % num_kv_heads == 0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16
     assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     group = num_heads // num_kv_heads
-    config = _decode_launch_config(head_dim, 8 * num_seqs * num_kv_heads <= num_sms(query.device))
+    few_programs = FEW_PAIRS_PER_SM * num_seqs * num_kv_heads <= num_sms(query.device)
+    config = launch_config(head_dim, few_programs, tuning.device_name(query.device))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, part_out, part_lse, arrivals,

@@ -22,11 +22,16 @@ never visited.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
 
 from backend.attention.kernels.tile import attend_key_tile
+from backend.kernels import tuning
 
 LOG2_E = 1.4426950408889634
 
@@ -58,8 +63,7 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # Longest first: a request's last tiles see the most keys, so they are launched first
-    # (and the last wave holds short tiles). +5% on a 4096-token prompt on H200.
+    # Longest first: a request's last tiles see the most keys, so the last wave holds short tiles.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_request(query_start_ptr, tile_id, num_seqs, BLOCK_Q)
@@ -114,17 +118,27 @@ def _prefill_kernel(
 SHARED_MEMORY_BUDGET = 112 * 1024   # bytes of staged tiles; the compiler adds its own buffers on top
 
 
-def _prefill_launch_config(group: int, head_dim: int, element_size: int = 2) -> dict:
-    """Tile shape. On H200 bf16 (benchmarks/attention_kernels.py --sweep) 64 x 64 with 4 warps and
-    3 stages was best or within a few % for head_dim 64 and 128, long prompts, prefix chunks and
-    mixed batches (330 TFLOP/s on a 4096-token prompt, head_dim 128). Pipelining stages are capped
-    so the Q tile plus the staged K/V tiles fit in shared memory (fp32 with head_dim 128 does not
-    fit three stages: the launch fails with an out-of-resources error)."""
+def default_launch_config(group: int, head_dim: int, element_size: int = 2) -> dict:
+    """Tile shape for devices without a table entry: 64 x 64, 4 warps, up to 3 stages
+    (benchmarks/README.md, "Kernel choices"). Stages are capped so the Q tile plus the staged K/V
+    tiles fit in shared memory (else the launch fails: out of resources)."""
     block_m, block_n = max(64, triton.next_power_of_2(group)), 64
     q_bytes = block_m * head_dim * element_size
     kv_stage_bytes = 2 * block_n * head_dim * element_size
     stages = max(1, min(3, (SHARED_MEMORY_BUDGET - q_bytes) // kv_stage_bytes))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=stages)
+
+
+def tuning_key(group: int, head_dim: int, element_size: int) -> str:
+    """The shape key of `tuning/prefill_attention.json`."""
+    return tuning.shape_key(group=group, head_dim=head_dim, element_size=element_size)
+
+
+@functools.lru_cache(maxsize=None)
+def launch_config(group: int, head_dim: int, element_size: int, device_name: str | None = None) -> Mapping:
+    """The table's config on the named device, else the default; read-only, cached."""
+    config = tuning.lookup("prefill_attention", tuning_key(group, head_dim, element_size), device_name)
+    return MappingProxyType(config or default_launch_config(group, head_dim, element_size))
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -143,7 +157,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    config = _prefill_launch_config(group, head_dim, k_cache.element_size())
+    config = launch_config(group, head_dim, k_cache.element_size(),
+                                    tuning.device_name(query.device))
     block_m = block_m or config["BLOCK_M"]
     block_n = block_n or config["BLOCK_N"]
     block_q = block_m // group
