@@ -2,7 +2,8 @@
 
 Closed-loop streaming clients at each concurrency C (see benchmarks/serving_load.py) send the
 same requests to each target: `ensemble` over gRPC (tritonclient `async_stream_infer`) and HTTP
-`generate_stream`, `tensorrt_llm_bls` over gRPC and `tensorrt_llm` (token ids) over gRPC. In the
+`generate_stream`, `tensorrt_llm_bls` over gRPC and `tensorrt_llm` (token ids) over gRPC, and on
+request perf_analyzer's C++ clients (`ensemble:perf_analyzer`, see serving_perf_analyzer.py). In the
 same run the engine alone (an in-process `Executor` with the same settings) serves the same
 prompt ids in the same closed loop: the reference for what the Triton path costs. Output lengths
 are exact (min_tokens = max_tokens, or end_id = -1 with `--exact-with end_id`).
@@ -33,8 +34,11 @@ from pathlib import Path
 
 from benchmarks.serving_load import (
     LoadRequest, Target, engine_closed_loop, generate_once, run_clients, summarize)
+from benchmarks.serving_perf_analyzer import perf_analyzer_records
 
 TARGETS = ("ensemble:grpc", "ensemble:http", "tensorrt_llm_bls:grpc", "tensorrt_llm:grpc")
+# The same load from perf_analyzer (C++ clients) where it is installed; text models only.
+PERF_ANALYZER_TARGETS = ("ensemble:perf_analyzer", "tensorrt_llm_bls:perf_analyzer")
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -152,13 +156,16 @@ def run_server_loads(settings, requests, args, expected, server_log: Path) -> tu
                     args.processes)
         for spec in args.targets:
             model, kind = spec.split(":")
-            url = server.grpc_url if kind == "grpc" else server.http_url
+            url = server.http_url if kind == "http" else server.grpc_url
             for c in args.concurrency:
                 load = requests[:requests_at(c, args)]
-                records = run_clients(Target(kind, model, url, args.exact_with), load, c,
-                                      args.processes)
+                if kind == "perf_analyzer":
+                    records = perf_analyzer_records(url, model, load, c, args.exact_with)
+                else:
+                    records = run_clients(Target(kind, model, url, args.exact_with), load, c,
+                                          args.processes)
                 row = {"target": spec, "concurrency": c, **summarize(records, load)}
-                if expected:
+                if expected and kind != "perf_analyzer":       # it keeps no outputs here
                     row["wrong_outputs"] = count_wrong(records, expected, model == "tensorrt_llm")
                 rows.append(row)
                 _print(row)
@@ -243,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--isl", default="128:512")
     p.add_argument("--osl", default="128")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--targets", nargs="+", default=list(TARGETS), choices=TARGETS)
+    p.add_argument("--targets", nargs="+", default=list(TARGETS),
+                   choices=TARGETS + PERF_ANALYZER_TARGETS)
     p.add_argument("--exact-with", default="min_tokens", choices=("min_tokens", "end_id"))
     p.add_argument("--processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                    help="client processes")

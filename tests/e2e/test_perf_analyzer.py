@@ -75,3 +75,21 @@ def test_streaming_load_without_failures(triton, perf_analyzer, tmp_path):
         time.sleep(0.2)
     assert failed == 0, f"{failed} failed requests\n" + result.stdout[-3000:]
     assert succeeded >= len(requests), f"{succeeded} successes for {len(requests)} requests"
+
+
+def test_serving_benchmark_reads_perf_analyzer_records(triton, perf_analyzer, tokenizer):
+    """benchmarks.serving's perf_analyzer target: each measured request is matched to its prompt
+    and streams exactly its (exact) output length."""
+    from benchmarks.serving_load import LoadRequest, summarize
+    from benchmarks.serving_perf_analyzer import perf_analyzer_records
+    from preprocessing.tokenizer import encode
+
+    texts = ["Hello, my name is", "The capital of France is", "Le café à côté de l'église est"]
+    requests = [LoadRequest(t, encode(tokenizer, t), 3 + i) for i, t in enumerate(texts)]
+    records = perf_analyzer_records(triton.grpc, "ensemble", requests, 2, "min_tokens")
+    assert len(records) >= 3 and {r.index for r in records} == {0, 1, 2}
+    assert all(r.error is None and 1 <= r.responses <= requests[r.index].output_len
+               for r in records)
+    summary = summarize(records, requests)
+    assert summary["failed"] == 0
+    assert summary["output_tokens"] == sum(requests[r.index].output_len for r in records)
