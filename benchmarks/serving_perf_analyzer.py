@@ -40,27 +40,34 @@ def perf_analyzer_records(url: str, model: str, requests: list[LoadRequest], con
     problem = pa.missing()
     if problem:
         raise RuntimeError(f"perf_analyzer cannot run: {problem}")
+    entries = input_data(model, requests, exact_with)
     with tempfile.TemporaryDirectory(prefix="pa-") as tmp:
         data = Path(tmp) / "input_data.json"
-        data.write_text(json.dumps(input_data(model, requests, exact_with)))
-        export = Path(tmp) / "export.json"
-        shapes = [f"{name}:{len(values)}" for name, values in
-                  input_data(model, requests[:1], exact_with)["data"][0].items()
-                  if name != "input_ids"]
+        data.write_text(json.dumps(entries))
+        shapes = [f"{name}:{len(values)}" for name, values in entries["data"][0].items()]
         args = ["-m", model, "-u", url, "-i", "grpc", "--async", "--streaming",
                 "--input-data", str(data), "--concurrency-range", str(concurrency),
                 "--measurement-mode", "count_windows",
                 "--measurement-request-count", str(max(concurrency, len(requests) // TRIALS)),
-                "--stability-percentage", "999", "--max-trials", str(TRIALS),
-                "--profile-export-file", str(export)]
+                "--stability-percentage", "999", "--max-trials", str(TRIALS)]
         for shape in shapes:
             args += ["--shape", shape]
-        result = pa.run(args, capture_output=True, text=True, timeout=timeout_s)
-        if result.returncode != 0 or not export.exists():
-            raise RuntimeError(f"perf_analyzer failed ({result.returncode}):\n"
-                               + (result.stdout + result.stderr)[-3000:])
+        # It has exited 0 with an empty export now and then: run again, into a new file (it
+        # refuses to write over one).
+        for attempt in range(3):
+            export = Path(tmp) / f"export_{attempt}.json"
+            result = pa.run(args + ["--profile-export-file", str(export)], capture_output=True,
+                            text=True, timeout=timeout_s)
+            if result.returncode != 0:
+                raise RuntimeError(f"perf_analyzer failed ({result.returncode}):\n"
+                                   + (result.stdout + result.stderr)[-3000:])
+            if export.exists() and export.read_text().strip():
+                break
+        else:
+            raise RuntimeError("perf_analyzer left an empty profile export three times:\n"
+                               + result.stdout[-3000:])
         experiments = json.loads(export.read_text())["experiments"]
-    index = {_key(e): i for i, e in enumerate(input_data(model, requests, exact_with)["data"])}
+    index = {_key(e): i for i, e in enumerate(entries["data"])}
     records = []
     for experiment in experiments:
         for req in experiment["requests"]:
