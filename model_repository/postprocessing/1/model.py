@@ -12,7 +12,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ensemble.environment import check_stub_numpy
-from ensemble.params import get_bool, parameters, tokenizer_dir, triton_error
+from ensemble.params import get_setting, parameters, tokenizer_dir, triton_error
 from ensemble.stub_watch import dismiss, watch_stub
 from postprocessing.detokenizer import text_delta
 from preprocessing.tokenizer import load_tokenizer
@@ -24,7 +24,7 @@ class TritonPythonModel:
         check_stub_numpy()
         params = parameters(args["model_config"])
         self.tokenizer = load_tokenizer(tokenizer_dir(params))
-        self.skip_special_tokens = get_bool(params, "skip_special_tokens", True)
+        self.skip_special_tokens = get_setting(params, "skip_special_tokens")
         self.stop_forwarder = StopForwarder()
         self.stub_watch = watch_stub(args["model_name"])  # last: a failed load is not a death
 

@@ -8,7 +8,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ensemble.environment import check_stub_numpy
-from ensemble.params import get_bool, get_int, parameters, tokenizer_dir, triton_error
+from ensemble.params import get_setting, parameters, tokenizer_dir, triton_error
 from ensemble.stub_watch import dismiss, watch_stub
 from preprocessing.prompt import encode_prompt
 from preprocessing.tokenizer import default_end_id, default_pad_id, load_tokenizer
@@ -26,9 +26,9 @@ class TritonPythonModel:
         check_stub_numpy()
         params = parameters(args["model_config"])
         self.tokenizer = load_tokenizer(tokenizer_dir(params))
-        self.add_special_tokens = get_bool(params, "add_special_tokens", True)
-        self.default_max_tokens = get_int(params, "default_max_tokens", 64)
-        self.apply_chat_template = get_bool(params, "apply_chat_template", False)
+        self.add_special_tokens = get_setting(params, "add_special_tokens")
+        self.default_max_tokens = get_setting(params, "default_max_tokens")
+        self.apply_chat_template = get_setting(params, "apply_chat_template")
         self.vocab_size = len(self.tokenizer)
         self.end_id = default_end_id(self.tokenizer)
         self.pad_id = default_pad_id(self.tokenizer)

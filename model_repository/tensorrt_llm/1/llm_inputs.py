@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backend.sampling_params import SamplingParams
+from ensemble.settings import ServeSettings
 from preprocessing.word_lists import decode_word_list
 
 INT_INPUTS = ("input_lengths", "request_output_len", "end_id", "pad_id", "beam_width",
@@ -27,6 +28,7 @@ SEED_INPUTS = ("seed", "random_seed")
 # tensorrt_llm input -> the ensemble input it comes from, for error messages users recognise
 ENSEMBLE_NAME = {"runtime_top_k": "top_k", "runtime_top_p": "top_p", "len_penalty": "length_penalty",
                  "request_output_len": "max_tokens", "streaming": "stream"}
+_SERVE = ServeSettings()  # the repository's defaults
 
 
 def label(name: str) -> str:
@@ -48,9 +50,9 @@ class RowRequest:
 
 @dataclass
 class Defaults:
-    max_tokens: int = 64
-    exclude_input_in_output: bool = True
-    decoupled: bool = True          # the model's transaction policy: streaming needs it
+    max_tokens: int = _SERVE.default_max_tokens
+    exclude_input_in_output: bool = _SERVE.exclude_input_in_output
+    decoupled: bool = _SERVE.decoupled_mode  # the model's transaction policy: streaming needs it
 
 
 def batch_size(tensors: dict[str, np.ndarray]) -> int:

@@ -17,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 from backend.config import EngineConfig
 from backend.engine_process import EngineProcess
 from ensemble.environment import check_stub_numpy
-from ensemble.params import engine_kwargs, get_bool, get_int, parameters, triton_error
+from ensemble.params import engine_kwargs, get_setting, parameters, triton_error
 from ensemble.stub_watch import dismiss, watch_stub
 from llm_inputs import Defaults, convert_request, is_stop_request
 from llm_metrics import LlmMetrics
@@ -38,11 +38,11 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(
             json.loads(args["model_config"]))
         self.defaults = Defaults(
-            max_tokens=get_int(params, "default_max_tokens", 64),
-            exclude_input_in_output=get_bool(params, "exclude_input_in_output", True),
+            max_tokens=get_setting(params, "default_max_tokens"),
+            exclude_input_in_output=get_setting(params, "exclude_input_in_output"),
             decoupled=self.decoupled)
-        self.cancel_period_s = get_int(params, "cancellation_check_period_ms", 100) / 1000
-        self.stats_period_s = get_int(params, "stats_check_period_ms", 200) / 1000
+        self.cancel_period_s = get_setting(params, "cancellation_check_period_ms") / 1000
+        self.stats_period_s = get_setting(params, "stats_check_period_ms") / 1000
         self.engine = EngineProcess(self.config)
         self.metrics = LlmMetrics(args["model_name"], args["model_version"],
                                   self.config.max_batch_size)
