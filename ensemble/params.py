@@ -91,12 +91,3 @@ def tokenizer_dir(params: dict[str, str]) -> str:
         return explicit
     from backend.model_paths import resolve_model  # noqa: PLC0415 - only when needed
     return resolve_model(get_setting(params, "model_path"))
-
-
-def triton_error(message: str, code_name: str = "INVALID_ARG"):
-    """A Triton error with a code (INVALID_ARG = HTTP 400) where the stub has it; only callable
-    inside the Python backend, which provides `triton_python_backend_utils`."""
-    import triton_python_backend_utils as pb_utils
-
-    code = getattr(pb_utils.TritonError, code_name, None)
-    return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)

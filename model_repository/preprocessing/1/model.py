@@ -5,10 +5,10 @@ Errors name the ensemble input the user sent (text_input, max_tokens, stop_words
 from __future__ import annotations
 
 import numpy as np
-import triton_python_backend_utils as pb_utils
 
 from ensemble.environment import check_stub_numpy
-from ensemble.params import get_setting, parameters, tokenizer_dir, triton_error
+from ensemble.params import get_setting, parameters, tokenizer_dir
+from ensemble.request_loop import respond
 from ensemble.stub_watch import dismiss, watch_stub
 from preprocessing.prompt import encode_prompt
 from preprocessing.tokenizer import default_end_id, default_pad_id, load_tokenizer
@@ -38,15 +38,7 @@ class TritonPythonModel:
         dismiss(self.stub_watch)
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                tensors = {t.name(): t.as_numpy() for t in request.inputs()}
-                responses.append(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor(name, value) for name, value in self.convert(tensors).items()]))
-            except ValueError as exc:
-                responses.append(pb_utils.InferenceResponse(error=triton_error(str(exc))))
-        return responses
+        return respond("preprocessing", requests, lambda request, inputs: self.convert(inputs))
 
     def convert(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if "QUERY" not in tensors:
