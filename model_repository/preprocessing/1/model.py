@@ -10,15 +10,12 @@ from ensemble.environment import check_stub_numpy
 from ensemble.params import get_setting, parameters, tokenizer_dir
 from ensemble.request_loop import respond
 from ensemble.stub_watch import dismiss, watch_stub
+from ensemble.tensors import ensemble_names
 from preprocessing.prompt import encode_prompt
 from preprocessing.tokenizer import default_end_id, default_pad_id, load_tokenizer
 from preprocessing.word_lists import embedding_bias, encode_word_list, parse_words
 
-# preprocessing input -> the ensemble input users know it as
-FIELD = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
-         "STOP_WORDS_DICT": "stop_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
-         "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights", "END_ID": "end_id",
-         "PAD_ID": "pad_id", "APPLY_CHAT_TEMPLATE": "apply_chat_template"}
+FIELD = ensemble_names("preprocessing")  # preprocessing input -> the ensemble input users know
 
 
 class TritonPythonModel:
