@@ -26,35 +26,35 @@ def is_unset(text: str | None) -> bool:
     return text is None or text.strip() in ("", "auto") or text.strip().startswith("${")
 
 
-def get_str(params: dict[str, str], key: str, default: str | None = None) -> str | None:
+def get_str(params: dict[str, str], key: str) -> str | None:
     text = params.get(key)
-    return default if is_unset(text) else text.strip()
+    return None if is_unset(text) else text.strip()
 
 
-def get_int(params: dict[str, str], key: str, default: int | None = None) -> int | None:
+def get_int(params: dict[str, str], key: str) -> int | None:
     text = get_str(params, key)
     if text is None:
-        return default
+        return None
     try:
         return int(text)
     except ValueError:
         raise ValueError(f"parameter {key} must be an integer, got {text!r}") from None
 
 
-def get_float(params: dict[str, str], key: str, default: float | None = None) -> float | None:
+def get_float(params: dict[str, str], key: str) -> float | None:
     text = get_str(params, key)
     if text is None:
-        return default
+        return None
     try:
         return float(text)
     except ValueError:
         raise ValueError(f"parameter {key} must be a number, got {text!r}") from None
 
 
-def get_bool(params: dict[str, str], key: str, default: bool | None = None) -> bool | None:
+def get_bool(params: dict[str, str], key: str) -> bool | None:
     text = get_str(params, key)
     if text is None:
-        return default
+        return None
     if text.lower() in _TRUE:
         return True
     if text.lower() in _FALSE:

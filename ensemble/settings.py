@@ -55,17 +55,12 @@ class ServeSettings(EngineConfig):
     def validate(self) -> None:
         """Raise ValueError naming the field and the rule for the first invalid value."""
         super().validate()
-        positive = ("default_max_tokens", "triton_max_batch_size", "preprocessing_instance_count",
-                    "postprocessing_instance_count", "bls_instance_count",
-                    "cancellation_check_period_ms", "stats_check_period_ms")
-        for name in positive:
-            check_int(name, getattr(self, name), low=1)
-        check_int("max_queue_delay_microseconds", self.max_queue_delay_microseconds, low=0)
-        for name in ("http_port", "grpc_port", "metrics_port"):
-            check_int(name, getattr(self, name), low=0)
-            if getattr(self, name) > 65535:
-                raise ValueError(f"{name} must be <= 65535, got {getattr(self, name)}")
-        ports = [self.http_port, self.grpc_port, self.metrics_port]
+        for name, low in _LOWEST.items():
+            check_int(name, getattr(self, name), low=low)
+        ports = [getattr(self, name) for name in _PORTS]
+        for name, port in zip(_PORTS, ports):
+            if port > 65535:
+                raise ValueError(f"{name} must be <= 65535, got {port}")
         if len({p for p in ports if p}) != len([p for p in ports if p]):
             raise ValueError(f"http_port, grpc_port and metrics_port must differ, got {ports}")
 
@@ -75,6 +70,14 @@ class ServeSettings(EngineConfig):
     def engine_parameters(self) -> dict[str, str]:
         """The `tensorrt_llm` parameters as config.pbtxt string values."""
         return {name: to_param(getattr(self, name)) for name in ENGINE_FIELDS}
+
+
+_PORTS = ("http_port", "grpc_port", "metrics_port")  # 0 = the port is not used
+# The least value of each of the repository's integers (EngineConfig checks its own).
+_LOWEST = {"default_max_tokens": 1, "triton_max_batch_size": 1, "preprocessing_instance_count": 1,
+           "postprocessing_instance_count": 1, "bls_instance_count": 1,
+           "max_queue_delay_microseconds": 0, "cancellation_check_period_ms": 1,
+           "stats_check_period_ms": 1, **{name: 0 for name in _PORTS}}
 
 
 def to_param(value) -> str:

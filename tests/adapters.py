@@ -1,9 +1,10 @@
 """Helpers for tests of the Triton adapters (model_repository/<model>/1/*.py) without Triton.
 
-`load_adapter` imports an adapter's module by path. Triton's stub puts a model's `1/` directory on sys.path and imports `model`; every model has a
-`model.py`, so tests import each file under a name of its own instead (`adapters.<model>.<module>`),
-leaving sys.path alone. A module that imports a sibling by its plain name (as the stub allows)
-cannot be loaded this way; the conversions under test import only our packages.
+`load_adapter` imports an adapter's module by path. Triton's stub puts a model's `1/` directory
+on sys.path and imports `model`; every model has a `model.py`, so tests import each file under a
+name of its own instead (`adapters.<model>.<module>`), leaving sys.path alone. A module that
+imports a sibling by its plain name (as the stub allows) cannot be loaded this way; the
+conversions under test import only our packages.
 """
 from __future__ import annotations
 
