@@ -1,15 +1,19 @@
-"""Engine configuration: one dataclass, names as in TensorRT-LLM where one exists."""
+"""Engine configuration: one frozen dataclass, names as in TensorRT-LLM where one exists.
+
+It is checked when made, so no part of the engine sees a bad value, and it cannot change after.
+The served repository's settings (ensemble/settings.py) inherit its fields, defaults and checks.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backend.validation import check_int
+from backend.validation import check_fields, check_int
 
 SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: str = "default"           # "default", a HF directory, a .gguf file or a preset name
     tokenizer_dir: str | None = None      # defaults to the model directory
@@ -32,20 +36,24 @@ class EngineConfig:
     # None = on for CUDA, off on CPU (nothing to overlap with). True forces it on (tests on CPU).
     overlap_scheduling: bool | None = None
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        for name in ("max_batch_size", "max_num_tokens"):
-            check_int(name, getattr(self, name), low=1)
-        for name in ("max_seq_len", "tokens_per_block", "max_tokens_in_paged_kv_cache"):
+        """Raise ValueError naming the first invalid field and the rule it breaks."""
+        check_fields(self)
+        for name, low in _LOWEST.items():
             if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), low=1)
-        fraction = self.kv_cache_free_gpu_mem_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
-            raise ValueError(f"kv_cache_free_gpu_mem_fraction must be in (0, 1], got {fraction!r}")
-        if self.batch_scheduler_policy not in SCHEDULER_POLICIES:
-            raise ValueError(f"batch_scheduler_policy must be one of {SCHEDULER_POLICIES}, "
-                             f"got {self.batch_scheduler_policy!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
-        for name in ("max_queue_size", "seed"):
-            check_int(name, getattr(self, name), low=0)
+                check_int(name, getattr(self, name), low=low)
+        if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
+            raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1], "
+                             f"got {self.kv_cache_free_gpu_mem_fraction!r}")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+
+
+# The least value of each integer field (types are checked from the annotations).
+_LOWEST = {"max_batch_size": 1, "max_num_tokens": 1, "max_seq_len": 1, "tokens_per_block": 1,
+           "max_tokens_in_paged_kv_cache": 1, "max_queue_size": 0, "seed": 0}
+_CHOICES = {"batch_scheduler_policy": SCHEDULER_POLICIES, "attention_backend": ATTENTION_BACKENDS}

@@ -1,12 +1,14 @@
 """Reading config.pbtxt `parameters` back into typed values (used by the models' initialize()).
 
-"auto", "" and an unfilled "${...}" placeholder all mean unset. A value that does not parse is an
-error naming the parameter, not a silent default.
+Each parameter is the `ServeSettings` field of its name: read as that field's type, its default
+when unset. "auto", "" and an unfilled "${...}" placeholder all mean unset. A value that does not
+parse is an error naming the parameter, not a silent default.
 """
 from __future__ import annotations
 
 import json
 
+from backend.validation import field_types
 from ensemble.settings import ENGINE_FIELDS, ServeSettings
 
 _TRUE = ("true", "1", "yes", "y", "t", "on")
@@ -24,35 +26,35 @@ def is_unset(text: str | None) -> bool:
     return text is None or text.strip() in ("", "auto") or text.strip().startswith("${")
 
 
-def get_str(params: dict[str, str], key: str, default: str | None = None) -> str | None:
+def get_str(params: dict[str, str], key: str) -> str | None:
     text = params.get(key)
-    return default if is_unset(text) else text.strip()
+    return None if is_unset(text) else text.strip()
 
 
-def get_int(params: dict[str, str], key: str, default: int | None = None) -> int | None:
+def get_int(params: dict[str, str], key: str) -> int | None:
     text = get_str(params, key)
     if text is None:
-        return default
+        return None
     try:
         return int(text)
     except ValueError:
         raise ValueError(f"parameter {key} must be an integer, got {text!r}") from None
 
 
-def get_float(params: dict[str, str], key: str, default: float | None = None) -> float | None:
+def get_float(params: dict[str, str], key: str) -> float | None:
     text = get_str(params, key)
     if text is None:
-        return default
+        return None
     try:
         return float(text)
     except ValueError:
         raise ValueError(f"parameter {key} must be a number, got {text!r}") from None
 
 
-def get_bool(params: dict[str, str], key: str, default: bool | None = None) -> bool | None:
+def get_bool(params: dict[str, str], key: str) -> bool | None:
     text = get_str(params, key)
     if text is None:
-        return default
+        return None
     if text.lower() in _TRUE:
         return True
     if text.lower() in _FALSE:
@@ -60,36 +62,32 @@ def get_bool(params: dict[str, str], key: str, default: bool | None = None) -> b
     raise ValueError(f"parameter {key} must be true or false, got {text!r}")
 
 
+_READERS = {bool: get_bool, int: get_int, float: get_float, str: get_str}
+_DEFAULTS = ServeSettings()
+
+
+def _read(params: dict[str, str], name: str):
+    """The parameter as its ServeSettings field's type; None when unset."""
+    return _READERS[field_types(ServeSettings)[name][0]](params, name)
+
+
+def get_setting(params: dict[str, str], name: str):
+    """The parameter of a ServeSettings field, or that field's default when unset."""
+    value = _read(params, name)
+    return getattr(_DEFAULTS, name) if value is None else value
+
+
 def engine_kwargs(params: dict[str, str]) -> dict:
     """The set engine parameters as keyword arguments of backend.config.EngineConfig."""
-    defaults = ServeSettings()
-    readers = {bool: get_bool, int: get_int, float: get_float}
-    kwargs = {}
-    for name in ENGINE_FIELDS:
-        default = getattr(defaults, name)
-        reader = readers.get(type(default), get_str)
-        if name in ("max_seq_len", "tokens_per_block", "max_tokens_in_paged_kv_cache"):
-            reader = get_int
-        value = reader(params, name)
-        if value is not None:
-            kwargs[name] = value
-    return kwargs
+    values = {name: _read(params, name) for name in ENGINE_FIELDS}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def tokenizer_dir(params: dict[str, str]) -> str:
     """The `tokenizer_dir` parameter, else the directory the engine loads `model_path` from
     (resolving "default" or a .gguf imports the engine's loader, so only when needed)."""
-    explicit = get_str(params, "tokenizer_dir")
+    explicit = get_setting(params, "tokenizer_dir")
     if explicit:
         return explicit
     from backend.model_paths import resolve_model  # noqa: PLC0415 - only when needed
-    return resolve_model(get_str(params, "model_path", "default"))
-
-
-def triton_error(message: str, code_name: str = "INVALID_ARG"):
-    """A Triton error with a code (INVALID_ARG = HTTP 400) where the stub has it; only callable
-    inside the Python backend, which provides `triton_python_backend_utils`."""
-    import triton_python_backend_utils as pb_utils
-
-    code = getattr(pb_utils.TritonError, code_name, None)
-    return pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+    return resolve_model(get_setting(params, "model_path"))

@@ -2,6 +2,9 @@
 
 Shapes exclude the batch dimension (every model has max_batch_size > 0). The ensemble's steps are
 declared here too, so that `render.py` writes them and `wiring.py` checks them from one source.
+The values a client sends are one table (REQUEST_INPUTS: each one's name in every model that takes
+it, and its type); the models' inputs, the ensemble's routing and the adapters' names for errors
+and per-type readers are derived from it.
 """
 from __future__ import annotations
 
@@ -57,54 +60,73 @@ LLM_SIDE_OUTPUTS = (
     Tensor("finish_reason", "STRING"),
 ) + PERF_OUTPUTS
 
-# ---- ensemble / BLS (text in, text out) ----------------------------------------------------------
+# ---- request inputs: one row per value a client sends, with its name in each model --------------
+@dataclass(frozen=True)
+class RequestInput:
+    """Its name at `ensemble` and `tensorrt_llm_bls`, at `tensorrt_llm` (same type) and at
+    `preprocessing` (None: not an input there). Where both name it, preprocessing reads it and
+    hands it on to tensorrt_llm; otherwise the ensemble sends it straight to tensorrt_llm."""
+
+    ensemble: str
+    llm: str | None
+    preprocessing: str | None
+    dtype: str
+    dims: tuple[int, ...] = (1,)
+
+
 # text_input is required, but declared optional and checked by preprocessing: Triton 2.51 answers
 # a decoupled ensemble request that lacks a required input with an empty response, no error.
-TEXT_INPUTS = (
-    _opt("text_input", "STRING"),
-    _opt("max_tokens", "INT32"),
-    _opt("num_return_sequences", "INT32"),
-    _opt("bad_words", "STRING", (-1,)),
-    _opt("stop_words", "STRING", (-1,)),
-    _opt("exclude_input_in_output", "BOOL"),
-    _opt("end_id", "INT32"),
-    _opt("pad_id", "INT32"),
-    _opt("top_k", "INT32"),
-    _opt("top_p", "FP32"),
-    _opt("temperature", "FP32"),
-    _opt("length_penalty", "FP32"),
-    _opt("repetition_penalty", "FP32"),
-    _opt("min_tokens", "INT32"),
-    _opt("min_length", "INT32"),
-    _opt("presence_penalty", "FP32"),
-    _opt("frequency_penalty", "FP32"),
-    _opt("seed", "UINT64"),
-    _opt("random_seed", "UINT64"),
-    _opt("return_log_probs", "BOOL"),
-    _opt("return_context_logits", "BOOL"),
-    _opt("return_generation_logits", "BOOL"),
-    _opt("return_perf_metrics", "BOOL"),
-    _opt("beam_width", "INT32"),
-    _opt("stream", "BOOL"),
-    _opt("embedding_bias_words", "STRING", (-1,)),
-    _opt("embedding_bias_weights", "FP32", (-1,)),
-    _opt("apply_chat_template", "BOOL"),
+_ROWS = (  # ensemble input, tensorrt_llm input, preprocessing input, type[, dims]
+    ("text_input",               None,                       "QUERY",                  "STRING"),
+    ("max_tokens",               "request_output_len",       "REQUEST_OUTPUT_LEN",     "INT32"),
+    ("num_return_sequences",     "num_return_sequences",     None,                     "INT32"),
+    ("bad_words",                None,                       "BAD_WORDS_DICT",         "STRING", (-1,)),
+    ("stop_words",               None,                       "STOP_WORDS_DICT",        "STRING", (-1,)),
+    ("exclude_input_in_output",  "exclude_input_in_output",  None,                     "BOOL"),
+    ("end_id",                   "end_id",                   "END_ID",                 "INT32"),
+    ("pad_id",                   "pad_id",                   "PAD_ID",                 "INT32"),
+    ("top_k",                    "runtime_top_k",            None,                     "INT32"),
+    ("top_p",                    "runtime_top_p",            None,                     "FP32"),
+    ("temperature",              "temperature",              None,                     "FP32"),
+    ("length_penalty",           "len_penalty",              None,                     "FP32"),
+    ("repetition_penalty",       "repetition_penalty",       None,                     "FP32"),
+    ("min_tokens",               "min_tokens",               None,                     "INT32"),
+    ("min_length",               "min_length",               None,                     "INT32"),
+    ("presence_penalty",         "presence_penalty",         None,                     "FP32"),
+    ("frequency_penalty",        "frequency_penalty",        None,                     "FP32"),
+    ("seed",                     "seed",                     None,                     "UINT64"),
+    ("random_seed",              "random_seed",              None,                     "UINT64"),
+    ("return_log_probs",         "return_log_probs",         None,                     "BOOL"),
+    ("return_context_logits",    "return_context_logits",    None,                     "BOOL"),
+    ("return_generation_logits", "return_generation_logits", None,                     "BOOL"),
+    ("return_perf_metrics",      "return_perf_metrics",      None,                     "BOOL"),
+    ("beam_width",               "beam_width",               None,                     "INT32"),
+    ("stream",                   "streaming",                None,                     "BOOL"),
+    ("embedding_bias_words",     None,                       "EMBEDDING_BIAS_WORDS",   "STRING", (-1,)),
+    ("embedding_bias_weights",   None,                       "EMBEDDING_BIAS_WEIGHTS", "FP32",   (-1,)),
+    ("apply_chat_template",      None,                       "APPLY_CHAT_TEMPLATE",    "BOOL"),
 )
+REQUEST_INPUTS = tuple(RequestInput(*row) for row in _ROWS)
+
+
+def ensemble_names(model: str) -> dict[str, str]:
+    """{input of `model` ("preprocessing" or "tensorrt_llm"): the ensemble input it carries}."""
+    column = {"preprocessing": "preprocessing", "tensorrt_llm": "llm"}[model]
+    return {getattr(r, column): r.ensemble for r in REQUEST_INPUTS if getattr(r, column)}
+
+
+def _inputs(column: str) -> tuple[Tensor, ...]:
+    return tuple(_opt(getattr(r, column), r.dtype, r.dims) for r in REQUEST_INPUTS
+                 if getattr(r, column))
+
+
+# ---- ensemble / BLS (text in, text out) ----------------------------------------------------------
+TEXT_INPUTS = _inputs("ensemble")
 TEXT_OUTPUTS = (Tensor("text_output", "STRING", (-1,)),) + LLM_SIDE_OUTPUTS
 
 # ---- preprocessing -------------------------------------------------------------------------------
 PREPROCESSING = ModelIO(
-    inputs=(
-        _opt("QUERY", "STRING"),
-        _opt("REQUEST_OUTPUT_LEN", "INT32"),
-        _opt("BAD_WORDS_DICT", "STRING", (-1,)),
-        _opt("STOP_WORDS_DICT", "STRING", (-1,)),
-        _opt("EMBEDDING_BIAS_WORDS", "STRING", (-1,)),
-        _opt("EMBEDDING_BIAS_WEIGHTS", "FP32", (-1,)),
-        _opt("END_ID", "INT32"),
-        _opt("PAD_ID", "INT32"),
-        _opt("APPLY_CHAT_TEMPLATE", "BOOL"),
-    ),
+    inputs=_inputs("preprocessing"),
     outputs=(
         Tensor("INPUT_ID", "INT32", (-1,)),
         Tensor("REQUEST_INPUT_LEN", "INT32"),
@@ -133,33 +155,10 @@ TENSORRT_LLM = ModelIO(
     inputs=(
         _opt("input_ids", "INT32", (-1,), ragged=True),
         _opt("input_lengths", "INT32"),
-        _opt("request_output_len", "INT32"),
-        _opt("end_id", "INT32"),
-        _opt("pad_id", "INT32"),
         _opt("stop_words_list", "INT32", (2, -1), ragged=True),
         _opt("bad_words_list", "INT32", (2, -1), ragged=True),
         _opt("embedding_bias", "FP32", (-1,), ragged=True),
-        _opt("beam_width", "INT32"),
-        _opt("temperature", "FP32"),
-        _opt("runtime_top_k", "INT32"),
-        _opt("runtime_top_p", "FP32"),
-        _opt("len_penalty", "FP32"),
-        _opt("repetition_penalty", "FP32"),
-        _opt("presence_penalty", "FP32"),
-        _opt("frequency_penalty", "FP32"),
-        _opt("min_tokens", "INT32"),
-        _opt("min_length", "INT32"),
-        _opt("seed", "UINT64"),
-        _opt("random_seed", "UINT64"),
-        _opt("return_log_probs", "BOOL"),
-        _opt("return_context_logits", "BOOL"),
-        _opt("return_generation_logits", "BOOL"),
-        _opt("return_perf_metrics", "BOOL"),
-        _opt("exclude_input_in_output", "BOOL"),
-        _opt("streaming", "BOOL"),
-        _opt("stop", "BOOL"),
-        _opt("num_return_sequences", "INT32"),
-    ),
+    ) + _inputs("llm") + (_opt("stop", "BOOL"),),
     outputs=(
         Tensor("output_ids", "INT32", (-1, -1)),
         Tensor("sequence_length", "INT32", (-1,)),
@@ -179,12 +178,6 @@ POSTPROCESSING = ModelIO(
 )
 
 # ---- ensemble ------------------------------------------------------------------------------------
-_PRE_FROM_ENSEMBLE = {
-    "QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
-    "STOP_WORDS_DICT": "stop_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
-    "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights", "END_ID": "end_id", "PAD_ID": "pad_id",
-    "APPLY_CHAT_TEMPLATE": "apply_chat_template",
-}
 _PRE_TO_LLM = {  # preprocessing output -> (internal tensor, tensorrt_llm input)
     "INPUT_ID": ("_INPUT_ID", "input_ids"),
     "REQUEST_INPUT_LEN": ("_REQUEST_INPUT_LEN", "input_lengths"),
@@ -195,18 +188,8 @@ _PRE_TO_LLM = {  # preprocessing output -> (internal tensor, tensorrt_llm input)
     "OUT_END_ID": ("_PREPROCESSOR_END_ID", "end_id"),
     "OUT_PAD_ID": ("_PREPROCESSOR_PAD_ID", "pad_id"),
 }
-_LLM_FROM_ENSEMBLE = {  # tensorrt_llm input -> ensemble input
-    "runtime_top_k": "top_k", "runtime_top_p": "top_p", "temperature": "temperature",
-    "len_penalty": "length_penalty", "repetition_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-    "min_tokens": "min_tokens", "min_length": "min_length", "seed": "seed",
-    "random_seed": "random_seed", "return_log_probs": "return_log_probs",
-    "return_context_logits": "return_context_logits",
-    "return_generation_logits": "return_generation_logits",
-    "return_perf_metrics": "return_perf_metrics", "beam_width": "beam_width",
-    "streaming": "stream", "exclude_input_in_output": "exclude_input_in_output",
-    "num_return_sequences": "num_return_sequences",
-}
+_LLM_FROM_ENSEMBLE = {  # tensorrt_llm input -> ensemble input, for those preprocessing does not read
+    r.llm: r.ensemble for r in REQUEST_INPUTS if r.llm and not r.preprocessing}
 _LLM_TO_POST = {  # tensorrt_llm output -> (internal tensor, postprocessing input)
     "detok_window_ids": ("_DETOK_WINDOW_IDS", "TOKENS_BATCH"),
     "detok_window_length": ("_DETOK_WINDOW_LENGTH", "SEQUENCE_LENGTH"),
@@ -219,7 +202,7 @@ ENSEMBLE = ModelIO(
     inputs=TEXT_INPUTS,
     outputs=TEXT_OUTPUTS,
     steps=(
-        Step("preprocessing", dict(_PRE_FROM_ENSEMBLE),
+        Step("preprocessing", ensemble_names("preprocessing"),
              {out: internal for out, (internal, _) in _PRE_TO_LLM.items()}),
         Step("tensorrt_llm",
              {**{inp: internal for internal, inp in _PRE_TO_LLM.values()}, **_LLM_FROM_ENSEMBLE},

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight Hugging Face model directories (see tests/tiny_models.py)."""
+"""Shared fixtures: tiny random-weight Hugging Face model directories (see tests/tiny_models.py)
+and real tokenizers (see tests/tokenizer_fixtures.py)."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +8,8 @@ import pytest
 # decorated for Triton's interpreter only if TRITON_INTERPRET=1 is already set.
 import tests.backend.triton_cpu  # noqa: F401
 from tests.tiny_models import save_tiny_hf_model
+from tests.tokenizer_fixtures import sentencepiece, smollm2  # noqa: F401 - fixtures
+
 
 @pytest.fixture
 def tiny_hf_model(tmp_path):

@@ -2,18 +2,18 @@
 outputs -> response tensors whose detokenization windows rebuild the exact text."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from backend.request import FinishReason, RequestOutput
 from ensemble.tensors import PERF_OUTPUTS, TENSORRT_LLM
+from tests.adapters import load_adapter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "model_repository/tensorrt_llm/1"))
-from llm_inputs import Defaults, convert_request, is_stop_request  # noqa: E402
-from llm_outputs import RowStream, stack_rows  # noqa: E402
+llm_inputs = load_adapter("tensorrt_llm", "llm_inputs")
+llm_outputs = load_adapter("tensorrt_llm", "llm_outputs")
+Defaults, convert_request, is_stop_request = (
+    llm_inputs.Defaults, llm_inputs.convert_request, llm_inputs.is_stop_request)
+RowStream, stack_rows = llm_outputs.RowStream, llm_outputs.stack_rows
 
 VOCAB = 1000
 
@@ -112,16 +112,10 @@ def _outputs(ids: list[int], steps: list[int]) -> list[RequestOutput]:
     return outs
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from backend.model_paths import resolve_model
-    from preprocessing.tokenizer import load_tokenizer
-    return load_tokenizer(resolve_model("default"))
-
-
 @pytest.mark.parametrize("echo", [False, True])
-def test_streamed_windows_rebuild_the_text(tokenizer, echo):
+def test_streamed_windows_rebuild_the_text(smollm2, echo):
     from postprocessing.detokenizer import text_delta
+    tokenizer = smollm2
     prompt = tokenizer.encode("Say it:")
     generated = tokenizer.encode(" こんにちは 🌊 café déjà vu, 你好！", add_special_tokens=False)
     steps = [1, 2, 1, 3, 1] + [1] * (len(generated) - 8)

@@ -1,18 +1,13 @@
 """Rendering: real values, the checked-in repository is what the defaults render, build copies code."""
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from ensemble.build import SOURCE_REPOSITORY, build_repository, stale_configs
 from ensemble.params import engine_kwargs, parameters
 from ensemble.render import MODEL_NAMES, render_configs
 from ensemble.settings import ENGINE_FIELDS, ServeSettings
-
-
-def _params(text: str) -> dict[str, str]:
-    return dict(re.findall(r'key: "([^"]+)"\n  value: \{ string_value: "([^"]*)" \}', text))
+from tests.adapters import rendered_parameters
 
 
 def test_checked_in_repository_is_what_the_defaults_render():
@@ -23,7 +18,7 @@ def test_no_placeholders_and_every_engine_parameter_rendered():
     configs = render_configs(ServeSettings())
     for text in configs.values():
         assert "${" not in text
-    llm = _params(configs["tensorrt_llm"])
+    llm = rendered_parameters(configs["tensorrt_llm"])
     for name in ENGINE_FIELDS + ("exclude_input_in_output", "default_max_tokens",
                                  "cancellation_check_period_ms", "stats_check_period_ms"):
         assert name in llm, name
@@ -35,7 +30,7 @@ def test_settings_reach_the_configs():
                       batch_scheduler_policy="max_utilization", triton_max_batch_size=16,
                       preprocessing_instance_count=3, bls_instance_count=2, default_max_tokens=7)
     configs = render_configs(s)
-    llm = _params(configs["tensorrt_llm"])
+    llm = rendered_parameters(configs["tensorrt_llm"])
     assert llm["model_path"] == "/models/llama"
     assert llm["max_batch_size"] == "8"
     assert llm["max_seq_len"] == "512"
@@ -43,7 +38,7 @@ def test_settings_reach_the_configs():
     assert llm["enable_kv_cache_reuse"] == "false"
     assert llm["batch_scheduler_policy"] == "max_utilization"
     assert llm["tokens_per_block"] == "auto"
-    assert _params(configs["preprocessing"])["default_max_tokens"] == "7"
+    assert rendered_parameters(configs["preprocessing"])["default_max_tokens"] == "7"
     for name in MODEL_NAMES:
         assert "max_batch_size: 16\n" in configs[name]
     assert "count: 3" in configs["preprocessing"]
@@ -61,7 +56,7 @@ def test_settings_reach_the_configs():
 def test_decoupled_mode_and_chat_template_settings():
     default = render_configs(ServeSettings())
     assert "model_transaction_policy" not in default["ensemble"]   # Triton infers it
-    assert _params(default["preprocessing"])["apply_chat_template"] == "false"
+    assert rendered_parameters(default["preprocessing"])["apply_chat_template"] == "false"
     plain = render_configs(ServeSettings(decoupled_mode=False, apply_chat_template=True))
     for name in ("tensorrt_llm", "tensorrt_llm_bls"):
         assert "model_transaction_policy {\n  decoupled: false\n}" in plain[name]
@@ -69,14 +64,14 @@ def test_decoupled_mode_and_chat_template_settings():
     assert "model_transaction_policy" not in plain["ensemble"]
     for name in ("preprocessing", "postprocessing"):
         assert "decoupled" not in plain[name]
-    assert _params(plain["preprocessing"])["apply_chat_template"] == "true"
+    assert rendered_parameters(plain["preprocessing"])["apply_chat_template"] == "true"
 
 
 def test_rendered_parameters_read_back_as_engine_config():
     s = ServeSettings(max_batch_size=8, max_seq_len=512, kv_cache_free_gpu_mem_fraction=0.5,
                       enable_chunked_context=False, device="cpu")
     text = render_configs(s)["tensorrt_llm"]
-    params = {k: v for k, v in _params(text).items()}
+    params = {k: v for k, v in rendered_parameters(text).items()}
     kwargs = engine_kwargs(params)
     assert kwargs["max_batch_size"] == 8 and kwargs["max_seq_len"] == 512
     assert kwargs["kv_cache_free_gpu_mem_fraction"] == 0.5
@@ -127,8 +122,8 @@ def test_cli_build_and_check(tmp_path, capsys):
     assert main(["build", "--out", str(tmp_path / "r"), "--max-batch-size", "3",
                  "--enable-kv-cache-reuse", "false", "--max-seq-len", "256"]) == 0
     text = (tmp_path / "r" / "tensorrt_llm" / "config.pbtxt").read_text()
-    assert _params(text)["max_batch_size"] == "3"
-    assert _params(text)["enable_kv_cache_reuse"] == "false"
+    assert rendered_parameters(text)["max_batch_size"] == "3"
+    assert rendered_parameters(text)["enable_kv_cache_reuse"] == "false"
     assert main(["check"]) == 0
     with pytest.raises(SystemExit):
         main(["build", "--out", str(tmp_path / "r"), "--max-batch-size", "0"])

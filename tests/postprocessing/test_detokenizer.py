@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from postprocessing.detokenizer import DETOKENIZE_CONTEXT, text_delta, window_start
-from tests.preprocessing.tokenizer_fixtures import smollm2_tokenizer_dir
+from tests.tokenizer_fixtures import smollm2_tokenizer_dir
 
 MULTIBYTE_TEXTS = [
     "Hello world 😀😀😀 🎉 日本語のテキスト café naïve Zürich crème brûlée",

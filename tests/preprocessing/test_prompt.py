@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from preprocessing.prompt import encode_prompt
 from preprocessing.tokenizer import Tokenizer, encode, load_tokenizer
-from tests.preprocessing.tokenizer_fixtures import (
+from tests.tokenizer_fixtures import (
     sentencepiece_tokenizer_dir,
     smollm2_tokenizer_dir,
 )

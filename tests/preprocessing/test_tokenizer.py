@@ -18,7 +18,7 @@ from preprocessing.tokenizer import (
     encode,
     load_tokenizer,
 )
-from tests.preprocessing.tokenizer_fixtures import (
+from tests.tokenizer_fixtures import (
     TRAINING_TEXT,
     sentencepiece_tokenizer_dir,
     smollm2_tokenizer_dir,

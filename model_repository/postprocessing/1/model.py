@@ -9,10 +9,10 @@ it stop the LLM when the ensemble request was cancelled (see stop_forwarder.py).
 from __future__ import annotations
 
 import numpy as np
-import triton_python_backend_utils as pb_utils
 
 from ensemble.environment import check_stub_numpy
-from ensemble.params import get_bool, parameters, tokenizer_dir, triton_error
+from ensemble.params import get_setting, parameters, tokenizer_dir
+from ensemble.request_loop import respond
 from ensemble.stub_watch import dismiss, watch_stub
 from postprocessing.detokenizer import text_delta
 from preprocessing.tokenizer import load_tokenizer
@@ -24,7 +24,7 @@ class TritonPythonModel:
         check_stub_numpy()
         params = parameters(args["model_config"])
         self.tokenizer = load_tokenizer(tokenizer_dir(params))
-        self.skip_special_tokens = get_bool(params, "skip_special_tokens", True)
+        self.skip_special_tokens = get_setting(params, "skip_special_tokens")
         self.stop_forwarder = StopForwarder()
         self.stub_watch = watch_stub(args["model_name"])  # last: a failed load is not a death
 
@@ -32,17 +32,12 @@ class TritonPythonModel:
         dismiss(self.stub_watch)
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                tensors = {t.name(): t.as_numpy() for t in request.inputs()}
-                text = self.convert(tensors)
-                self.forward_cancellation(request, tensors)
-                responses.append(pb_utils.InferenceResponse(
-                    output_tensors=[pb_utils.Tensor("OUTPUT", text)]))
-            except ValueError as exc:
-                responses.append(pb_utils.InferenceResponse(error=triton_error(str(exc))))
-        return responses
+        return respond("postprocessing", requests, self.answer)
+
+    def answer(self, request, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        text = self.convert(tensors)
+        self.forward_cancellation(request, tensors)
+        return {"OUTPUT": text}
 
     def forward_cancellation(self, request, tensors: dict[str, np.ndarray]) -> None:
         if "LLM_REQUEST_ID" in tensors:

@@ -5,20 +5,17 @@ Errors name the ensemble input the user sent (text_input, max_tokens, stop_words
 from __future__ import annotations
 
 import numpy as np
-import triton_python_backend_utils as pb_utils
 
 from ensemble.environment import check_stub_numpy
-from ensemble.params import get_bool, get_int, parameters, tokenizer_dir, triton_error
+from ensemble.params import get_setting, parameters, tokenizer_dir
+from ensemble.request_loop import respond
 from ensemble.stub_watch import dismiss, watch_stub
+from ensemble.tensors import ensemble_names
 from preprocessing.prompt import encode_prompt
 from preprocessing.tokenizer import default_end_id, default_pad_id, load_tokenizer
 from preprocessing.word_lists import embedding_bias, encode_word_list, parse_words
 
-# preprocessing input -> the ensemble input users know it as
-FIELD = {"QUERY": "text_input", "REQUEST_OUTPUT_LEN": "max_tokens", "BAD_WORDS_DICT": "bad_words",
-         "STOP_WORDS_DICT": "stop_words", "EMBEDDING_BIAS_WORDS": "embedding_bias_words",
-         "EMBEDDING_BIAS_WEIGHTS": "embedding_bias_weights", "END_ID": "end_id",
-         "PAD_ID": "pad_id", "APPLY_CHAT_TEMPLATE": "apply_chat_template"}
+FIELD = ensemble_names("preprocessing")  # preprocessing input -> the ensemble input users know
 
 
 class TritonPythonModel:
@@ -26,9 +23,9 @@ class TritonPythonModel:
         check_stub_numpy()
         params = parameters(args["model_config"])
         self.tokenizer = load_tokenizer(tokenizer_dir(params))
-        self.add_special_tokens = get_bool(params, "add_special_tokens", True)
-        self.default_max_tokens = get_int(params, "default_max_tokens", 64)
-        self.apply_chat_template = get_bool(params, "apply_chat_template", False)
+        self.add_special_tokens = get_setting(params, "add_special_tokens")
+        self.default_max_tokens = get_setting(params, "default_max_tokens")
+        self.apply_chat_template = get_setting(params, "apply_chat_template")
         self.vocab_size = len(self.tokenizer)
         self.end_id = default_end_id(self.tokenizer)
         self.pad_id = default_pad_id(self.tokenizer)
@@ -38,15 +35,7 @@ class TritonPythonModel:
         dismiss(self.stub_watch)
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                tensors = {t.name(): t.as_numpy() for t in request.inputs()}
-                responses.append(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor(name, value) for name, value in self.convert(tensors).items()]))
-            except ValueError as exc:
-                responses.append(pb_utils.InferenceResponse(error=triton_error(str(exc))))
-        return responses
+        return respond("preprocessing", requests, lambda request, inputs: self.convert(inputs))
 
     def convert(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if "QUERY" not in tensors:

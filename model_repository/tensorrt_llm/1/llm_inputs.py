@@ -15,18 +15,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from backend.sampling_params import SamplingParams
+from ensemble.settings import ServeSettings
+from ensemble.tensors import TENSORRT_LLM, ensemble_names
 from preprocessing.word_lists import decode_word_list
 
-INT_INPUTS = ("input_lengths", "request_output_len", "end_id", "pad_id", "beam_width",
-              "runtime_top_k", "min_tokens", "min_length", "num_return_sequences")
-FLOAT_INPUTS = ("temperature", "runtime_top_p", "len_penalty", "repetition_penalty",
-                "presence_penalty", "frequency_penalty")
-BOOL_INPUTS = ("return_log_probs", "return_context_logits", "return_generation_logits",
-               "return_perf_metrics", "exclude_input_in_output", "streaming", "stop")
-SEED_INPUTS = ("seed", "random_seed")
+
+def _scalars(dtype: str) -> tuple[str, ...]:
+    return tuple(t.name for t in TENSORRT_LLM.inputs if t.dtype == dtype and t.dims == (1,))
+
+
+INT_INPUTS = _scalars("INT32")
+FLOAT_INPUTS = _scalars("FP32")
+BOOL_INPUTS = _scalars("BOOL")
+SEED_INPUTS = _scalars("UINT64")
 # tensorrt_llm input -> the ensemble input it comes from, for error messages users recognise
-ENSEMBLE_NAME = {"runtime_top_k": "top_k", "runtime_top_p": "top_p", "len_penalty": "length_penalty",
-                 "request_output_len": "max_tokens", "streaming": "stream"}
+ENSEMBLE_NAME = {llm: name for llm, name in ensemble_names("tensorrt_llm").items() if llm != name}
+_SERVE = ServeSettings()  # the repository's defaults
 
 
 def label(name: str) -> str:
@@ -48,9 +52,9 @@ class RowRequest:
 
 @dataclass
 class Defaults:
-    max_tokens: int = 64
-    exclude_input_in_output: bool = True
-    decoupled: bool = True          # the model's transaction policy: streaming needs it
+    max_tokens: int = _SERVE.default_max_tokens
+    exclude_input_in_output: bool = _SERVE.exclude_input_in_output
+    decoupled: bool = _SERVE.decoupled_mode  # the model's transaction policy: streaming needs it
 
 
 def batch_size(tensors: dict[str, np.ndarray]) -> int:

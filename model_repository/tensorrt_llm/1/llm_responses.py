@@ -33,7 +33,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend.request import FinishReason, RequestOutput
-from ensemble.params import triton_error
+from ensemble.request_loop import triton_error
 from llm_inputs import RowRequest
 from llm_metrics import FinishedRequest, LlmMetrics
 from llm_outputs import RowStream, stack_rows

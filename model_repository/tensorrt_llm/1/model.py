@@ -17,17 +17,14 @@ import triton_python_backend_utils as pb_utils
 from backend.config import EngineConfig
 from backend.engine_process import EngineProcess
 from ensemble.environment import check_stub_numpy
-from ensemble.params import engine_kwargs, get_bool, get_int, parameters, triton_error
+from ensemble.params import engine_kwargs, get_setting, parameters
+from ensemble.request_loop import dispatch
 from ensemble.stub_watch import dismiss, watch_stub
 from llm_inputs import Defaults, convert_request, is_stop_request
 from llm_metrics import LlmMetrics
 from llm_responses import ResponseDispatcher
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-
-def _error(message: str, code_name: str = "INVALID_ARG"):
-    return pb_utils.InferenceResponse(error=triton_error(message, code_name))
 
 
 class TritonPythonModel:
@@ -38,11 +35,11 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(
             json.loads(args["model_config"]))
         self.defaults = Defaults(
-            max_tokens=get_int(params, "default_max_tokens", 64),
-            exclude_input_in_output=get_bool(params, "exclude_input_in_output", True),
+            max_tokens=get_setting(params, "default_max_tokens"),
+            exclude_input_in_output=get_setting(params, "exclude_input_in_output"),
             decoupled=self.decoupled)
-        self.cancel_period_s = get_int(params, "cancellation_check_period_ms", 100) / 1000
-        self.stats_period_s = get_int(params, "stats_check_period_ms", 200) / 1000
+        self.cancel_period_s = get_setting(params, "cancellation_check_period_ms") / 1000
+        self.stats_period_s = get_setting(params, "stats_check_period_ms") / 1000
         self.engine = EngineProcess(self.config)
         self.metrics = LlmMetrics(args["model_name"], args["model_version"],
                                   self.config.max_batch_size)
@@ -58,27 +55,19 @@ class TritonPythonModel:
         self.stub_watch = watch_stub(args["model_name"])  # last: a failed load is not a death
 
     def execute(self, requests):
-        for request in requests:
-            sender = request.get_response_sender()
-            try:
-                tensors = {t.name(): t.as_numpy() for t in request.inputs()}
-                if is_stop_request(tensors):
-                    self._stop(request, sender)
-                    continue
-                rows = convert_request(tensors, self.defaults, self.engine.vocab_size)
-                self.dispatcher.submit(request, sender, rows)
-            except ValueError as exc:
-                sender.send(_error(str(exc)), flags=FINAL)
-            except Exception as exc:  # never leave a request without its FINAL flag
-                pb_utils.Logger.log_error(f"tensorrt_llm: unexpected error: {exc!r}")
-                sender.send(_error(f"internal error: {exc}", "INTERNAL"), flags=FINAL)
-        return None
+        dispatch("tensorrt_llm", requests, self._handle)
+
+    def _handle(self, request, tensors, sender) -> None:
+        if is_stop_request(tensors):
+            self._stop(request, sender)
+            return
+        rows = convert_request(tensors, self.defaults, self.engine.vocab_size)
+        self.dispatcher.submit(request, sender, rows)
 
     def _stop(self, request, sender) -> None:
         user_id = request.request_id()
         if not user_id:
-            sender.send(_error("stop: a request id is required to stop a request"), flags=FINAL)
-            return
+            raise ValueError("stop: a request id is required to stop a request")
         self.dispatcher.stop(user_id)
         if self.decoupled:
             sender.send(flags=FINAL)

@@ -16,6 +16,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ensemble.environment import check_stub_numpy
+from ensemble.request_loop import dispatch
 from ensemble.stub_watch import dismiss, watch_stub
 from ensemble.tensors import ENSEMBLE
 
@@ -63,14 +64,13 @@ class TritonPythonModel:
         self.stub_watch = watch_stub(args["model_name"])  # last: a failed load is not a death
 
     def execute(self, requests):
-        for request in requests:
-            tensors = {t.name(): t.as_numpy() for t in request.inputs()}
-            sender = request.get_response_sender()
-            thread = threading.Thread(target=self.serve, args=(tensors, sender), daemon=True)
-            with self.lock:
-                self.threads.add(thread)
-            thread.start()
-        return None
+        dispatch("tensorrt_llm_bls", requests, self.start)
+
+    def start(self, request, tensors: dict[str, np.ndarray], sender) -> None:
+        thread = threading.Thread(target=self.serve, args=(tensors, sender), daemon=True)
+        with self.lock:
+            self.threads.add(thread)
+        thread.start()
 
     def serve(self, tensors: dict[str, np.ndarray], sender) -> None:
         llm_id = f"bls-{uuid.uuid4().hex}"

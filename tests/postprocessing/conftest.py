@@ -1,1 +1,0 @@
-from tests.preprocessing.tokenizer_fixtures import sentencepiece, smollm2  # noqa: F401
