@@ -39,10 +39,12 @@ import triton
 import triton.language as tl
 
 from backend.attention.split_partials import SplitPartials
-from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
 from backend.kernels.split_merge import merge_splits
 
 NO_PROLOGUE, NORM, SILU_MUL, MERGE = 0, 1, 2, 3
+# Before its wait a program reads only weights, which no kernel writes; EARLY_LAUNCH releases then.
+ORDERING = {early: Ordering("gemv", releases="before_wait" if early else "after_wait") for early in (True, False)}
 
 
 @triton.jit
@@ -255,6 +257,6 @@ def gemv(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None
         norm_weight if norm_weight is not None else weight,
         residual if residual is not None else out, out, n, k, weight.stride(0), eps,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        **merge, **config, **launch_options(),
+        **merge, **config, **launch_options(ORDERING[config["EARLY_LAUNCH"]]),
     )
     return out
