@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.attention.split_partials import SplitPartials
+from backend.layers.norm import RMSNorm
 
 try:  # CPU-only installs without Triton use the torch path
     from backend.kernels import gemv
@@ -56,7 +57,7 @@ class Linear(nn.Module):
         """Whether `one_token` can take split attention partials with heads of `head_dim`."""
         return gemv.takes_partials(self.weight, head_dim)
 
-    def one_token(self, x: torch.Tensor | SplitPartials, *, norm=None, silu_mul: bool = False,
+    def one_token(self, x: torch.Tensor | SplitPartials, *, norm: RMSNorm | None = None, silu_mul: bool = False,
                   residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """This layer for one row in one kernel. x [1, K], or [1, 2K] gate | up with `silu_mul`
         (the operand is silu(gate) * up), or split attention partials (merged as read).
@@ -67,7 +68,7 @@ class Linear(nn.Module):
         return gemv.gemv(x, self.weight, self.bias, norm_weight=None if norm is None else norm.weight,
                          eps=0.0 if norm is None else norm.eps, silu_mul=silu_mul, residual=residual, out=out)
 
-    def one_token_qkv(self, x: torch.Tensor, norm, *, num_heads: int, num_kv_heads: int, rotation,
+    def one_token_qkv(self, x: torch.Tensor, norm: RMSNorm, *, num_heads: int, num_kv_heads: int, rotation,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
         """The qkv projection of norm(x) for one row, q and k rotated (`rotation`, this step's
         positions and cos/sin cache), the new keys and values stored at `slot_mapping`, in one

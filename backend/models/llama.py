@@ -82,8 +82,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """See the module docstring for the engine interface.
 
-    `max_positions` sizes the RoPE cache (the longest sequence served). After building on the
-    meta device and materialising, call `model.model.rotary.build_cache(device)`.
+    `max_positions` sizes the RoPE cache (the longest sequence served).
     """
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend | None = None,
@@ -95,6 +94,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def materialise_buffers(self, device: torch.device) -> None:
+        """After building on the meta device and `to_empty`: tie the lm_head to the embedding
+        again (materialising replaced the parameters) and compute the rotary cache."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model.rotary.build_cache(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_meta: AttentionMetadata) -> torch.Tensor:
