@@ -14,5 +14,7 @@ reference and the CPU path).
   in the decode CUDA graphs).
 - `step_inputs.load_step_inputs`: a decode CUDA graph's first kernel, reading the step's inputs
   from pinned host memory and filling placeholder input ids.
-- `pdl`: programmatic dependent launch for the decode kernel chain (Hopper and later).
+- `pdl`: programmatic dependent launch for the decode kernel chain (Hopper and later); each PDL
+  kernel declares its `Ordering`, and `check_step_input_reads` checks a launch sequence against
+  the rule that no kernel reads step inputs before they are written.
 """

@@ -23,7 +23,8 @@ Kernels later in the step read step inputs (positions, slots, context lengths, b
 before they wait for their predecessor (programmatic dependent launch, `backend.kernels.pdl`), so
 none of them may start before this kernel has finished: it is launched without PDL and never lets
 its dependents launch early, and the embedding lookup after it lets its own dependents launch only
-once it has waited for it (`backend.kernels.embedding`).
+once it has waited for it (`backend.kernels.embedding`). Each kernel declares this as its
+`ORDERING`; `backend.kernels.pdl.check_step_input_reads` checks a recorded launch sequence.
 """
 from __future__ import annotations
 
