@@ -59,8 +59,8 @@ class SelfAttention(nn.Module):
     def takes_one_token(self, hidden: torch.Tensor) -> bool:
         """Whether `add_one_token` runs for hidden: a hidden size where the GEMV pays, projections
         it takes, a power-of-two head size (the fused rotary's)."""
-        return (hidden.shape[-1] <= ONE_TOKEN_MAX_HIDDEN and self.head_dim & (self.head_dim - 1) == 0 and self.qkv_proj.takes_one_token(hidden)
-                and self.o_proj.takes_one_token(hidden))
+        return (hidden.shape[-1] <= ONE_TOKEN_MAX_HIDDEN and self.head_dim & (self.head_dim - 1) == 0
+                and self.qkv_proj.takes_one_token(hidden) and self.o_proj.takes_one_token(hidden))
 
     def add_one_token(self, residual: torch.Tensor, norm: RMSNorm, step: AttentionStep) -> None:
         """residual [1, hidden_size] += self(norm(residual)), in place, in one-token kernels."""

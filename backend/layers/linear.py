@@ -57,8 +57,9 @@ class Linear(nn.Module):
         """Whether `one_token` can take split attention partials with heads of `head_dim`."""
         return gemv.takes_partials(self.weight, head_dim)
 
-    def one_token(self, x: torch.Tensor | SplitPartials, *, norm: RMSNorm | None = None, silu_mul: bool = False,
-                  residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def one_token(self, x: torch.Tensor | SplitPartials, *, norm: RMSNorm | None = None,
+                  silu_mul: bool = False, residual: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
         """This layer for one row in one kernel. x [1, K], or [1, 2K] gate | up with `silu_mul`
         (the operand is silu(gate) * up), or split attention partials (merged as read).
         `norm` (an RMSNorm): the operand is norm(x). `residual` [1, N]: added to the result;
@@ -68,11 +69,13 @@ class Linear(nn.Module):
         return gemv.gemv(x, self.weight, self.bias, norm_weight=None if norm is None else norm.weight,
                          eps=0.0 if norm is None else norm.eps, silu_mul=silu_mul, residual=residual, out=out)
 
-    def one_token_qkv(self, x: torch.Tensor, norm: RMSNorm, *, num_heads: int, num_kv_heads: int, rotation,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    def one_token_qkv(self, x: torch.Tensor, norm: RMSNorm, *, num_heads: int, num_kv_heads: int,
+                      rotation, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> torch.Tensor:
         """The qkv projection of norm(x) for one row, q and k rotated (`rotation`, this step's
         positions and cos/sin cache), the new keys and values stored at `slot_mapping`, in one
         kernel -> qkv [1, (heads + 2 kv_heads) * head_dim]."""
         return qkv_rope_gemv(x, self.weight, self.bias, num_heads=num_heads, num_kv_heads=num_kv_heads,
                              cos_sin=rotation.cos_sin, positions=rotation.positions, k_cache=k_cache,
-                             v_cache=v_cache, slot_mapping=slot_mapping, norm_weight=norm.weight, eps=norm.eps)
+                             v_cache=v_cache, slot_mapping=slot_mapping, norm_weight=norm.weight,
+                             eps=norm.eps)
