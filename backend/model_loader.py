@@ -11,7 +11,7 @@ import torch
 
 from backend.attention import AttentionBackend
 from backend.model_config import ModelConfig
-from backend.models.llama import LlamaForCausalLM
+from backend.models import FAMILIES
 from backend.models.null import NullModel
 from backend.presets import init_random_weights, random_weights_spec
 
@@ -37,20 +37,19 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                attention: AttentionBackend, max_positions: int) -> LlamaForCausalLM:
-    """An uninitialised model allocated directly on `device` in `dtype` (no host copy)."""
+                attention: AttentionBackend, max_positions: int) -> torch.nn.Module:
+    """An uninitialised model of the config's family, allocated directly on `device` in `dtype`
+    (no host copy)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention, max_positions)
+        model = FAMILIES[config.model_type](config, attention, max_positions)
     model = model.to(dtype=dtype).to_empty(device=device)
-    if config.tie_word_embeddings:      # materialising replaces parameters: tie them again
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary.build_cache(device)
+    model.materialise_buffers(device)
     return model.eval()
 
 
 def load_model(model_dir: str, device: torch.device, dtype: torch.dtype,
                attention: AttentionBackend, max_positions: int,
-               config: ModelConfig | None = None) -> LlamaForCausalLM:
+               config: ModelConfig | None = None) -> torch.nn.Module:
     """Build the model for `model_dir` and fill it: safetensors weights, or random for a preset."""
     config = config or ModelConfig.from_dir(model_dir)
     if config.model_type == "null":

@@ -222,8 +222,8 @@ def bench_fused():
     from backend.kernels.rmsnorm import rms_norm
     from backend.kernels.rope import apply_rotary_
     from backend.model_config import RopeConfig
-    from backend.models.llama import RMSNorm
-    from backend.models.rotary import RotaryEmbedding, apply_rotary
+    from backend.layers.norm import RMSNorm
+    from backend.layers.rotary import RotaryEmbedding, apply_rotary
     print("== fused kernels, 4096 tokens, bf16 (do_bench medians, us)")
     tokens, hidden = 4096, 4096
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)

@@ -41,7 +41,8 @@ def _changes(variant: str) -> list:
     import backend.cuda_graphs as cuda_graphs
     import backend.kernels.gemv as gemv
     import backend.kernels.qkv_rope as qkv_rope
-    import backend.models.llama as llama
+    import backend.attention.triton_backend as triton_backend
+    import backend.layers.embedding as embedding
 
     if variant == "default":
         return []
@@ -58,12 +59,11 @@ def _changes(variant: str) -> list:
         return [mock.patch.object(gemv, "takes_partials", lambda weight, head_dim: False)]
     if variant == "no_attention":
         return [mock.patch.object(gemv, "takes_partials", lambda weight, head_dim: False),
-                mock.patch.object(llama.Attention, "attend_rotated",
-                                  lambda self, q, k_cache, v_cache, meta: q.reshape(-1, self.q_size))]
+                mock.patch.object(triton_backend, "paged_attention", lambda q, k_cache, v_cache, meta, scale: q)]
     if variant == "no_argmax":
         return [mock.patch.object(cuda_graphs, "argmax_rows", lambda logits, out, to_host: out)]
     if variant == "torch_embedding":
-        return [mock.patch.object(llama, "fused_embedding", None)]
+        return [mock.patch.object(embedding, "fused_embedding", None)]
     raise ValueError(f"unknown variant {variant!r} (see python -m benchmarks.decode_ab --help)")
 
 

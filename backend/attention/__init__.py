@@ -1,9 +1,11 @@
-"""Attention implementations behind one pair of functions, picked by name.
+"""Attention implementations behind one set of functions, picked by name.
 
 Every implementation is a module with
     write_kv(key, value, k_cache, v_cache, slot_mapping) -> None
     paged_attention(query, k_cache, v_cache, meta, scale) -> output
-- 'torch':  backend.attention.reference (plain torch; CPU and ground truth)
+and optionally, for decode-only steps whose consumer merges split-K attention itself,
+    decode_partials(query, k_cache, v_cache, meta, scale) -> SplitPartials
+- 'torch':  backend.attention.reference (plain torch; CPU and ground truth; no decode_partials)
 - 'triton': backend.attention.triton_backend (Triton-language kernels; imported lazily)
 - 'auto':   'triton' on CUDA when it imports, 'torch' otherwise
 """
@@ -17,6 +19,7 @@ from typing import Callable
 import torch
 
 from backend.attention.metadata import AttentionMetadata
+from backend.attention.split_partials import SplitPartials
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +31,7 @@ class AttentionBackend:
     name: str
     write_kv: Callable
     paged_attention: Callable
+    decode_partials: Callable | None = None
 
 
 def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
@@ -42,7 +46,8 @@ def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu"
     if name not in _MODULES:
         raise ValueError(f"attention_backend must be one of {('auto', *_MODULES)}, got {name!r}")
     module = importlib.import_module(_MODULES[name])
-    return AttentionBackend(name, module.write_kv, module.paged_attention)
+    return AttentionBackend(name, module.write_kv, module.paged_attention,
+                            getattr(module, "decode_partials", None))
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "SplitPartials", "get_attention_backend"]

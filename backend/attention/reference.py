@@ -12,9 +12,9 @@ from backend.attention.metadata import AttentionMetadata
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their cache slots."""
-    num_blocks, block_size = k_cache.shape[:2]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+    num_blocks, tokens_per_block = k_cache.shape[:2]
+    k_cache.view(num_blocks * tokens_per_block, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
+    v_cache.view(num_blocks * tokens_per_block, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -25,11 +25,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    block_size = k_cache.shape[1]
+    tokens_per_block = k_cache.shape[1]
     out = torch.empty_like(query)
     start = 0
     for b, (q_len, ctx_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        num_blocks = (ctx_len + block_size - 1) // block_size
+        num_blocks = (ctx_len + tokens_per_block - 1) // tokens_per_block
         blocks = meta.block_tables[b, :num_blocks].long()
         keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
         values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
@@ -53,10 +53,10 @@ def _decode_batched(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     The same arithmetic as the loop above, so the two agree to float rounding."""
     num_seqs = meta.num_seqs
     num_heads, head_dim = query.shape[1:]
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    num_kv_heads, tokens_per_block = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     longest = meta.max_seq_len
-    tables = meta.block_tables[:, :(longest + block_size - 1) // block_size].long()
+    tables = meta.block_tables[:, :(longest + tokens_per_block - 1) // tokens_per_block].long()
     keys = k_cache[tables].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :longest].float()
     values = v_cache[tables].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :longest].float()
     padding = torch.arange(longest, device=query.device)[None, :] >= meta.seq_lens[:, None]   # [B, L]

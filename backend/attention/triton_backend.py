@@ -3,6 +3,7 @@
 Same two functions, same tensors:
     write_kv(key, value, k_cache, v_cache, slot_mapping)
     paged_attention(query, k_cache, v_cache, meta, scale) -> out
+and `decode_partials`, split-K decode attention with the splits left for the consumer to merge.
 `paged_attention` sends decode-only batches (every request has one query token) to the split-K
 decode kernel and every other batch (prefill chunks, possibly mixed with decodes) to the prefill
 kernel. Only the ints meta.max_query_len / meta.max_seq_len are read on the host, to pick the
@@ -12,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from backend.attention.kernels.decode import decode_attention
+from backend.attention.kernels.decode import decode_attention, decode_attention_partials
 from backend.attention.kernels.kv_write import write_kv
 from backend.attention.kernels.prefill import prefill_attention
 from backend.attention.metadata import AttentionMetadata
+from backend.attention.split_partials import SplitPartials
 
-__all__ = ["write_kv", "paged_attention"]
+__all__ = ["write_kv", "paged_attention", "decode_partials"]
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -28,3 +30,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                 meta.query_start_loc, meta.max_seq_len, scale)
     return prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                              meta.query_start_loc, scale)
+
+
+def decode_partials(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> SplitPartials:
+    """Decode-only steps: query [T, heads, head_dim] -> each split's output and log-sum-exp,
+    unmerged (the one-token o projection merges them as it reads them)."""
+    outputs, lse = decode_attention_partials(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                             meta.query_start_loc, meta.max_seq_len, scale)
+    return SplitPartials(outputs, lse)

@@ -1,4 +1,4 @@
-"""Triton-language kernels for the model's GPU path (the torch code in backend/models is the
+"""Triton-language kernels for the model's GPU path (the torch code in backend/layers is the
 reference and the CPU path).
 
 - `rmsnorm.rms_norm`: RMSNorm with an optional fused residual add.
@@ -6,7 +6,7 @@ reference and the CPU path).
   optionally storing the rotated keys and the values in the paged KV cache in the same pass.
 - `activation.silu_and_mul`: SwiGLU's silu(gate) * up in one pass.
 - `gemv.gemv`: one-token linear layers with RMSNorm / silu·mul prologues and a residual epilogue
-  (the batch-1 decode path, `DecoderLayer.forward_one_token`).
+  (the batch-1 decode path, `forward_one_token` of a model's decoder layer).
 - `qkv_rope.qkv_rope_gemv`: that path's qkv projection with rotary and the KV-cache write in its
   epilogue.
 - `embedding.embedding`: the token embedding lookup, launched with PDL.
@@ -16,5 +16,7 @@ reference and the CPU path).
   from pinned host memory and filling placeholder input ids.
 - `tuning`: launch configs per device, read from the JSON tables in `tuning/` that the
   sweeps in `benchmarks/` write.
-- `pdl`: programmatic dependent launch for the decode kernel chain (Hopper and later).
+- `pdl`: programmatic dependent launch for the decode kernel chain (Hopper and later); each PDL
+  kernel declares its `Ordering`, and `check_step_input_reads` checks a launch sequence against
+  the rule that no kernel reads step inputs before they are written.
 """

@@ -19,9 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
 
 CHUNK = 4096
+CHUNK_ORDERING = Ordering("argmax_chunks", releases="after_wait")
+ROW_ORDERING = Ordering("argmax_rows", releases="after_wait")
 
 
 @triton.jit
@@ -81,16 +83,16 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None,
     assert out.shape == (rows,) and out.dtype == torch.int64 and out.is_contiguous()
     if rows == 0:
         return out
-    options = launch_options()
+    chunk_options = launch_options(CHUNK_ORDERING)
     if banned is not None:
         assert banned.shape[0] == rows and banned.dtype == torch.int64 and banned.is_contiguous()
     _chunk_max_kernel[(rows, num_chunks)](x, maxima, index, banned if banned is not None else out, vocab,
                                           x.stride(0), num_chunks, CHUNK=CHUNK,
                                           BANNED=banned.shape[1] if banned is not None else 0,
-                                          num_warps=8, **options)
+                                          num_warps=8, **chunk_options)
     ring, slot, replays = to_host if to_host is not None else (out[None], out, out)
     assert ring.dtype == torch.int64 and ring.stride(1) == 1 and ring.shape[1] >= rows
     _row_max_kernel[(rows,)](maxima, index, out, ring, ring.stride(0) if to_host else 0, slot, replays,
                              num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks),
-                             TO_HOST=to_host is not None, num_warps=1, **options)
+                             TO_HOST=to_host is not None, num_warps=1, **launch_options(ROW_ORDERING))
     return out

@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
 
 BLOCK = 1024
+ORDERING = Ordering("embedding", releases="after_wait")
 
 
 @triton.jit
@@ -42,5 +43,5 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if ids.numel():
         _embedding_kernel[(ids.numel(), triton.cdiv(weight.shape[1], BLOCK))](
             ids, weight, out, weight.shape[0], weight.shape[1], weight.stride(0), out.stride(0), BLOCK=BLOCK,
-            num_warps=4, **launch_options())
+            num_warps=4, **launch_options(ORDERING))
     return out

@@ -16,9 +16,9 @@ Fusions, each saving a kernel launch and a round trip of the activations:
 - prologue "silu_mul": x is [1, 2K] = gate | up and the operand is silu(gate) * up, rounded as
   `backend.kernels.activation.silu_and_mul` rounds.
 - prologue "merge": the operand is split-K decode attention's output, still in its splits
-  (`backend.attention.kernels.decode.decode_attention_partials`): each head's splits are merged
-  as the operand is read (`backend.kernels.split_merge`) and rounded to the activation dtype as
-  the merged attention output would be. This is the o
+  (`backend.attention.split_partials.SplitPartials`, read through its strides): each head's
+  splits are merged as the operand is read (`backend.kernels.split_merge`) and rounded to the
+  activation dtype as the merged attention output would be. This is the o
   projection at batch 1: the attention kernel then needs no merge of its own.
 - epilogue residual: out = round(x @ weight^T + bias) + residual, rounded once more, as torch's
   add of the two rounded tensors. `out` may be `residual` itself (each program reads and writes
@@ -41,11 +41,14 @@ import torch
 import triton
 import triton.language as tl
 
+from backend.attention.split_partials import SplitPartials
 from backend.kernels import tuning
-from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
 from backend.kernels.split_merge import merge_splits
 
 NO_PROLOGUE, NORM, SILU_MUL, MERGE = 0, 1, 2, 3
+# Before its wait a program reads only weights, which no kernel writes; EARLY_LAUNCH releases then.
+ORDERING = {early: Ordering("gemv", releases="before_wait" if early else "after_wait") for early in (True, False)}
 
 
 @triton.jit
@@ -65,16 +68,18 @@ def _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE: tl.constexpr):
 
 
 @triton.jit
-def _merged_operand(parts_ptr, lse_ptr, k0, num_splits, WIDTH: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+def _merged_operand(parts_ptr, lse_ptr, k0, num_splits, parts_head, parts_split, lse_head, lse_split,
+                    WIDTH: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
     """The float32 operand at columns k0..k0+WIDTH (whole heads) merged from the split partials
-    parts [heads, num_splits, HEAD_DIM] and lse [heads, num_splits], rounded to `dtype`."""
+    parts [heads, num_splits, HEAD_DIM] and lse [heads, num_splits] (at their head and split
+    strides), rounded to `dtype`."""
     HEADS: tl.constexpr = WIDTH // HEAD_DIM
     heads = k0 // HEAD_DIM + tl.arange(0, HEADS)
     splits = tl.arange(0, SPLITS_PAD)
-    index = heads[:, None] * num_splits + splits[None, :]                          # [H, S]
-    lse = tl.load(lse_ptr + index, mask=splits[None, :] < num_splits, other=float("-inf"))
-    parts = tl.load(parts_ptr + index[:, :, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, None, :],
+    lse = tl.load(lse_ptr + heads[:, None] * lse_head + splits[None, :] * lse_split,
+                  mask=splits[None, :] < num_splits, other=float("-inf"))          # [H, S]
+    part = heads[:, None] * parts_head + splits[None, :] * parts_split             # [H, S]
+    parts = tl.load(parts_ptr + part[:, :, None] + tl.arange(0, HEAD_DIM)[None, None, :],
                     mask=(splits < num_splits)[None, :, None], other=0.0)          # [H, S, D]
     merged = merge_splits(parts, lse)
     return tl.reshape(merged.to(dtype).to(tl.float32), (WIDTH,))
@@ -85,14 +90,14 @@ def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps,
                     PROLOGUE: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
                     SKIP_WAIT: tl.constexpr = False, num_splits=1, SPLITS_PAD: tl.constexpr = 1,
-                    HEAD_DIM: tl.constexpr = 1):
+                    HEAD_DIM: tl.constexpr = 1, parts_head=0, parts_split=0, lse_head=0, lse_split=0):
     """float32 [BLOCK_N]: weight rows `rows` (int64) dotted with the operand over all of K, the
     norm's scale applied. Waits for the previous kernel (PDL) after reading the first PREFETCH_K
     weight columns, and lets the next one launch early (EARLY_LAUNCH) or after the loop.
     SKIP_WAIT is a diagnostic: no wait, so the operand may be stale and the result wrong; only
     `benchmarks.gemv --chain --wait-cost` sets it, to time what the waits cost. With the merge
     prologue, x_ptr / norm_w_ptr are the split partials / their lse (`num_splits` of them, heads
-    of HEAD_DIM)."""
+    of HEAD_DIM, at the strides parts_head / parts_split / lse_head / lse_split)."""
     w_rows = w_ptr + rows[:, None] * stride_wn
     if PDL and EARLY_LAUNCH:
         gdc_launch_dependents()
@@ -104,8 +109,9 @@ def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps,
     acc = tl.zeros([BLOCK_N], tl.float32)
     if PREFETCH_K > 0:
         if PROLOGUE == 3:
-            a_first = _merged_operand(x_ptr, norm_w_ptr, 0, num_splits, PREFETCH_K, SPLITS_PAD, HEAD_DIM,
-                                      w_ptr.dtype.element_ty)
+            a_first = _merged_operand(x_ptr, norm_w_ptr, 0, num_splits, parts_head, parts_split, lse_head,
+                                      lse_split, PREFETCH_K, SPLITS_PAD,
+                                      HEAD_DIM, w_ptr.dtype.element_ty)
         else:
             a_first, first_squares = _operand_tile(x_ptr, norm_w_ptr, tl.arange(0, PREFETCH_K), K, PROLOGUE)
             square_sum += first_squares
@@ -115,8 +121,9 @@ def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps,
     for k0 in range(PREFETCH_K, K, BLOCK_K):
         k = k0 + ks
         if PROLOGUE == 3:
-            a = _merged_operand(x_ptr, norm_w_ptr, k0, num_splits, BLOCK_K, SPLITS_PAD, HEAD_DIM,
-                                w_ptr.dtype.element_ty)
+            a = _merged_operand(x_ptr, norm_w_ptr, k0, num_splits, parts_head, parts_split, lse_head,
+                                lse_split, BLOCK_K, SPLITS_PAD,
+                                HEAD_DIM, w_ptr.dtype.element_ty)
         else:
             a, tile_squares = _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE)
             square_sum += tile_squares
@@ -136,13 +143,14 @@ def _gemv_kernel(
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
     SKIP_WAIT: tl.constexpr = False, num_splits=1, SPLITS_PAD: tl.constexpr = 1, HEAD_DIM: tl.constexpr = 1,
+    parts_head=0, parts_split=0, lse_head=0, lse_split=0,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     cols_in = tl.where(col_ok, cols, 0).to(tl.int64)          # masked columns read row 0
     acc = stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, cols_in, K, stride_wn, eps, PROLOGUE, PDL,
                           BLOCK_N, BLOCK_K, PREFETCH_K, EARLY_LAUNCH, SKIP_WAIT, num_splits, SPLITS_PAD,
-                          HEAD_DIM)
+                          HEAD_DIM, parts_head, parts_split, lse_head, lse_split)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)
     dtype = w_ptr.dtype.element_ty                  # the activations' (x's, except merged partials)
@@ -221,15 +229,14 @@ def checked_config(n: int, k: int, overrides: dict | None, merge: bool = False,
 
 def gemv(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
-         partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+         partials: SplitPartials | None = None,
          residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
          config: dict | None = None) -> torch.Tensor:
     """x [1, K] (or [1, 2K] with `silu_mul`), weight [N, K] -> [1, N].
 
     `norm_weight`/`eps`: RMSNorm x first. `silu_mul`: x is gate | up, use silu(gate) * up.
-    `partials`: (outputs [1, heads, splits, head_dim], lse [1, heads, splits]), float32, of split
-    decode attention (`decode_attention_partials`, heads * head_dim = K): the operand is their
-    merge, in weight's dtype; x is not read (pass None).
+    `partials`: split decode attention of one request (`SplitPartials`, heads * head_dim = K):
+    the operand is their merge, in weight's dtype; x is not read (pass None).
     `residual` [1, N]: add it to the result (`out=residual` updates it in place).
     `out` may be float32 where x is half precision: the result is rounded to x's dtype first, as
     `linear(x).float()` would be, without a second kernel.
@@ -238,13 +245,15 @@ def gemv(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None
     config = checked_config(n, k, config, merge=partials is not None, device=weight.device)
     merge = {}
     if partials is not None:
-        x, lse = partials
-        _, heads, splits, head_dim = x.shape
+        x, lse = partials.outputs, partials.lse
+        heads, splits, head_dim = partials.num_heads, partials.num_splits, partials.head_dim
         assert x.shape[0] == 1 and heads * head_dim == k and lse.shape == (1, heads, splits)
-        assert x.is_contiguous() and lse.is_contiguous() and not silu_mul and norm_weight is None
+        assert x.stride(-1) == 1 and not silu_mul and norm_weight is None
         assert config["BLOCK_K"] % head_dim == 0 and config["PREFETCH_K"] % head_dim == 0
         norm_weight, prologue = lse, MERGE
-        merge = dict(num_splits=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim)
+        merge = dict(num_splits=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+                     parts_head=x.stride(1), parts_split=x.stride(2), lse_head=lse.stride(1),
+                     lse_split=lse.stride(2))
     else:
         assert x.shape[0] == 1 and not (silu_mul and norm_weight is not None)
         assert x.shape[1] == (2 * k if silu_mul else k), (tuple(x.shape), tuple(weight.shape))
@@ -259,6 +268,6 @@ def gemv(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None
         norm_weight if norm_weight is not None else weight,
         residual if residual is not None else out, out, n, k, weight.stride(0), eps,
         PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        **merge, **config, **launch_options(),
+        **merge, **config, **launch_options(ORDERING[config["EARLY_LAUNCH"]]),
     )
     return out

@@ -22,9 +22,11 @@ import triton
 import triton.language as tl
 
 from backend.kernels.gemv import checked_config, stream_rows_dot
-from backend.kernels.pdl import launch_options
+from backend.kernels.pdl import Ordering, launch_options
 
 QKV_BLOCK_N = 8
+ORDERING = {early: Ordering("qkv_rope_gemv", releases="before_wait" if early else "after_wait",
+                            reads_step_inputs_before_wait=True) for early in (True, False)}
 
 
 @triton.jit
@@ -104,6 +106,6 @@ def qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         cos_sin.stride(0), cos_sin.stride(1), *k_cache.stride()[:3],
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, CACHE_BLOCK=k_cache.shape[1],
         PROLOGUE=1 if norm_weight is not None else 0, HAS_BIAS=bias is not None,
-        **config, **launch_options(),
+        **config, **launch_options(ORDERING[config["EARLY_LAUNCH"]]),
     )
     return out

@@ -4,7 +4,7 @@ One program per token row (the row fits in registers: BLOCK = next power of two 
     x = x + residual                      (rounded to the activation dtype; this is the new residual)
     out = weight * (x * rsqrt(mean(x^2) + eps))
 The mean and the scaling run in float32; the normalised row is rounded to the activation dtype
-before the weight multiply, the order of operations of `backend.models.llama.RMSNorm` (and
+before the weight multiply, the order of operations of `backend.layers.norm.RMSNorm` (and
 transformers), so bf16/fp16 results agree with it up to rare last-bit differences from the order
 of the float32 sum.
 """

@@ -3,7 +3,7 @@
 Llama-style ("rotate half"): for each head with dims split into halves x1 = x[:D/2], x2 = x[D/2:],
     x1' = x1 * cos - x2 * sin,   x2' = x2 * cos + x1 * sin,
 with cos/sin of the token's position read from the float32 cache of
-`backend.models.rotary.RotaryEmbedding` ([max_positions, 2, D], cos then sin, each the frequency
+`backend.layers.rotary.RotaryEmbedding` ([max_positions, 2, D], cos then sin, each the frequency
 vector repeated twice, so only its first half is read). One program per token rotates all query
 and kv heads; q and k may be strided views into the fused QKV projection output, which is then
 updated without copies. Arithmetic is float32 with one rounding to the activation dtype.
@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
+
+ORDERING = Ordering("apply_rotary_", releases="after_wait")
 
 
 @triton.jit
@@ -108,6 +110,6 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
             NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
             HALF=head_dim // 2, WRITE_KV=kv_write is not None,
             BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1, num_warps=4,
-            **launch_options(),
+            **launch_options(ORDERING),
         )
     return q, k

@@ -21,7 +21,8 @@ Kernels later in the step read step inputs (positions, slots, context lengths, b
 before they wait for their predecessor (programmatic dependent launch, `backend.kernels.pdl`), so
 none of them may start before this kernel has finished: it is launched without PDL and never lets
 its dependents launch early, and the embedding lookup after it lets its own dependents launch only
-once it has waited for it (`backend.kernels.embedding`).
+once it has waited for it (`backend.kernels.embedding`). Each kernel declares this as its
+`ORDERING`; `backend.kernels.pdl.check_step_input_reads` checks a recorded launch sequence.
 """
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
+from backend.kernels.pdl import Ordering, record
+
 CHUNK = 1024
+ORDERING = Ordering("load_step_inputs", releases="at_end", writes_step_inputs=True, pdl=False)
 
 
 @triton.jit
@@ -73,6 +77,7 @@ def load_step_inputs(device_buffer: torch.Tensor, host_ring: torch.Tensor, ids_o
     host_ids = host_longs[:, ids_offset // 8:]
     fill_src = host_longs[:, fill_offset // 8:]
     grid = (1 + triton.cdiv(copy_to - copy_from, 4 * CHUNK),)
+    record(ORDERING)
     _load_step_kernel[grid](dev_words, host_words, dev_ids, host_ids, fill_src, sampled, replays, slot,
                             n, width // 4, width // 8, copy_from // 4, copy_to // 4,
                             ROWS=triton.next_power_of_2(n), CHUNK=CHUNK)

@@ -16,8 +16,8 @@ from backend.kernels.embedding import BLOCK as EMBEDDING_BLOCK, embedding  # noq
 from backend.kernels.rmsnorm import rms_norm  # noqa: E402
 from backend.kernels.rope import apply_rotary_  # noqa: E402
 from backend.model_config import RopeConfig  # noqa: E402
-from backend.models.llama import RMSNorm  # noqa: E402
-from backend.models.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+from backend.layers.norm import RMSNorm  # noqa: E402
+from backend.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("interpretable_triton_language"),

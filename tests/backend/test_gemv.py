@@ -11,7 +11,7 @@ from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # no
 pytest.importorskip("triton")
 
 from backend.kernels.gemv import gemv, supports  # noqa: E402
-from backend.models.llama import RMSNorm  # noqa: E402
+from backend.layers.norm import RMSNorm  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("interpretable_triton_language"),
@@ -101,7 +101,7 @@ def test_refuses_what_it_does_not_take():
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])     # qwen2: qkv bias
 @pytest.mark.parametrize("attention", ["torch", "triton"])
 def test_one_token_layers_match_the_general_layers(model_type, attention):
-    """The decoder run as fused one-token kernels (`forward_one_token`) against the general
+    """The decoder layers run as fused one-token kernels (`forward_one_token`) against the general
     layers, on an fp16 decode step at position 6 with 6 tokens of context in the cache. Same
     hidden states up to fp16 rounding, same keys and values in the cache. Both attention
     backends: the Triton one is what GPU steps run."""
@@ -109,7 +109,7 @@ def test_one_token_layers_match_the_general_layers(model_type, attention):
     from backend.model_config import ModelConfig
     from backend.model_loader import build_model
     from backend.presets import init_random_weights
-    from backend.models.rotary import Rotation
+    from backend.layers import AttentionStep
 
     config = ModelConfig.from_dict({
         "model_type": model_type, "vocab_size": 300, "hidden_size": 128, "intermediate_size": 192,
@@ -134,12 +134,12 @@ def test_one_token_layers_match_the_general_layers(model_type, attention):
     with torch.inference_mode():
         hidden = model.model.embed_tokens(input_ids)
         rotation = rotary.rotator(positions, hidden.dtype)
-        fused_rotation = Rotation(positions, rotary.cos_sin, None, None)   # what CUDA steps get
+        general_step, fused_step = AttentionStep(rotation, meta, caches[0]), AttentionStep(rotation, meta, caches[1])
         general, residual = hidden, None
         fused = hidden.clone()
         for i, layer in enumerate(layers):
-            general, residual = layer(general, residual, rotation, caches[0][i, 0], caches[0][i, 1], meta)
-            fused = layer.forward_one_token(fused, fused_rotation, caches[1][i, 0], caches[1][i, 1], meta)
+            general, residual = layer(general, residual, general_step)
+            layer.forward_one_token(fused, fused_step)
             _close(fused, general + residual, torch.float16)
             torch.testing.assert_close(caches[1][i], caches[0][i], atol=2e-3, rtol=2e-3)
             general, residual = fused.clone(), None     # same input to the next layer for both
@@ -150,7 +150,7 @@ def test_one_token_layers_match_the_general_layers(model_type, attention):
 def test_qkv_rope_matches_norm_projection_rotary_and_cache_write(num_heads, num_kv_heads, head_dim, block_n, slot):
     from backend.kernels.qkv_rope import qkv_rope_gemv
     from backend.model_config import RopeConfig
-    from backend.models.rotary import RotaryEmbedding, apply_rotary
+    from backend.layers.rotary import RotaryEmbedding, apply_rotary
 
     torch.manual_seed(6)
     dtype, hidden, position = torch.float16, 128, 9
@@ -191,6 +191,7 @@ def test_qkv_rope_matches_norm_projection_rotary_and_cache_write(num_heads, num_
 def test_merge_prologue_equals_the_merged_attention_projected(num_splits, prefetch):
     """The o projection reading split decode attention unmerged (`partials`) equals the same
     projection of the attention output the decode kernel merges itself, residual included."""
+    from backend.attention import SplitPartials
     from backend.attention.kernels.decode import decode_attention, decode_attention_partials
     from tests.backend.test_attention_kernels import make_batch, random_query
 
@@ -201,7 +202,7 @@ def test_merge_prologue_equals_the_merged_attention_projected(num_splits, prefet
     query = random_query(1, heads, head_dim, dtype=dtype)
     args = (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_seq_len, 0.2)
     attention = decode_attention(*args, num_splits=num_splits).reshape(1, heads * head_dim)
-    partials = decode_attention_partials(*args, num_splits=num_splits)
+    partials = SplitPartials(*decode_attention_partials(*args, num_splits=num_splits))
     weight = (torch.randn(n, heads * head_dim, device=DEVICE) / 12).to(dtype)
     residual = torch.randn(1, n, device=DEVICE).to(dtype)
     config = None if prefetch is None else dict(BLOCK_N=4, BLOCK_K=64, PREFETCH_K=prefetch)

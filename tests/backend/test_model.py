@@ -12,7 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from backend.config import EngineConfig
 from backend.model_config import ModelConfig, RopeConfig
 from backend.model_runner import ModelRunner, SequenceChunk
-from backend.models.rotary import inverse_frequencies
+from backend.layers.rotary import inverse_frequencies
 from tests.tiny_models import LLAMA3_ROPE
 
 TPB = 4   # tokens per block: small, so prompts span many blocks

@@ -10,6 +10,7 @@ from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # no
 
 pytest.importorskip("triton")
 
+from backend.attention.split_partials import SplitPartials  # noqa: E402
 from backend.attention.kernels import decode, prefill  # noqa: E402
 from backend.kernels import gemv, tuning  # noqa: E402
 from tests.backend.test_attention_kernels import (  # noqa: E402
@@ -106,7 +107,7 @@ def test_gemv_entries_run_and_match_torch(device):
             head_dim = 64
             parts = torch.randn(1, k // head_dim, 2, head_dim, device=DEVICE)
             lse = torch.randn(1, k // head_dim, 2, device=DEVICE)
-            got = gemv.gemv(None, weight, partials=(parts, lse), config=entry)
+            got = gemv.gemv(None, weight, partials=SplitPartials(parts, lse), config=entry)
             x = _merged_operand(parts, lse, dtype)
         else:
             x = torch.randn(1, k, device=DEVICE).to(dtype)

@@ -100,6 +100,27 @@ def test_decode_graphs_give_the_eager_steps_tokens_in_bf16(tmp_path):
     assert [r["token_ids"] for r in runs[0]] == [r["token_ids"] for r in runs[1]]
 
 
+def test_decode_graph_launches_never_read_step_inputs_before_they_are_written(tmp_path):
+    """Every kernel launched while the runner warms up and captures its decode graphs (bf16, the
+    one-token path at batch 1, programmatic dependent launch on Hopper) keeps the rule of
+    `backend.kernels.pdl`: a kernel reading step inputs before its wait cannot start before the
+    graph's input copy has written them."""
+    from backend.kernels.pdl import check_step_input_reads, recorded_launches
+    from backend.model_runner import ModelRunner
+    from tests.tiny_models import save_tiny_hf_model
+
+    save_tiny_hf_model(tmp_path, "qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=1000)
+    with recorded_launches() as launches:
+        runner = ModelRunner(EngineConfig(model_path=str(tmp_path), device="cuda", dtype="bfloat16",
+                                          max_batch_size=4, max_seq_len=128, tokens_per_block=16,
+                                          max_tokens_in_paged_kv_cache=4 * 128))
+    names = {launch.kernel for launch in launches}
+    assert {"load_step_inputs", "embedding", "qkv_rope_gemv", "decode_attention", "gemv"} <= names
+    check_step_input_reads(launches)
+    del runner
+
+
 def test_min_tokens_end_ban_in_the_graphs_argmax_gives_the_eager_tokens(tmp_path):
     """min_tokens with an end id the model picks early: decode graphs skip it inside their argmax
     (`end_bans`), eager steps through the logits processors; both give the same tokens, with no

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from backend.attention.kernels.tile import attend_key_tile, attend_loaded_tile, load_key_tile
 from backend.kernels import tuning
-from backend.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options
+from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
 from backend.kernels.split_merge import merge_splits
 
 LOG2_E = 1.4426950408889634
@@ -56,6 +56,7 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 CPU_NOMINAL_SMS = 8      # interpreter runs: keep the heuristic meaningful
 FEW_PAIRS_PER_SM = 8     # grids of at most SMs / 8 (request, kv head) pairs take the few-programs tile
+ORDERING = Ordering("decode_attention", releases="before_wait", reads_step_inputs_before_wait=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -373,5 +374,5 @@ def _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sc
                        <= MERGE_AT_ONCE_MAX_VALUES),
         GROUP_POW2=triton.next_power_of_2(group),
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **launch_options(),
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **launch_options(ORDERING),
     )

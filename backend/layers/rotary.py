@@ -103,20 +103,22 @@ class RotaryEmbedding(nn.Module):
         if positions.is_cuda and fused_rope is not None and self.head_dim & (self.head_dim - 1) == 0:
             return Rotation(positions, self.cos_sin, None, None)
         cos, sin = self(positions, dtype)
-        return Rotation(positions, None, cos, sin)
+        return Rotation(positions, self.cos_sin, cos, sin)
 
 
 class Rotation:
     """One step's rotary embedding, shared by every layer: `rotate_and_write_kv` rotates q and k
-    and stores the new keys and values in the paged cache. With the fused kernel (`cos_sin` set)
-    that is one launch; otherwise torch rotates and the attention backend's `write_kv` stores."""
+    and stores the new keys and values in the paged cache. With the fused kernel (no `cos`/`sin`
+    looked up) that is one launch; otherwise torch rotates and the attention backend's `write_kv`
+    stores. `positions` and the float32 `cos_sin` cache are there for kernels that rotate in
+    their own epilogue (`backend.kernels.qkv_rope`)."""
 
     def __init__(self, positions, cos_sin, cos, sin):
         self.positions, self.cos_sin, self.cos, self.sin = positions, cos_sin, cos, sin
 
     def rotate_and_write_kv(self, q, k, v, k_cache, v_cache, slot_mapping, write_kv) -> torch.Tensor:
         """-> rotated q; the rotated k and v are in the cache afterwards."""
-        if self.cos_sin is not None:
+        if self.cos is None:
             fused_rope(q, k, self.cos_sin, self.positions, (v, k_cache, v_cache, slot_mapping))
             return q
         q, k = apply_rotary(q, k, self.cos, self.sin)

@@ -1,0 +1,35 @@
+"""SwiGLU feed-forward: down(silu(gate(x)) * up(x)), with gate and up in one projection.
+
+At one token on GPU (`add_one_token`) that is two kernels: gate|up with the norm before it as
+its prologue, down with silu·mul as its prologue and the residual add as its epilogue.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backend.layers.activation import silu_and_mul
+from backend.layers.linear import ONE_TOKEN_MAX_HIDDEN, Linear
+from backend.layers.norm import RMSNorm
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = Linear.merged(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size})
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+    def takes_one_token(self, hidden: torch.Tensor) -> bool:
+        """Whether `add_one_token` runs for hidden: a hidden size where the GEMV pays, projections
+        it takes."""
+        return (hidden.shape[-1] <= ONE_TOKEN_MAX_HIDDEN and self.gate_up_proj.takes_one_token(hidden)
+                and self.down_proj.takes_one_token(hidden))
+
+    def add_one_token(self, residual: torch.Tensor, norm: RMSNorm) -> None:
+        """residual [1, hidden_size] += self(norm(residual)), in place, in one-token kernels."""
+        gate_up = self.gate_up_proj.one_token(residual, norm=norm)
+        self.down_proj.one_token(gate_up, silu_mul=True, residual=residual, out=residual)
