@@ -141,10 +141,10 @@ def test_queue_full_is_refused_explicitly(tiny_dir):
 class PoisonedRunner(ModelRunner):
     """The real runner, failing whenever a poison token is in the step (fault injection)."""
 
-    def execute(self, chunks, prev_sampled=None, banned_ids=None):
-        if any(POISON in c.token_ids for c in chunks):
+    def execute(self, chunks, in_flight_ids=None, banned_ids=None):
+        if any(POISON in c.request.tokens(c.start, c.start + c.num_tokens) for c in chunks):
             raise RuntimeError("poisoned step")
-        return super().execute(chunks, prev_sampled, banned_ids)
+        return super().execute(chunks, in_flight_ids, banned_ids)
 
 
 def test_a_failing_request_fails_alone(tiny_dir):

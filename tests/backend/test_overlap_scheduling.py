@@ -53,10 +53,10 @@ class CountingRunner(ModelRunner):
 
     overlapped = 0
 
-    def execute(self, chunks, prev_sampled=None, banned_ids=None):
-        if prev_sampled is not None and any(c.prev_row >= 0 for c in chunks):
+    def execute(self, chunks, in_flight_ids=None, banned_ids=None):
+        if in_flight_ids is not None and any(c.request.in_flight_row is not None for c in chunks):
             CountingRunner.overlapped += 1
-        return super().execute(chunks, prev_sampled, banned_ids)
+        return super().execute(chunks, in_flight_ids, banned_ids)
 
 
 @pytest.mark.parametrize("kind", list(TINY_CONFIGS))
@@ -182,10 +182,10 @@ def test_cancel_with_overlap_delivers_real_tokens_and_frees_blocks(tiny_dir):
 
 
 class PoisonedRunner(ModelRunner):
-    def execute(self, chunks, prev_sampled=None, banned_ids=None):
-        if any(POISON in c.token_ids for c in chunks):
+    def execute(self, chunks, in_flight_ids=None, banned_ids=None):
+        if any(POISON in c.request.tokens(c.start, c.start + c.num_tokens) for c in chunks):
             raise RuntimeError("poisoned step")
-        return super().execute(chunks, prev_sampled, banned_ids)
+        return super().execute(chunks, in_flight_ids, banned_ids)
 
 
 def test_a_failing_request_fails_alone_with_overlap(tiny_dir):

@@ -14,7 +14,7 @@ import pytest
 from backend.config import EngineConfig
 from backend.request import FinishReason, Request, RequestStatus
 from backend.sampling_params import SamplingParams
-from backend.scheduler import QueueFullError, ScheduledChunk, Scheduler
+from backend.scheduler import QueueFullError, Scheduler
 
 SYSTEM_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [5, 5, 5, 5, 6, 6, 6, 6])
 
@@ -377,9 +377,11 @@ def test_add_refuses_duplicates_and_requests_that_can_never_fit():
     assert scheduler.blocks_needed(9) == 3 and scheduler.total_blocks == 2
 
 
-def test_chunk_samples_is_frozen_at_scheduling_time():
+def test_chunk_start_and_samples_are_fixed_at_scheduling_time():
+    scheduler = make_scheduler()
     request = make_request("a", [1, 2, 3])
-    chunk = ScheduledChunk(request, 3)
+    scheduler.add(request)
+    (chunk,) = scheduler.schedule().chunks
     request.num_computed_tokens = 3
     request.output_ids.append(7)
-    assert chunk.samples and chunk.start == 0
+    assert (chunk.start, chunk.num_tokens, chunk.samples) == (0, 3, True)
