@@ -3,27 +3,31 @@
 `Engine.step` is the whole step, top to bottom; the executor's thread calls it while there is work.
 
 Overlap scheduling (`EngineConfig.overlap_scheduling`, on by default on GPU) moves one thing: the
-tokens step n samples are processed (stop checks, delivery) in step n+1, once n+1 is queued on
-the device, so the host's work hides behind the device's. Until then such a token is *in flight*:
+tokens step n samples are processed (appended, stop checks, delivery) in step n+1, once n+1 is
+queued on the device, so the host's work hides behind the device's. Until then such a token is
+*in flight*, and that is one field, `Request.in_flight_row`: the token's row in the sampled ids of
+the step in flight (None: no token in flight).
 
-- `Request.in_flight_row` is its row in the sampled ids of the step in flight (None: no token in
-  flight). It counts in `Request.num_tokens`, so the scheduler gives the request its next decode
-  without knowing the value; it is in no id list, so nothing can deliver, hash or penalise it.
-- The runner takes the input id of that decode from the same row on the device (inside the decode
-  CUDA graph, its first kernel).
+- It counts in `Request.num_tokens`, so the scheduler gives the request its next decode without
+  knowing the value (and none after it when it is the request's last, max_tokens-th, token).
+- It is in no id list: `output_ids` holds real tokens only, so nothing can deliver, hash or
+  penalise a value that is not there.
+- The runner takes that decode's input id from the row, on the device (in a decode CUDA graph,
+  the graph's first kernel does).
 - Finishing the step clears the row and appends the real token.
 
-Why a count with a row (vLLM's AsyncScheduler placeholders), not mini-sglang's device-side token
-table: only one token per request is ever unknown, while the host needs every id anyway (stop
-checks, prefix hashes, delivery); a table would move all ids and every prefill's input packing to
-the device to serve that one token.
+Why a count with a row (vLLM's AsyncScheduler placeholders) rather than mini-sglang's device-side
+token table: only one token per request is ever unknown, while the host needs every id anyway
+(stop checks, prefix hashes, delivery); a table would move all ids, and every prefill's input
+packing, to the device for that one token.
 
-The step in flight is finished before the next one is packed (a drain) when the next one preempted
-(a preempted request must come back with real tokens), when one of its requests reads its token
-history on the host to be sampled (penalties, bad words), and when the batch fails (then each of
-its requests runs alone, so that a bad one fails alone). A request that ended with step n-1 was
-already queued in step n: that token is discarded and its blocks are freed at once (the device
-runs the steps in order, so no later step can overwrite them before step n is done with them).
+The step in flight is finished before the next one is packed (a drain) when nothing else was
+scheduled, when the next step preempted (a preempted request comes back with real tokens), when
+one of its requests reads its token history on the host to be sampled (penalties, bad words), and
+when the batch fails (then each of its requests runs alone, so that a bad one fails alone). A
+request that ended with step n-1 was already queued in step n: that token is discarded and its
+blocks are freed at once (the device runs steps in order, so no later step can overwrite them
+before step n is done with them).
 """
 from __future__ import annotations
 
@@ -105,12 +109,6 @@ class Engine:
             for step in launched:
                 self._finish(step)
         return batch
-
-    def drain(self) -> None:
-        """Finish the step in flight, if any."""
-        previous, self.in_flight = self.in_flight, None
-        if previous is not None:
-            self._finish(previous)
 
     # ---- the parts of a step -------------------------------------------------------------------
     def _launch(self, chunks: list[Chunk], previous: LaunchedStep | None) -> LaunchedStep:

@@ -12,8 +12,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from backend.config import EngineConfig
 from backend.model_config import ModelConfig, RopeConfig
 from backend.model_runner import ModelRunner
-from backend.request import Chunk
 from backend.models.rotary import inverse_frequencies
+from backend.request import Chunk, Request
+from backend.sampling_params import SamplingParams
 from tests.tiny_models import LLAMA3_ROPE
 
 TPB = 4   # tokens per block: small, so prompts span many blocks
@@ -97,6 +98,30 @@ def test_packed_batch_equals_sequences_alone(tiny_hf_model):
     torch.testing.assert_close(step2[1], alone_b, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(step1[0], hf_logits(hf, b[:8])[-1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(step2[0], hf_logits(hf, a)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_an_in_flight_token_takes_its_input_from_the_previous_steps_ids(tiny_hf_model):
+    """Overlap scheduling: a decode whose input token is still on the device (`in_flight_row`)
+    reads it from the ids given; packed with another sequence's prefill it computes what the
+    known token does."""
+    hf, path = tiny_hf_model("llama")
+    runner = make_runner(path)
+    rng = random.Random(6)
+    ids = [rng.randrange(runner.vocab_size) for _ in range(13)]
+    other = [rng.randrange(runner.vocab_size) for _ in range(7)]
+    blocks = shuffled_blocks(runner, 30 * TPB, seed=7)
+    blocks_ids, blocks_other = blocks[:4], blocks[4:6]
+    runner.execute([Chunk.of_sequence(ids[:-1], blocks_ids, samples=False)])
+    request = Request("r", ids[:-1], SamplingParams(), block_ids=blocks_ids)
+    request.in_flight_row = 2                                  # ids[-1] is not on the host
+    assert request.num_tokens == len(ids) and request.all_ids == ids[:-1]
+    in_flight = Chunk(request, len(ids) - 1, 1, True)
+    with pytest.raises(ValueError, match="in-flight ids"):
+        runner.execute([in_flight])
+    previous_ids = torch.tensor([5, 6, ids[-1], 8])
+    logits = runner.execute([Chunk.of_sequence(other, blocks_other), in_flight], previous_ids).logits
+    torch.testing.assert_close(logits[1], hf_logits(hf, ids)[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[0], hf_logits(hf, other)[-1], atol=1e-4, rtol=1e-4)
 
 
 def test_runner_rejects_too_few_blocks_and_too_long_sequences(tiny_hf_model):
