@@ -198,8 +198,8 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
         total = int(query_start_loc[-1])
         positions = starts[seq_of_token] + np.arange(total) - query_start_loc[seq_of_token]
-        slots = block_tables[seq_of_token, positions // tokens_per_block] * tokens_per_block \
-            + positions % tokens_per_block
+        slots = (block_tables[seq_of_token, positions // tokens_per_block] * tokens_per_block
+                 + positions % tokens_per_block)
         samples = np.fromiter(map(_samples, chunks), dtype=bool, count=n)
         logits_indices = (query_start_loc[1:] - 1)[samples]
         # An in-flight token is a chunk of its own (every other token of its request is
@@ -208,21 +208,22 @@ class ModelRunner:
         token_lists = [r.tokens(c.start, c.start + c.num_tokens) if row is None else _STAND_IN
                        for c, r, row in zip(chunks, requests, in_flight_rows)]
         input_ids = np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=total)
-        any_in_flight = in_flight_rows.count(None) < n
-        if any_in_flight and in_flight_ids is None:
-            raise ValueError("chunks of in-flight tokens but no in-flight ids were given")
-        rows = np.array([-1 if row is None else row for row in in_flight_rows]) if any_in_flight else None
+        in_flight = None        # per chunk: its input's row of in_flight_ids, -1 when known
+        if in_flight_rows.count(None) < n:
+            if in_flight_ids is None:
+                raise ValueError("chunks of in-flight tokens but no in-flight ids were given")
+            in_flight = np.array([-1 if row is None else row for row in in_flight_rows], dtype=np.int64)
         graphs = self.decode_graphs
         if (graphs is not None and total == n and n <= graphs.max_batch_size and samples.all()):
-            meta = graphs.stage(input_ids, positions, slots, seq_lens, block_tables, rows, in_flight_ids,
+            meta = graphs.stage(input_ids, positions, slots, seq_lens, block_tables, in_flight, in_flight_ids,
                                 banned_ids)
             return StepInputs(graphs.input_ids[:n], graphs.positions[:n], meta, graphs.query_start_loc[:n],
                               in_graph=True)
         arrays = [input_ids, positions, slots, query_start_loc.astype(np.int32), seq_lens.astype(np.int32),
                   block_tables.astype(np.int32), logits_indices]
-        if any_in_flight:
-            in_flight = np.flatnonzero(rows >= 0)
-            arrays += [(query_start_loc[1:] - 1)[in_flight], rows[in_flight]]
+        if in_flight is not None:
+            chunks_in_flight = np.flatnonzero(in_flight >= 0)
+            arrays += [(query_start_loc[1:] - 1)[chunks_in_flight], in_flight[chunks_in_flight]]
         ids_d, pos_d, slots_d, qsl_d, seq_d, bt_d, li_d, *fill = self._to_device(arrays)
         if fill:
             ids_d[fill[0]] = in_flight_ids[fill[1]]

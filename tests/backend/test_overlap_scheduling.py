@@ -171,7 +171,7 @@ def test_overlap_gives_the_same_outputs_as_the_synchronous_path(tiny_dir):
     assert [r["finish_reason"] for r in overlap[:3]] == [FinishReason.LENGTH, FinishReason.END_ID,
                                                           FinishReason.STOP]
     assert len(overlap[10]["token_ids"]) == 1
-    assert all(t >= 0 for r in overlap for t in r["token_ids"])       # no placeholder leaks
+    assert all(t >= 0 for r in overlap for t in r["token_ids"])       # only real ids are delivered
     assert stats.num_generated_tokens == sync_stats.num_generated_tokens
     assert_all_blocks_free(stats)
 
@@ -228,7 +228,7 @@ def test_cancel_with_overlap_delivers_real_tokens_and_frees_blocks(tiny_dir):
         final = collector.final
         assert final.finish_reason == FinishReason.CANCELLED
         tokens = collector.tokens
-        assert len(tokens) < 150 and tokens == free[:len(tokens)]     # a prefix: no placeholder
+        assert len(tokens) < 150 and tokens == free[:len(tokens)]     # a prefix of real tokens
         stats = executor.stats()
         assert_all_blocks_free(stats)
         assert stats.num_cancelled == 1
