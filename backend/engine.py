@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -65,14 +66,17 @@ class LaunchedStep:
 
 class Engine:
     def __init__(self, runner: ModelRunner, sampler: Sampler, scheduler: Scheduler,
-                 outputs: OutputProcessor, lock: threading.Lock, overlap: bool):
+                 outputs: OutputProcessor, lock: threading.Lock, overlap: bool,
+                 on_step: Callable[[SchedulerOutput], None] = lambda batch: None):
         """`lock` guards the scheduler (the executor's lock); everything else here runs on the
-        executor thread only."""
+        executor thread only. `on_step(batch)` is called under `lock` once a step has run,
+        before any of its tokens is delivered (the executor counts it in its stats)."""
         self.runner = runner
         self.sampler = sampler
         self.scheduler = scheduler
         self.outputs = outputs
         self.overlap = overlap
+        self.on_step = on_step
         self._lock = lock
         self.in_flight: LaunchedStep | None = None     # the step whose tokens are in flight
         # Ids of requests for which `reads_token_history` (kept by the executor, under `lock`):
@@ -103,11 +107,12 @@ class Engine:
             self._finish(previous)                          # n-1's tokens: append, stops, delivery
         with self._lock:
             self.scheduler.complete_step(batch)             # computed counts, full-block hashes
+            self.on_step(batch)
         if self.overlap and len(launched) == 1 and launched[0].sampled is not None:
-            self.in_flight = self._put_in_flight(launched[0])
+            self._put_in_flight(launched[0])                # n's tokens: on the device until n+1
         else:
-            for step in launched:
-                self._finish(step)
+            for launched_step in launched:
+                self._finish(launched_step)
         return batch
 
     # ---- the parts of a step -------------------------------------------------------------------
@@ -130,11 +135,11 @@ class Engine:
             log.exception("request %s failed in the model step", chunk.request.request_id)
             return LaunchedStep([chunk.request] if chunk.samples else [], None)
 
-    def _put_in_flight(self, step: LaunchedStep) -> LaunchedStep:
+    def _put_in_flight(self, step: LaunchedStep) -> None:
         for row, request in enumerate(step.requests):
             if not request.is_finished:                     # not ended by step n-1
                 request.in_flight_row = row
-        return step
+        self.in_flight = step
 
     def _finish(self, step: LaunchedStep) -> None:
         """Wait for a step's sampled ids; append each request's token, check stops, deliver."""

@@ -58,7 +58,7 @@ class Executor:
         overlap = self.config.overlap_scheduling
         self.overlap = self.runner.device.type == "cuda" if overlap is None else bool(overlap)
         self.engine = Engine(self.runner, self.sampler, self.scheduler, self.outputs, self._lock,
-                             self.overlap)
+                             self.overlap, on_step=self._record_step)
         self._work = threading.Condition(self._lock)
         self._stopping = False
         self._stop_reason = "executor shut down"
@@ -164,25 +164,23 @@ class Executor:
                     self.outputs.finish(live.request, FinishReason.CANCELLED)
             was_in_flight = engine.in_flight is not None
             try:
-                batch = engine.step()
+                ran = engine.step()
             except Exception:  # never let the loop die
                 log.exception("executor step failed")
                 continue
-            if batch is not None:
-                self._record_step(batch)
-            elif not was_in_flight:
+            if ran is None and not was_in_flight:
                 time.sleep(0.001)            # nothing could be scheduled yet (KV blocks, budget)
 
     def _record_step(self, batch: SchedulerOutput) -> None:
+        """Engine hook, under `_lock`: a step ran."""
         decodes = sum(1 for c in batch.chunks if c.num_tokens == 1 and c.start >= len(c.request.prompt_ids))
-        with self._lock:
-            stats = self._stats
-            stats.num_iterations += 1
-            stats.num_preemptions += len(batch.preempted)
-            stats.last_num_scheduled_tokens = batch.num_batched_tokens
-            stats.last_num_generation_requests = decodes
-            stats.last_num_context_requests = len(batch.chunks) - decodes
-            self._flush_token_count()
+        stats = self._stats
+        stats.num_iterations += 1
+        stats.num_preemptions += len(batch.preempted)
+        stats.last_num_scheduled_tokens = batch.num_batched_tokens
+        stats.last_num_generation_requests = decodes
+        stats.last_num_context_requests = len(batch.chunks) - decodes
+        self._flush_token_count()
 
     def _flush_token_count(self) -> None:
         """Delivered tokens reach the stats once per step (and when a request ends), not per

@@ -141,13 +141,13 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's chunks and allocate their blocks (slots up to start + num_tokens)."""
-        output = SchedulerOutput()
-        budget = self._schedule_running(output)
-        if not output.preempted:
-            self._admit_waiting(output, budget)
-        return output
+        batch = SchedulerOutput()
+        budget = self._schedule_running(batch)
+        if not batch.preempted:
+            self._admit_waiting(batch, budget)
+        return batch
 
-    def _schedule_running(self, output: SchedulerOutput) -> int:
+    def _schedule_running(self, batch: SchedulerOutput) -> int:
         """Oldest first. Victims are the newest, so never one already scheduled this step.
 
         The common case, a decode whose last block still has a free slot, needs no allocation
@@ -155,7 +155,7 @@ class Scheduler:
         """
         budget = self.config.max_num_tokens
         tokens_per_block = self.kv.tokens_per_block
-        chunks = output.chunks
+        chunks = batch.chunks
         running = RequestStatus.RUNNING
         for request in list(self.running):
             if request.status is not running:                    # preempted earlier this step
@@ -178,7 +178,7 @@ class Scheduler:
                                        "reservation (more tokens than max_total_tokens?)")
                 victim = self.running[-1]
                 self._preempt(victim)
-                output.preempted.append(victim)
+                batch.preempted.append(victim)
                 if victim is request:
                     break
             else:
@@ -186,7 +186,7 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, batch: SchedulerOutput, budget: int) -> None:
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_batch_size:
             return                               # nothing can be admitted: skip the reservation sum
         reserved = sum(map(self._blocks_to_grow, self.running)) if self.no_evict else 0
@@ -209,7 +209,7 @@ class Scheduler:
             if self.no_evict:
                 reserved += self._blocks_to_grow(request)
             start = request.num_computed_tokens              # past the reused prefix
-            output.chunks.append(Chunk(request, start, num_tokens, start + num_tokens == request.num_tokens))
+            batch.chunks.append(Chunk(request, start, num_tokens, start + num_tokens == request.num_tokens))
             budget -= num_tokens
 
     def _preempt(self, request: Request) -> None:
@@ -221,7 +221,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def complete_step(self, output: SchedulerOutput) -> None:
+    def complete_step(self, batch: SchedulerOutput) -> None:
         """The model computed the chunks: advance each request and register its full blocks.
 
         Only a chunk that crossed a block boundary filled a block, so only those pay for hashing.
@@ -229,7 +229,7 @@ class Scheduler:
         tokens_per_block = self.kv.tokens_per_block
         reuse = self.kv.enable_prefix_reuse
         requests = self._requests
-        for chunk in output.chunks:
+        for chunk in batch.chunks:
             request = chunk.request
             if requests.get(request.request_id) is not request:      # ended meanwhile
                 continue

@@ -22,7 +22,8 @@ from backend.model_runner import ModelRunner  # noqa: E402
 from backend.request import Chunk  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("interpretable_triton_language")
-FIELDS = ("input_ids", "in_flight_rows", "positions", "slot_mapping", "seq_lens", "banned_ids", "block_tables")
+FIELDS = ("input_ids", "in_flight_rows", "positions", "slot_mapping", "seq_lens", "banned_ids",
+          "block_tables")
 
 
 def empty_graphs(max_batch_size: int, max_seq_len: int = 100) -> DecodeGraphs:
