@@ -58,8 +58,9 @@ def reads_token_history(request: Request) -> bool:
 
 @dataclass(slots=True)
 class LaunchedStep:
-    """A step queued on the device: its sampling requests in row order, and their sampled ids
-    on the way to the host (None: the step failed before sampling)."""
+    """A step queued on the device: the requests it samples for, in row order, and their
+    sampled ids on the way to the host; None when the step failed (then its requests fail)
+    or samples for none."""
     requests: list[Request]
     sampled: PendingSample | None
 
@@ -127,13 +128,13 @@ class Engine:
                                                                 out.argmax_host))
 
     def _launch_alone(self, chunk: Chunk) -> LaunchedStep:
-        """One chunk as its own step; if it fails, its request fails (re-running a chunk
-        rewrites the same KV values)."""
+        """One chunk as its own step; if it fails, its request fails, sampling or not (its KV
+        was not written). Re-running a chunk rewrites the same KV values."""
         try:
             return self._launch([chunk], None)
         except Exception:
             log.exception("request %s failed in the model step", chunk.request.request_id)
-            return LaunchedStep([chunk.request] if chunk.samples else [], None)
+            return LaunchedStep([chunk.request], None)
 
     def _put_in_flight(self, step: LaunchedStep) -> None:
         for row, request in enumerate(step.requests):
