@@ -6,8 +6,9 @@ captured once per padded batch size and replayed. The graph does the whole step,
 two replays the device runs nothing at all:
 
 - the host packs the step's inputs into a slot of a ring of two in pinned host memory (`stage`),
-  which the graph's first kernel copies into its device buffer, resolving the placeholder input
-  ids from the previous replay's sampled ids (`backend.kernels.step_inputs`);
+  which the graph's first kernel copies into its device buffer, taking the input id of each
+  in-flight token (`backend.engine`) from the previous replay's sampled ids
+  (`backend.kernels.step_inputs`);
 - forward and logits;
 - each row's argmax (what greedy sampling picks), skipping the row's banned ids (the end ids of a
   request short of its min_tokens), into a static device buffer, where the next replay's first
@@ -19,8 +20,8 @@ elsewhere (sampling with temperature or logits processors, an eager step), `stag
 into the static buffer first.
 
 A slot is reused two replays later: `stage` first waits for the replay that last used it and
-keeps its ids (with overlap scheduling that replay is long finished and read by then: the step
-pipeline processes step n-1 before it packs step n+1).
+keeps its ids (with overlap scheduling that replay is long finished and read by then: the engine
+finishes step n-1 before it packs step n+1).
 
 Padded rows have slot -1 (the KV write skips them) and context length 0 (attention writes zeros
 for them); their logits are computed and ignored. The attention kernels size their grids from the
@@ -83,8 +84,8 @@ class DecodeGraphs:
         n, blocks = max_batch_size, -(-max_seq_len // tokens_per_block)
         # Every per-step input lives in one buffer, mirrored by each slot of the host ring: the
         # first kernel copies from `positions` on, up to the end of the graph's block-table rows
-        # (the block table comes last); it writes the input ids itself (placeholders resolved).
-        fields = [("input_ids", torch.int64, (n,)), ("fill_src", torch.int64, (n,)),
+        # (the block table comes last); it writes the input ids itself (in-flight ones resolved).
+        fields = [("input_ids", torch.int64, (n,)), ("in_flight_rows", torch.int64, (n,)),
                   ("positions", torch.int64, (n,)), ("slot_mapping", torch.int64, (n,)),
                   ("seq_lens", torch.int32, (n,)), ("banned_ids", torch.int64, (n, max_banned)),
                   ("block_tables", torch.int32, (n, blocks))]
@@ -104,7 +105,7 @@ class DecodeGraphs:
         self.sampled_ring = torch.zeros(2, n, dtype=torch.int64, pin_memory=pinned)   # argmax ids
         for slot in (0, 1):
             self.host_fields[slot]["slot_mapping"][:] = -1
-            self.host_fields[slot]["fill_src"][:] = -1
+            self.host_fields[slot]["in_flight_rows"][:] = -1
             self.host_fields[slot]["banned_ids"][:] = -1
         self.sampled_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -133,8 +134,9 @@ class DecodeGraphs:
         """The graph's first kernel: host slot `replays % 2` into the device buffer."""
         table = self.block_tables[:size]
         end = self.offsets["block_tables"] + table.numel() * table.element_size()
-        load_step_inputs(self.buffer, self.host_ring, self.offsets["input_ids"], self.offsets["fill_src"],
-                         self.offsets["positions"], end, size, self.sampled_ids, self.replays, self.slot)
+        offsets = self.offsets
+        load_step_inputs(self.buffer, self.host_ring, offsets["input_ids"], offsets["in_flight_rows"],
+                         offsets["positions"], end, size, self.sampled_ids, self.replays, self.slot)
 
     def _forward(self, size: int) -> torch.Tensor:
         self.load_inputs(size)
@@ -164,19 +166,20 @@ class DecodeGraphs:
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def stage(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-              seq_lens: np.ndarray, block_tables: np.ndarray, fill_rows: np.ndarray,
-              fill_src: np.ndarray, prev_sampled: torch.Tensor | None = None,
+              seq_lens: np.ndarray, block_tables: np.ndarray, in_flight_rows: np.ndarray | None = None,
+              in_flight_ids: torch.Tensor | None = None,
               banned_ids: np.ndarray | None = None) -> AttentionMetadata:
         """Write one decode step of n rows into the host slot of the next replay, padded to the
         graph size: padded rows get slot -1 (the KV write skips them) and context length 0
-        (attention writes zeros for them); their logits are ignored. `fill_rows`/`fill_src`:
-        rows whose input id is the previous step's sampled id at `fill_src` of `prev_sampled`
-        (filled by the graph). `banned_ids` [n, <= max_banned]: ids each row's argmax skips
-        (-1 = none; None: no bans). Returns the step's attention metadata: views of the device
-        buffer, which hold the step once `replay` has run its first kernel."""
+        (attention writes zeros for them); their logits are ignored. `in_flight_rows` [n]: for
+        a row whose input is an in-flight token, its row in `in_flight_ids` (the previous step's
+        sampled ids; the graph reads them), else -1; None: no row is. `banned_ids`
+        [n, <= max_banned]: ids each row's argmax skips (-1 = none; None: no bans). Returns the
+        step's attention metadata: views of the device buffer, which hold the step once `replay`
+        has run its first kernel."""
         n, size = len(input_ids), self.size_for(len(input_ids))
-        if len(fill_rows) and prev_sampled.data_ptr() != self.sampled_ids.data_ptr():
-            self.sampled_ids[:len(prev_sampled)].copy_(prev_sampled)
+        if in_flight_rows is not None and in_flight_ids.data_ptr() != self.sampled_ids.data_ptr():
+            self.sampled_ids[:len(in_flight_ids)].copy_(in_flight_ids)
         slot = self._replayed % 2
         previous = self._ids_out[slot]
         if previous is not None:      # its replay read this slot: wait for it, keep its ids
@@ -187,8 +190,9 @@ class DecodeGraphs:
                                   ("slot_mapping", slots, -1), ("seq_lens", seq_lens, 0)):
             host[name][:n] = values
             host[name][n:size] = pad
-        host["fill_src"][:size] = -1
-        host["fill_src"][fill_rows] = fill_src
+        host["in_flight_rows"][:size] = -1
+        if in_flight_rows is not None:
+            host["in_flight_rows"][:n] = in_flight_rows
         host["banned_ids"][:size] = -1
         if banned_ids is not None:
             host["banned_ids"][:n, :banned_ids.shape[1]] = banned_ids

@@ -1,9 +1,8 @@
 """The engine executor: a background thread running the in-flight batching loop.
 
-One iteration: schedule (token budget, KV blocks) -> run the model on one packed batch -> sample ->
-append tokens, check stops, deliver outputs, free finished requests. With overlap scheduling (the
-default on GPU) the last part of step n-1 runs while step n is on the device; see
-`backend.step_pipeline`.
+The loop waits for work, applies cancellations and runs `Engine.step` (`backend.engine`): schedule
+(token budget, KV blocks) -> run the model on one packed batch -> sample -> append tokens, check
+stops, deliver outputs, free finished requests.
 
 `submit`, `cancel` and `stats` are thread-safe. Outputs reach the caller through the `on_output`
 callback, called from the executor thread; every request gets exactly one output with
@@ -20,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from backend.config import EngineConfig
+from backend.engine import Engine, reads_token_history
 from backend.limits import EngineLimits
 from backend.model_runner import ModelRunner
 from backend.output_processor import OutputCallback, OutputProcessor
@@ -28,7 +28,6 @@ from backend.sampler import Sampler
 from backend.sampling_params import SamplingParams
 from backend.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from backend.stats import ExecutorStats
-from backend.step_pipeline import StepPipeline, needs_token_history
 
 __all__ = ["Executor", "QueueFullError"]
 
@@ -54,12 +53,12 @@ class Executor:
         self._live = self.outputs.live          # request_id -> LiveRequest, guarded by _lock
         self._cancel_requests: set[str] = set()
         self._lock = threading.Lock()
-        # Overlap scheduling (see backend.step_pipeline): on by default where there is a device
-        # to overlap with; forced on in tests to exercise it on CPU.
+        # Overlap scheduling (see backend.engine): on by default where there is a device to
+        # overlap with; forced on in tests to exercise it on CPU.
         overlap = self.config.overlap_scheduling
         self.overlap = self.runner.device.type == "cuda" if overlap is None else bool(overlap)
-        self.pipeline = StepPipeline(self.runner, self.sampler, self.scheduler, self.outputs, self._lock,
-                                     self.overlap)
+        self.engine = Engine(self.runner, self.sampler, self.scheduler, self.outputs, self._lock,
+                             self.overlap, on_step=self._record_step)
         self._work = threading.Condition(self._lock)
         self._stopping = False
         self._stop_reason = "executor shut down"
@@ -78,8 +77,8 @@ class Executor:
                 raise ValueError(f"request_id {request.request_id!r} is already in flight")
             self.scheduler.add(request)
             self.outputs.add(request, on_output)
-            if needs_token_history(request):
-                self.pipeline.history_requests.add(request.request_id)
+            if reads_token_history(request):
+                self.engine.history_requests.add(request.request_id)
             self._work.notify()
 
     def cancel(self, request_id: str) -> bool:
@@ -147,10 +146,10 @@ class Executor:
             self._serve()
 
     def _serve(self) -> None:
-        pipeline = self.pipeline
+        engine = self.engine
         while True:
             with self._lock:
-                while (not self._stopping and not self._cancel_requests and not pipeline.in_flight
+                while (not self._stopping and not self._cancel_requests and engine.in_flight is None
                        and not self.scheduler.has_work()):
                     self._work.wait()
                 stopping = self._stopping
@@ -163,30 +162,25 @@ class Executor:
                 live = self._live.get(request_id)
                 if live is not None:
                     self.outputs.finish(live.request, FinishReason.CANCELLED)
-            with self._lock:
-                output = self.scheduler.schedule()
-            if not output.chunks:
-                if pipeline.in_flight:
-                    pipeline.drain()
-                else:
-                    time.sleep(0.001)
-                continue
+            was_in_flight = engine.in_flight is not None
             try:
-                pipeline.run(output)
+                ran = engine.step()
             except Exception:  # never let the loop die
                 log.exception("executor step failed")
-            self._record_step(output)
+                continue
+            if ran is None and not was_in_flight:
+                time.sleep(0.001)            # nothing could be scheduled yet (KV blocks, budget)
 
-    def _record_step(self, output: SchedulerOutput) -> None:
-        decodes = sum(1 for c in output.chunks if c.num_tokens == 1 and c.request.output_ids)
-        with self._lock:
-            stats = self._stats
-            stats.num_iterations += 1
-            stats.num_preemptions += len(output.preempted)
-            stats.last_num_scheduled_tokens = output.num_batched_tokens
-            stats.last_num_generation_requests = decodes
-            stats.last_num_context_requests = len(output.chunks) - decodes
-            self._flush_token_count()
+    def _record_step(self, batch: SchedulerOutput) -> None:
+        """Engine hook, under `_lock`: a step ran."""
+        decodes = sum(1 for c in batch.chunks if c.num_tokens == 1 and c.start >= len(c.request.prompt_ids))
+        stats = self._stats
+        stats.num_iterations += 1
+        stats.num_preemptions += len(batch.preempted)
+        stats.last_num_scheduled_tokens = batch.num_batched_tokens
+        stats.last_num_generation_requests = decodes
+        stats.last_num_context_requests = len(batch.chunks) - decodes
+        self._flush_token_count()
 
     def _flush_token_count(self) -> None:
         """Delivered tokens reach the stats once per step (and when a request ends), not per
@@ -201,7 +195,7 @@ class Executor:
             self.scheduler.finish(request)
             self._live.pop(request.request_id, None)
             self._cancel_requests.discard(request.request_id)
-            self.pipeline.history_requests.discard(request.request_id)
+            self.engine.history_requests.discard(request.request_id)
             stats = self._stats
             stats.num_completed += 1
             stats.num_prompt_tokens += request.num_prompt_tokens

@@ -39,7 +39,7 @@ def end_ids_for(params: SamplingParams, default_end_ids: list[int]) -> list[int]
 def min_tokens_end_ban(request: Request, default_end_ids: list[int]) -> list[int]:
     """The end ids the min-tokens ban takes from this request's row at the current step."""
     p = request.sampling
-    return end_ids_for(p, default_end_ids) if len(request.output_ids) < p.min_tokens else []
+    return end_ids_for(p, default_end_ids) if request.num_output_tokens < p.min_tokens else []
 
 
 def has_processors(request: Request, default_end_ids: list[int], end_ban_applied: bool = False) -> bool:

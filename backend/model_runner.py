@@ -1,8 +1,9 @@
 """The model runner: loads the model, owns the paged KV cache, runs one packed step.
 
-The executor hands it the chunks scheduled this step (prefill chunks and decodes together); the
+The engine hands it the chunks scheduled this step (prefill chunks and decodes together); the
 runner packs them into one batch (token ids, positions, cache slots, block tables), runs the model
-and returns logits for the chunks that end at a request's last known token.
+and returns logits for the chunks that sample. An in-flight token's input id (overlap scheduling,
+`backend.engine`) is taken on the device from the sampled ids of the step in flight.
 
 KV cache: one tensor kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V).
 Sizing: `max_tokens_in_paged_kv_cache` when set; on CUDA otherwise
@@ -27,6 +28,7 @@ from backend.staging import StagingBuffer
 from backend.model_config import ModelConfig
 from backend.model_loader import load_model
 from backend.model_paths import resolve_model
+from backend.request import Chunk
 
 log = logging.getLogger(__name__)
 
@@ -36,25 +38,14 @@ DEFAULT_MAX_SEQ_LEN = 8192
 CPU_KV_CACHE_CAP_BYTES = 4 << 30
 
 
-@dataclass(slots=True)
-class SequenceChunk:
-    token_ids: list[int]   # new tokens to compute this step
-    start_pos: int         # position of token_ids[0] (== tokens already in the cache)
-    block_ids: list[int]   # the request's block table, covers start_pos + len(token_ids) tokens
-    needs_logits: bool     # True when this chunk ends at the request's last known token
-    # Overlap scheduling: >= 0 when the last of token_ids is a placeholder for a token the
-    # previous step sampled; its value is row `prev_row` of that step's sampled ids (on device).
-    prev_row: int = -1
-
-
-_token_ids, _block_ids, _start_pos, _needs_logits, _prev_row = (
-    attrgetter(name) for name in ("token_ids", "block_ids", "start_pos", "needs_logits", "prev_row"))
+_request, _start, _num_tokens, _samples, _block_ids = (
+    attrgetter(name) for name in ("request", "start", "num_tokens", "samples", "block_ids"))
 
 
 @dataclass
 class StepLogits:
     """What one step computed."""
-    logits: torch.Tensor               # float32 [chunks with needs_logits, vocab], in chunk order
+    logits: torch.Tensor               # float32 [sampling chunks, vocab], in chunk order
     argmax_ids: torch.Tensor | None    # int64 argmax of each row skipping its banned ids, where the
                                        # step computed it (decode CUDA graphs; valid until the
                                        # next step runs)
@@ -67,8 +58,11 @@ class StepInputs:
     input_ids: torch.Tensor       # [T] int64
     positions: torch.Tensor       # [T] int64
     attn_meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] int, rows of the last token of each needs_logits chunk
+    logits_indices: torch.Tensor  # [N] int, rows of the last token of each sampling chunk
     in_graph: bool = False        # staged for a decode CUDA graph, which reads it when replayed
+
+
+_STAND_IN = [0]     # the input id of an in-flight token until the device replaces it
 
 
 def pick_device(name: str) -> torch.device:
@@ -133,15 +127,15 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     # ---- one step ----------------------------------------------------------------------------
-    def execute(self, chunks: list[SequenceChunk], prev_sampled: torch.Tensor | None = None,
+    def execute(self, chunks: list[Chunk], in_flight_ids: torch.Tensor | None = None,
                 banned_ids: np.ndarray | None = None) -> StepLogits:
-        """The logits of the chunks with needs_logits (and their argmax where the step computes
-        it anyway, skipping `banned_ids` [rows, k], -1 = none).
+        """The logits of the sampling chunks (and their argmax where the step computes it anyway,
+        skipping `banned_ids` [rows, k], -1 = none).
 
-        `prev_sampled`: the previous step's sampled ids, on the device, for chunks with a
-        `prev_row` (overlap scheduling). The call returns once the work is queued on the device.
+        `in_flight_ids`: the sampled ids of the step in flight, on the device, where the input of
+        a chunk whose request has an `in_flight_row` is. Returns once the work is queued.
         """
-        inputs = self.prepare(chunks, prev_sampled, banned_ids)
+        inputs = self.prepare(chunks, in_flight_ids, banned_ids)
         with torch.inference_mode():
             graphs = self.decode_graphs
             if inputs.in_graph:
@@ -163,7 +157,7 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
-    def prepare(self, chunks: list[SequenceChunk], prev_sampled: torch.Tensor | None = None,
+    def prepare(self, chunks: list[Chunk], in_flight_ids: torch.Tensor | None = None,
                 banned_ids: np.ndarray | None = None) -> StepInputs:
         """Pack the chunks into one batch. No Python loop over requests beyond reading their
         lists: at batch 256 this runs every step, so block tables are filled with one masked
@@ -171,12 +165,12 @@ class ModelRunner:
         will run is staged straight into the graph's inputs (`in_graph`)."""
         if not chunks:
             raise ValueError("execute() needs at least one chunk")
-        bs = self.tokens_per_block
+        tokens_per_block = self.tokens_per_block
         n = len(chunks)
-        token_lists = list(map(_token_ids, chunks))       # map + attrgetter: C-speed gathers
-        block_lists = list(map(_block_ids, chunks))
-        query_lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=n)
-        starts = np.fromiter(map(_start_pos, chunks), dtype=np.int64, count=n)
+        requests = list(map(_request, chunks))            # map + attrgetter: C-speed gathers
+        block_lists = list(map(_block_ids, requests))
+        query_lens = np.fromiter(map(_num_tokens, chunks), dtype=np.int64, count=n)
+        starts = np.fromiter(map(_start, chunks), dtype=np.int64, count=n)
         seq_lens = starts + query_lens
         if query_lens.min() < 1:
             raise ValueError("every chunk needs at least one token")
@@ -185,13 +179,13 @@ class ModelRunner:
                              f"{self.max_seq_len}")
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
-        num_blocks = -(-seq_lens // bs)
+        num_blocks = -(-seq_lens // tokens_per_block)
         held = np.fromiter(map(len, block_lists), dtype=np.int64, count=n)
         short = np.flatnonzero(held < num_blocks)
         if short.size:
             i = int(short[0])
             raise ValueError(f"chunk {i} covers {seq_lens[i]} tokens but has only "
-                             f"{held[i]} blocks of {bs}")
+                             f"{held[i]} blocks of {tokens_per_block}")
         # Row i of the table: the chunk's first num_blocks[i] block ids, zeros after.
         columns = np.arange(max(int(held.max()), 1))
         table = np.zeros((n, columns.size), dtype=np.int64)
@@ -204,29 +198,35 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
         total = int(query_start_loc[-1])
         positions = starts[seq_of_token] + np.arange(total) - query_start_loc[seq_of_token]
-        slots = block_tables[seq_of_token, positions // bs] * bs + positions % bs
+        slots = (block_tables[seq_of_token, positions // tokens_per_block] * tokens_per_block
+                 + positions % tokens_per_block)
+        samples = np.fromiter(map(_samples, chunks), dtype=bool, count=n)
+        logits_indices = (query_start_loc[1:] - 1)[samples]
+        # An in-flight token is a chunk of its own (every other token of its request is
+        # computed); its input id is a stand-in here, replaced on the device.
+        in_flight_rows = [r.in_flight_row for r in requests]
+        token_lists = [r.tokens(c.start, c.start + c.num_tokens) if row is None else _STAND_IN
+                       for c, r, row in zip(chunks, requests, in_flight_rows)]
         input_ids = np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=total)
-        wants_logits = np.fromiter(map(_needs_logits, chunks), dtype=bool, count=n)
-        logits_indices = (query_start_loc[1:] - 1)[wants_logits]
-
-        prev_rows = np.fromiter(map(_prev_row, chunks), dtype=np.int64, count=n)
-        from_prev = prev_rows >= 0
-        fill_rows, fill_src = (query_start_loc[1:] - 1)[from_prev], prev_rows[from_prev]
-        if fill_rows.size and prev_sampled is None:
-            raise ValueError("chunks read the previous step's sampled ids but none were given")
+        in_flight = None        # per chunk: its input's row of in_flight_ids, -1 when known
+        if in_flight_rows.count(None) < n:
+            if in_flight_ids is None:
+                raise ValueError("chunks of in-flight tokens but no in-flight ids were given")
+            in_flight = np.array([-1 if row is None else row for row in in_flight_rows], dtype=np.int64)
         graphs = self.decode_graphs
-        if (graphs is not None and total == n and n <= graphs.max_batch_size and wants_logits.all()):
-            meta = graphs.stage(input_ids, positions, slots, seq_lens, block_tables, fill_rows, fill_src,
-                                prev_sampled, banned_ids)
+        if (graphs is not None and total == n and n <= graphs.max_batch_size and samples.all()):
+            meta = graphs.stage(input_ids, positions, slots, seq_lens, block_tables, in_flight, in_flight_ids,
+                                banned_ids)
             return StepInputs(graphs.input_ids[:n], graphs.positions[:n], meta, graphs.query_start_loc[:n],
                               in_graph=True)
         arrays = [input_ids, positions, slots, query_start_loc.astype(np.int32), seq_lens.astype(np.int32),
                   block_tables.astype(np.int32), logits_indices]
-        if fill_rows.size:
-            arrays += [fill_rows, fill_src]
+        if in_flight is not None:
+            chunks_in_flight = np.flatnonzero(in_flight >= 0)
+            arrays += [(query_start_loc[1:] - 1)[chunks_in_flight], in_flight[chunks_in_flight]]
         ids_d, pos_d, slots_d, qsl_d, seq_d, bt_d, li_d, *fill = self._to_device(arrays)
-        if fill:    # placeholders take their values from the previous step, on the device
-            ids_d[fill[0]] = prev_sampled[fill[1]]
+        if fill:
+            ids_d[fill[0]] = in_flight_ids[fill[1]]
         meta = AttentionMetadata(
             slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=seq_d, block_tables=bt_d,
             max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
@@ -277,10 +277,10 @@ class ModelRunner:
                 * torch.empty(0, dtype=self.dtype).element_size())
 
     def _pick_num_kv_blocks(self) -> int:
-        bs = self.tokens_per_block
-        per_seq = -(-self.max_seq_len // bs)
+        tokens_per_block = self.tokens_per_block
+        per_seq = -(-self.max_seq_len // tokens_per_block)
         if self.config.max_tokens_in_paged_kv_cache is not None:
-            blocks = -(-self.config.max_tokens_in_paged_kv_cache // bs)
+            blocks = -(-self.config.max_tokens_in_paged_kv_cache // tokens_per_block)
         elif self.device.type == "cuda":
             blocks = self._blocks_from_free_memory()
         else:
@@ -302,16 +302,14 @@ class ModelRunner:
 
     def _blocks_from_free_memory(self) -> int:
         """Warm up at max_num_tokens with a temporary cache, then size the real one."""
-        bs = self.tokens_per_block
         total = min(self.config.max_num_tokens, self.config.max_batch_size * self.max_seq_len)
         lengths = [self.max_seq_len] * (total // self.max_seq_len)
         if total % self.max_seq_len:
             lengths.append(total % self.max_seq_len)
         chunks, next_block = [], 0
         for n in lengths:
-            blocks = -(-n // bs)
-            chunks.append(SequenceChunk([0] * n, 0, list(range(next_block, next_block + blocks)),
-                                        True))
+            blocks = -(-n // self.tokens_per_block)
+            chunks.append(Chunk.of_sequence([0] * n, list(range(next_block, next_block + blocks))))
             next_block += blocks
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()

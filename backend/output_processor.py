@@ -4,10 +4,6 @@ Runs on the executor thread, once per sampling request per step, so it is writte
 each request's end ids are resolved once at submission, a request without stop sequences skips
 suffix matching, and the delivered-token counter is handed to the executor's stats in bulk instead
 of taking the lock for every output.
-
-With overlap scheduling a request's last output id may be a placeholder while its real value is
-still on the device (`Request.token_in_flight`): `append` then replaces it, and an early finish
-(cancel, shutdown) drops it, so a placeholder is never delivered.
 """
 from __future__ import annotations
 
@@ -55,13 +51,8 @@ class OutputProcessor:
         live = self.live.get(request.request_id)
         if live is None or request.status is RequestStatus.FINISHED:
             return                               # ended meanwhile: the token is discarded
-        if request.token_in_flight:
-            request.output_ids[-1] = token
-            request.output_logprobs[-1] = logprob
-            request.token_in_flight = False
-        else:
-            request.output_ids.append(token)
-            request.output_logprobs.append(logprob)
+        request.output_ids.append(token)
+        request.output_logprobs.append(logprob)
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
@@ -73,10 +64,6 @@ class OutputProcessor:
         live = self.live.get(request.request_id)
         if live is None or request.status is RequestStatus.FINISHED:
             return
-        if request.token_in_flight:              # its value is still on the device: drop it
-            request.output_ids.pop()
-            request.output_logprobs.pop()
-            request.token_in_flight = False
         self._deliver(live, len(request.output_ids) if reason != FinishReason.ERROR else live.num_delivered,
                       reason, error)
 

@@ -39,9 +39,9 @@ class Request:
     num_reused_blocks: int = 0
     num_new_blocks: int = 0
     num_preemptions: int = 0
-    # Overlap scheduling: the last output id is a placeholder whose real value is still on the
-    # device (sampled by the step in flight). It counts as a token for scheduling; nothing reads it.
-    token_in_flight: bool = False
+    # Overlap scheduling: the newest token's row in the sampled ids of the step still on the
+    # device (`backend.engine`), or None. That token counts in num_tokens; it is in no id list.
+    in_flight_row: int | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival_time: float = field(default_factory=time.time)
@@ -51,6 +51,7 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
+        """The tokens known on the host (an in-flight token is not among them)."""
         return self.prompt_ids + self.output_ids
 
     def tokens(self, start: int, end: int) -> list[int]:
@@ -64,7 +65,13 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Prompt and output tokens, the one in flight included."""
+        return len(self.prompt_ids) + len(self.output_ids) + (self.in_flight_row is not None)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens, the one in flight included."""
+        return len(self.output_ids) + (self.in_flight_row is not None)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,6 +84,29 @@ class Request:
     @property
     def max_total_tokens(self) -> int:
         return len(self.prompt_ids) + self.sampling.max_tokens
+
+
+@dataclass(slots=True)
+class Chunk:
+    """`num_tokens` tokens of `request` from position `start`, computed in one step: what the
+    scheduler picks and the runner packs.
+
+    `start` and `samples` are fixed when the step is scheduled; the request moves on after.
+    `samples`: the chunk reaches the request's newest token, so the step samples the next one.
+    """
+
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool
+
+    @classmethod
+    def of_sequence(cls, token_ids: list[int], block_ids: list[int], start: int = 0,
+                    samples: bool = True) -> Chunk:
+        """token_ids[start:] of a bare sequence held in `block_ids`, outside any scheduler (the
+        runner's warm-up, tests, benchmarks)."""
+        request = Request("sequence", list(token_ids), SamplingParams(), block_ids=block_ids)
+        return cls(request, start, len(token_ids) - start, samples)
 
 
 @dataclass(slots=True)

@@ -1,8 +1,9 @@
 """Which requests run each step, and how many tokens each: a token budget over waiting/running.
 
-There are no prefill and decode phases. A request has `num_tokens` (prompt + outputs so far) and
-`num_computed_tokens` (already in the KV cache); a step gives it up to the difference. A prefill is
-many tokens, a decode one; both go into the same step.
+There are no prefill and decode phases. A request has `num_tokens` (prompt + outputs so far,
+counting one still in flight with overlap scheduling: its value is not needed to schedule it) and
+`num_computed_tokens` (already in the KV cache); a step gives it up to the difference, as `Chunk`s.
+A prefill is many tokens, a decode one; both go into the same step.
 
 Rules, in the order `schedule()` applies them:
 
@@ -36,37 +37,16 @@ from dataclasses import dataclass, field
 
 from backend.config import EngineConfig
 from backend.kv_cache_manager import KVCacheManager, KVCacheStats, PrefixMatch
-from backend.request import FinishReason, Request, RequestStatus
+from backend.request import Chunk, FinishReason, Request, RequestStatus
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue holds max_queue_size requests; the caller should retry later."""
 
 
-class ScheduledChunk:
-    """`num_tokens` new tokens of `request`, computed this step from position `start`.
-
-    `start` and `samples` are frozen at scheduling time: complete_step() and the sampled token
-    change the request. `samples` is True when the chunk reaches the request's last known token,
-    so the step samples for it. A plain slotted class: one is built per running request per step.
-    """
-
-    __slots__ = ("request", "num_tokens", "start", "samples")
-
-    def __init__(self, request: Request, num_tokens: int):
-        self.request = request
-        self.num_tokens = num_tokens
-        self.start = start = request.num_computed_tokens
-        self.samples = start + num_tokens == len(request.prompt_ids) + len(request.output_ids)
-
-    def __repr__(self) -> str:
-        return (f"ScheduledChunk({self.request.request_id!r}, num_tokens={self.num_tokens}, "
-                f"start={self.start}, samples={self.samples})")
-
-
 @dataclass
 class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)   # during this schedule() call
 
     @property
@@ -161,55 +141,52 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's chunks and allocate their blocks (slots up to start + num_tokens)."""
-        output = SchedulerOutput()
-        budget = self._schedule_running(output)
-        if not output.preempted:
-            self._admit_waiting(output, budget)
-        return output
+        batch = SchedulerOutput()
+        budget = self._schedule_running(batch)
+        if not batch.preempted:
+            self._admit_waiting(batch, budget)
+        return batch
 
-    def _schedule_running(self, output: SchedulerOutput) -> int:
+    def _schedule_running(self, batch: SchedulerOutput) -> int:
         """Oldest first. Victims are the newest, so never one already scheduled this step.
 
         The common case, a decode whose last block still has a free slot, needs no allocation
         call: it is the hot loop at large batch sizes, so it is kept to a few attribute reads.
         """
         budget = self.config.max_num_tokens
-        block_size = self.kv.tokens_per_block
-        chunks = output.chunks
+        tokens_per_block = self.kv.tokens_per_block
+        chunks = batch.chunks
         running = RequestStatus.RUNNING
         for request in list(self.running):
             if request.status is not running:                    # preempted earlier this step
                 continue
             computed = request.num_computed_tokens
-            num_prompt = len(request.prompt_ids)
-            num_tokens = num_prompt + len(request.output_ids)
-            remaining = num_tokens - computed
-            if num_tokens >= num_prompt + request.sampling.max_tokens:      # max_total_tokens
-                # Every token is known: the last one's KV is never read. (Only with overlap
-                # scheduling, where a request's final token is still in flight, is this reached.)
-                remaining -= 1
-            if remaining == 1 and budget > 0 and computed < len(request.block_ids) * block_size:
-                chunks.append(ScheduledChunk(request, 1))
+            num_tokens = request.num_tokens
+            # The last of max_total_tokens is never computed: nothing reads its KV. (A request
+            # holds it unfinished only while it is in flight.)
+            remaining = min(num_tokens, len(request.prompt_ids) + request.sampling.max_tokens - 1) - computed
+            if remaining == 1 and budget > 0 and computed < len(request.block_ids) * tokens_per_block:
+                chunks.append(Chunk(request, computed, 1, computed + 1 == num_tokens))
                 budget -= 1
                 continue
-            num_tokens = min(remaining, budget)
-            if num_tokens <= 0 or (num_tokens < remaining and not self._may_chunk(request)):
+            num_new = min(remaining, budget)
+            if num_new <= 0 or (num_new < remaining and not self._may_chunk(request)):
                 continue
-            while not self.kv.allocate(request, num_tokens):
+            while not self.kv.allocate(request, num_new):
                 if self.no_evict:
                     raise RuntimeError(f"request {request.request_id} outgrew its KV block "
                                        "reservation (more tokens than max_total_tokens?)")
                 victim = self.running[-1]
                 self._preempt(victim)
-                output.preempted.append(victim)
+                batch.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                chunks.append(ScheduledChunk(request, num_tokens))
-                budget -= num_tokens
+                chunks.append(Chunk(request, computed, num_new, computed + num_new == num_tokens))
+                budget -= num_new
         return budget
 
-    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, batch: SchedulerOutput, budget: int) -> None:
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_batch_size:
             return                               # nothing can be admitted: skip the reservation sum
         reserved = sum(map(self._blocks_to_grow, self.running)) if self.no_evict else 0
@@ -231,7 +208,8 @@ class Scheduler:
                 request.first_scheduled_time = time.time()
             if self.no_evict:
                 reserved += self._blocks_to_grow(request)
-            output.chunks.append(ScheduledChunk(request, num_tokens))
+            start = request.num_computed_tokens              # past the reused prefix
+            batch.chunks.append(Chunk(request, start, num_tokens, start + num_tokens == request.num_tokens))
             budget -= num_tokens
 
     def _preempt(self, request: Request) -> None:
@@ -243,19 +221,19 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def complete_step(self, output: SchedulerOutput) -> None:
+    def complete_step(self, batch: SchedulerOutput) -> None:
         """The model computed the chunks: advance each request and register its full blocks.
 
         Only a chunk that crossed a block boundary filled a block, so only those pay for hashing.
         """
-        block_size = self.kv.tokens_per_block
+        tokens_per_block = self.kv.tokens_per_block
         reuse = self.kv.enable_prefix_reuse
         requests = self._requests
-        for chunk in output.chunks:
+        for chunk in batch.chunks:
             request = chunk.request
             if requests.get(request.request_id) is not request:      # ended meanwhile
                 continue
             end = chunk.start + chunk.num_tokens
             request.num_computed_tokens = end
-            if reuse and end // block_size != chunk.start // block_size:
+            if reuse and end // tokens_per_block != chunk.start // tokens_per_block:
                 self.kv.cache_full_blocks(request)

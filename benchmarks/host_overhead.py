@@ -30,9 +30,9 @@ from backend.sampling_params import SamplingParams
 class FakeRunner(ModelRunner):
     """Packs the batch like the real runner, returns zero logits without running the model."""
 
-    def execute(self, chunks, prev_sampled=None, banned_ids=None):
-        self.prepare(chunks, prev_sampled)
-        return StepLogits(torch.zeros(sum(c.needs_logits for c in chunks), self.vocab_size), None)
+    def execute(self, chunks, in_flight_ids=None, banned_ids=None):
+        self.prepare(chunks, in_flight_ids)
+        return StepLogits(torch.zeros(sum(c.samples for c in chunks), self.vocab_size), None)
 
 
 def tiny_model_dir() -> Path:

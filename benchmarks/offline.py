@@ -100,18 +100,21 @@ def profile_run(executor: Executor, prompts, lengths, top: int = 12) -> dict:
 
     steps = {"prefill_only": 0, "mixed": 0, "decode_only": 0}
     decode_batch = {"1-16": 0, "17-64": 0, "65-128": 0, "129+": 0}
-    run = executor.pipeline.run
+    step = executor.engine.step
 
-    def counting_run(output):
-        decodes = sum(1 for c in output.chunks if c.num_tokens == 1)
-        kind = "decode_only" if decodes == len(output.chunks) else "prefill_only" if not decodes else "mixed"
+    def counting_step():
+        batch = step()
+        if batch is None:
+            return batch
+        decodes = sum(1 for c in batch.chunks if c.num_tokens == 1)
+        kind = "decode_only" if decodes == len(batch.chunks) else "prefill_only" if not decodes else "mixed"
         steps[kind] += 1
         if kind == "decode_only":
-            n = len(output.chunks)
+            n = len(batch.chunks)
             decode_batch["1-16" if n <= 16 else "17-64" if n <= 64 else "65-128" if n <= 128 else "129+"] += 1
-        return run(output)
+        return batch
 
-    executor.pipeline.run = counting_run
+    executor.engine.step = counting_step
     try:
         if executor.runner.device.type != "cuda":        # no kernel timings on CPU
             return {"profiled_wall_s": round(run_engine(executor, prompts, lengths), 3), "steps": steps,
@@ -119,7 +122,7 @@ def profile_run(executor: Executor, prompts, lengths, top: int = 12) -> dict:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             wall = run_engine(executor, prompts, lengths)
     finally:
-        executor.pipeline.run = run
+        executor.engine.step = step
     rows = [(e.key, e.count, getattr(e, "self_device_time_total", 0.0)) for e in prof.key_averages()]
     rows = sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])
     busy_s = sum(r[2] for r in rows) / 1e6

@@ -15,7 +15,8 @@ import time
 import torch
 
 from backend.config import EngineConfig
-from backend.model_runner import ModelRunner, SequenceChunk
+from backend.model_runner import ModelRunner
+from backend.request import Chunk
 from benchmarks.provenance import provenance, save_json
 
 
@@ -117,8 +118,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for batch in args.batch:
         blocks = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
         prompts = [[rng.randrange(100, runner.vocab_size - 100) for _ in range(args.isl)] for _ in range(batch)]
-        runner.execute([SequenceChunk(p, 0, b, True) for p, b in zip(prompts, blocks)])
-        decode = [SequenceChunk([5], args.isl, b, True) for b in blocks]
+        runner.execute([Chunk.of_sequence(p, b) for p, b in zip(prompts, blocks)])
+        decode = [Chunk.of_sequence(p + [5], b, args.isl) for p, b in zip(prompts, blocks)]
         inputs = runner.prepare(decode)
         graphs = runner.decode_graphs
         row = {"benchmark": "profile_step", **provenance(runner.device), "model": args.model, "batch": batch,

@@ -12,8 +12,9 @@ replay reads slot `replays % 2`, where `replays` (a device counter) counts the r
 far; the argmax advances it. This kernel copies `replays % 2` to `slot` for the argmax to write
 the ids in the same slot.
 
-It also resolves placeholder input ids (overlap scheduling, `backend.step_pipeline`): row i takes
-sampled[fill_src[i]], an id the previous replay left on the device, where fill_src[i] >= 0.
+It also resolves the input ids of in-flight tokens (overlap scheduling, `backend.engine`): row i
+takes sampled[in_flight_rows[i]], an id the previous replay left on the device, where
+in_flight_rows[i] >= 0.
 Program 0 does that and the slot; the others copy the rest of the slot, from `copy_from` on,
 CHUNK 32-bit words each.
 
@@ -37,7 +38,7 @@ ORDERING = Ordering("load_step_inputs", releases="at_end", writes_step_inputs=Tr
 
 
 @triton.jit
-def _load_step_kernel(dev_words, host_words, dev_ids, host_ids, fill_src, sampled, replays, slot_out,
+def _load_step_kernel(dev_words, host_words, dev_ids, host_ids, in_flight_rows, sampled, replays, slot_out,
                       n, slot_words, slot_ids, copy_from, copy_to,
                       ROWS: tl.constexpr, CHUNK: tl.constexpr):
     slot = tl.load(replays) % 2
@@ -46,7 +47,7 @@ def _load_step_kernel(dev_words, host_words, dev_ids, host_ids, fill_src, sample
         rows = tl.arange(0, ROWS)
         in_range = rows < n
         ids = tl.load(host_ids + slot * slot_ids + rows, mask=in_range)
-        src = tl.load(fill_src + slot * slot_ids + rows, mask=in_range, other=-1)
+        src = tl.load(in_flight_rows + slot * slot_ids + rows, mask=in_range, other=-1)
         filled = in_range & (src >= 0)
         previous = tl.load(sampled + tl.where(filled, src, 0), mask=filled)
         tl.store(dev_ids + rows, tl.where(filled, previous, ids), mask=in_range)
@@ -58,26 +59,26 @@ def _load_step_kernel(dev_words, host_words, dev_ids, host_ids, fill_src, sample
 
 
 def load_step_inputs(device_buffer: torch.Tensor, host_ring: torch.Tensor, ids_offset: int,
-                     fill_offset: int, copy_from: int, copy_to: int, n: int, sampled: torch.Tensor,
+                     in_flight_offset: int, copy_from: int, copy_to: int, n: int, sampled: torch.Tensor,
                      replays: torch.Tensor, slot: torch.Tensor) -> None:
     """Copy bytes [copy_from, copy_to) of host slot `replays % 2` into `device_buffer`, and the
-    n input ids at byte `ids_offset` with the placeholders at `fill_offset` resolved from
-    `sampled`; write the slot to `slot`.
+    n input ids at byte `ids_offset` with the in-flight ones (rows at `in_flight_offset`)
+    resolved from `sampled`; write the slot to `slot`.
 
-    device_buffer: uint8 [B]; host_ring: uint8 [2, B] (pinned on CUDA); ids and fill_src are
+    device_buffer: uint8 [B]; host_ring: uint8 [2, B] (pinned on CUDA); ids and in-flight rows are
     int64 [n] at their offsets, 8-byte aligned; copy_from/copy_to are multiples of 4 and the
     copied range does not hold the ids; sampled: int64; replays, slot: int64 [1]."""
     width = host_ring.shape[1]
     assert host_ring.shape == (2, device_buffer.numel()) and width % 8 == 0
-    assert ids_offset % 8 == 0 and fill_offset % 8 == 0 and copy_from % 4 == 0 and copy_to % 4 == 0
+    assert ids_offset % 8 == 0 and in_flight_offset % 8 == 0 and copy_from % 4 == 0 and copy_to % 4 == 0
     assert not (copy_from < ids_offset + 8 * n and ids_offset < copy_to)
     dev_words, host_words = device_buffer.view(torch.int32), host_ring.view(torch.int32)
     dev_ids = device_buffer[ids_offset:ids_offset + 8 * n].view(torch.int64)
     host_longs = host_ring.view(torch.int64)
     host_ids = host_longs[:, ids_offset // 8:]
-    fill_src = host_longs[:, fill_offset // 8:]
+    in_flight_rows = host_longs[:, in_flight_offset // 8:]
     grid = (1 + triton.cdiv(copy_to - copy_from, 4 * CHUNK),)
     record(ORDERING)
-    _load_step_kernel[grid](dev_words, host_words, dev_ids, host_ids, fill_src, sampled, replays, slot,
+    _load_step_kernel[grid](dev_words, host_words, dev_ids, host_ids, in_flight_rows, sampled, replays, slot,
                             n, width // 4, width // 8, copy_from // 4, copy_to // 4,
                             ROWS=triton.next_power_of_2(n), CHUNK=CHUNK)

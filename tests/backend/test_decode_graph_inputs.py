@@ -1,5 +1,5 @@
 """The decode CUDA graphs' inputs and outputs: the buffer layout, staging into the host ring, the
-first kernel's copy and placeholder fill, the ids written back to the ring, and slot reuse.
+first kernel's copy and in-flight input fill, the ids written back to the ring, and slot reuse.
 
 Capturing graphs needs a GPU (tests/gpu runs them). Everything a graph does also runs eagerly
 (`DecodeGraphs.replay` before `capture`), so it is tested here on CPU tensors, with the kernels
@@ -18,11 +18,12 @@ pytest.importorskip("triton")
 from backend.config import EngineConfig  # noqa: E402
 from backend.kernels.argmax import argmax_rows  # noqa: E402
 from backend.cuda_graphs import DecodeGraphs  # noqa: E402
-from backend.model_runner import ModelRunner, SequenceChunk  # noqa: E402
+from backend.model_runner import ModelRunner  # noqa: E402
+from backend.request import Chunk  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("interpretable_triton_language")
-FIELDS = ("input_ids", "fill_src", "positions", "slot_mapping", "seq_lens", "banned_ids", "block_tables")
-NONE = np.array([], dtype=np.int64)
+FIELDS = ("input_ids", "in_flight_rows", "positions", "slot_mapping", "seq_lens", "banned_ids",
+          "block_tables")
 
 
 def empty_graphs(max_batch_size: int, max_seq_len: int = 100) -> DecodeGraphs:
@@ -50,11 +51,11 @@ def test_fields_are_disjoint_aligned_views_of_one_buffer_mirrored_by_each_host_s
     assert graphs.host_ring.is_pinned() == (DEVICE == "cuda")
 
 
-def test_first_kernel_copies_the_staged_slot_pads_and_fills_placeholders():
+def test_first_kernel_copies_the_staged_slot_pads_and_fills_in_flight_inputs():
     graphs = empty_graphs(8)
     wide = np.array([[4, 5, 6], [7, 0, 0], [8, 9, 0]], dtype=np.int64)
     graphs.stage(np.array([1, 2, 3]), np.array([40, 20, 35]), np.array([70, 112, 130]),
-                 np.array([41, 21, 36]), wide, NONE, NONE)
+                 np.array([41, 21, 36]), wide)
     graphs.load_inputs(4)
     assert graphs.input_ids[:4].tolist() == [1, 2, 3, 0]
     assert graphs.block_tables[:4, :3].tolist() == [[4, 5, 6], [7, 0, 0], [8, 9, 0], [0, 0, 0]]
@@ -65,10 +66,10 @@ def test_first_kernel_copies_the_staged_slot_pads_and_fills_placeholders():
     assert graphs.sampled_ring[0, :4].tolist() == [3, 1, 4, 2] and graphs.replays.item() == 1
     graphs._replayed += 1                       # what `replay` counts on the host
     # The next step of 3 rows goes to slot 1 and is padded to the graph of 4; the wider table of
-    # the previous step is cleared. Rows 0 and 2 are placeholders for the ids just sampled.
-    graphs.stage(np.array([-1, 12, -1]), np.array([41, 21, 36]), np.array([71, 113, 131]),
-                 np.array([42, 22, 37]), np.array([[4, 5], [7, 0], [8, 9]]), np.array([0, 2]),
-                 np.array([1, 0]), graphs.sampled_ids[:4])
+    # the previous step is cleared. Rows 0 and 2 are in flight: the ids just sampled, rows 1 and 0.
+    graphs.stage(np.array([0, 12, 0]), np.array([41, 21, 36]), np.array([71, 113, 131]),
+                 np.array([42, 22, 37]), np.array([[4, 5], [7, 0], [8, 9]]), np.array([1, -1, 0]),
+                 graphs.sampled_ids[:4])
     assert graphs.host_fields[0]["positions"][:3].tolist() == [40, 20, 35]     # slot 0 untouched
     graphs.load_inputs(4)
     assert graphs.slot.item() == 1
@@ -82,8 +83,8 @@ def test_first_kernel_copies_the_staged_slot_pads_and_fills_placeholders():
 def test_previous_ids_from_elsewhere_are_copied_into_the_graphs_buffer():
     graphs = empty_graphs(2)
     prev = torch.tensor([500, 600], device=DEVICE)
-    graphs.stage(np.array([-1]), np.array([5]), np.array([6]), np.array([6]), np.array([[1]]),
-                 np.array([0]), np.array([1]), prev)
+    graphs.stage(np.array([0]), np.array([5]), np.array([6]), np.array([6]), np.array([[1]]),
+                 np.array([1]), prev)
     assert graphs.sampled_ids.tolist() == [500, 600]
     graphs.load_inputs(1)
     assert graphs.input_ids[:1].tolist() == [600]
@@ -92,14 +93,14 @@ def test_previous_ids_from_elsewhere_are_copied_into_the_graphs_buffer():
 def test_only_the_graphs_rows_are_copied():
     graphs = empty_graphs(4)
     graphs.stage(np.array([1, 2, 3, 4]), np.arange(4), np.arange(4), np.arange(4) + 1,
-                 np.array([[9]] * 4), NONE, NONE)
+                 np.array([[9]] * 4))
     graphs.load_inputs(1)                       # the graph of one row: one row of its table
     assert graphs.block_tables[:, 0].tolist() == [9, 0, 0, 0]
 
 
 def test_eager_replays_alternate_slots_and_match_the_runner(tiny_hf_model):
     """Decode steps through `replay` (the graph's work, eagerly) give the runner's own greedy
-    ids, with placeholders filled on the device and ids read back from the ring; a slot's ids
+    ids, with in-flight inputs filled on the device and ids read back from the ring; a slot's ids
     are kept when the slot is staged again before they were read."""
     _, path = tiny_hf_model("llama")
     runner = ModelRunner(EngineConfig(model_path=str(path), device=DEVICE, tokens_per_block=4,
@@ -108,15 +109,15 @@ def test_eager_replays_alternate_slots_and_match_the_runner(tiny_hf_model):
     prompts = [[5, 9, 2, 7, 1], [3, 3, 8]]
     blocks = [[0, 1, 2, 3], [4, 5, 6, 7]]
     with torch.inference_mode():
-        first = runner.execute([SequenceChunk(p, 0, b, True) for p, b in zip(prompts, blocks)])
+        first = runner.execute([Chunk.of_sequence(p, b) for p, b in zip(prompts, blocks)])
     tokens = [[int(t)] for t in first.logits.argmax(-1)]
     pending, prev = [], first.logits.argmax(-1)
-    for step in range(5):          # inputs are placeholders: the graph fills them from `prev`
+    for step in range(5):          # inputs are in flight: the graph fills them from `prev`
         lens = np.array([len(p) + step + 1 for p in prompts])
         with torch.inference_mode():
-            graphs.stage(np.array([-1, -1]), lens - 1, np.array([b[(n - 1) // 4] * 4 + (n - 1) % 4
+            graphs.stage(np.array([0, 0]), lens - 1, np.array([b[(n - 1) // 4] * 4 + (n - 1) % 4
                                                                  for b, n in zip(blocks, lens)]),
-                         lens, np.array(blocks), np.array([0, 1]), np.array([0, 1]), prev)
+                         lens, np.array(blocks), np.array([0, 1]), prev)
             _, prev, ids = graphs.replay(2)
         pending.append(ids)
     for ids in pending:             # read late: all but the last two were kept when restaged
@@ -125,10 +126,11 @@ def test_eager_replays_alternate_slots_and_match_the_runner(tiny_hf_model):
     for row, prompt in enumerate(prompts):     # the runner's own eager decode, token by token
         seq = prompt + tokens[row][:1]
         for step in range(5):
-            chunk = SequenceChunk(seq[-1:], len(seq) - 1, [10 + row * 4 + i for i in range(4)], True)
+            own_blocks = [10 + row * 4 + i for i in range(4)]
+            chunk = Chunk.of_sequence(seq, own_blocks, len(seq) - 1)
             if step == 0:
                 with torch.inference_mode():
-                    runner.execute([SequenceChunk(seq[:-1], 0, chunk.block_ids, False)])
+                    runner.execute([Chunk.of_sequence(seq[:-1], own_blocks, samples=False)])
             with torch.inference_mode():
                 seq.append(int(runner.execute([chunk]).logits.argmax(-1)[0]))
         assert tokens[row] == seq[len(prompt):]
@@ -139,7 +141,7 @@ def test_staged_bans_reach_the_graphs_argmax_and_clear_on_the_next_step():
     logits = torch.zeros(3, 6, device=DEVICE)
     logits[:, 5], logits[:, 4], logits[:, 3] = 3.0, 2.0, 1.0      # every row: 5, then 4, then 3
     step = (np.array([1, 2, 3]), np.array([4, 5, 6]), np.array([4, 5, 6]), np.array([5, 6, 7]),
-            np.array([[1], [2], [3]]), NONE, NONE)
+            np.array([[1], [2], [3]]))
     graphs.stage(*step, banned_ids=np.array([[5, -1], [5, 4], [-1, -1]]))
     graphs.load_inputs(3)
     assert graphs.banned_ids[:3].tolist() == [[5, -1], [5, 4], [-1, -1]]

@@ -141,10 +141,10 @@ def test_queue_full_is_refused_explicitly(tiny_dir):
 class PoisonedRunner(ModelRunner):
     """The real runner, failing whenever a poison token is in the step (fault injection)."""
 
-    def execute(self, chunks, prev_sampled=None, banned_ids=None):
-        if any(POISON in c.token_ids for c in chunks):
+    def execute(self, chunks, in_flight_ids=None, banned_ids=None):
+        if any(POISON in c.request.tokens(c.start, c.start + c.num_tokens) for c in chunks):
             raise RuntimeError("poisoned step")
-        return super().execute(chunks, prev_sampled, banned_ids)
+        return super().execute(chunks, in_flight_ids, banned_ids)
 
 
 def test_a_failing_request_fails_alone(tiny_dir):
@@ -162,6 +162,22 @@ def test_a_failing_request_fails_alone(tiny_dir):
         results = ex.generate(prompts, SamplingParams(max_tokens=8, ignore_end_id=True))
         assert bad.final.finish_reason == FinishReason.ERROR and bad.final.error
         assert [r["token_ids"] for r in results] == [r["token_ids"] for r in expected]
+    finally:
+        ex.shutdown()
+
+
+def test_a_request_failing_in_a_prefill_chunk_that_does_not_sample_fails(tiny_dir):
+    """Its KV for that chunk was never written: it must not go on to sample from it."""
+    config = EngineConfig(model_path=str(tiny_dir), device="cpu", tokens_per_block=8, max_num_tokens=8,
+                          enable_chunked_context=True)
+    ex = Executor(config, runner=PoisonedRunner(config))
+    try:
+        bad = Collector()
+        ex.submit("poisoned", [3, 4, POISON] + [5] * 20, SamplingParams(max_tokens=4), bad)
+        assert bad.final.finish_reason == FinishReason.ERROR and bad.tokens == []
+        good = ex.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_end_id=True))[0]
+        assert good["finish_reason"] == FinishReason.LENGTH and len(good["token_ids"]) == 4
+        assert ex.stats().kv.free_blocks == ex.stats().kv.max_blocks
     finally:
         ex.shutdown()
 

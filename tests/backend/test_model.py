@@ -11,8 +11,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from backend.config import EngineConfig
 from backend.model_config import ModelConfig, RopeConfig
-from backend.model_runner import ModelRunner, SequenceChunk
 from backend.layers.rotary import inverse_frequencies
+from backend.model_runner import ModelRunner
+from backend.request import Chunk, Request
+from backend.sampling_params import SamplingParams
 from tests.tiny_models import LLAMA3_ROPE
 
 TPB = 4   # tokens per block: small, so prompts span many blocks
@@ -55,7 +57,7 @@ def model_pair(request, tiny_hf_model):
 def test_full_prompt_logits_match_transformers(model_pair):
     hf, runner = model_pair
     ids = [random.Random(1).randrange(runner.vocab_size) for _ in range(37)]
-    inputs = runner.prepare([SequenceChunk(ids, 0, shuffled_blocks(runner, len(ids), 0), True)])
+    inputs = runner.prepare([Chunk.of_sequence(ids, shuffled_blocks(runner, len(ids), 0))])
     with torch.inference_mode():
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_cache, inputs.attn_meta)
         logits = runner.model.compute_logits(hidden)
@@ -72,7 +74,7 @@ def test_chunked_prefill_then_decode_matches_transformers(model_pair):
     # prompt of 25 tokens in chunks of 9, 11, 5 (crossing block boundaries), then 5 decodes
     bounds = [(0, 9), (9, 20), (20, 25)] + [(p, p + 1) for p in range(25, 30)]
     for start, end in bounds:
-        logits = runner.execute([SequenceChunk(ids[start:end], start, blocks, True)]).logits
+        logits = runner.execute([Chunk.of_sequence(ids[:end], blocks, start)]).logits
         assert logits.shape == (1, runner.vocab_size)
         torch.testing.assert_close(logits[0], expected[end - 1], atol=1e-4, rtol=1e-4)
 
@@ -86,26 +88,49 @@ def test_packed_batch_equals_sequences_alone(tiny_hf_model):
     blocks = shuffled_blocks(runner, 30 * TPB, seed=5)
     blocks_a, blocks_b = blocks[:6], blocks[6:9]
     # step 1: a's first chunk (no logits) and all of b; step 2: rest of a and b's decode
-    step1 = runner.execute([SequenceChunk(a[:16], 0, blocks_a, False),
-                            SequenceChunk(b[:8], 0, blocks_b, True)]).logits
-    step2 = runner.execute([SequenceChunk(a[16:], 16, blocks_a, True),
-                            SequenceChunk(b[8:], 8, blocks_b, True)]).logits
+    step1 = runner.execute([Chunk.of_sequence(a[:16], blocks_a, samples=False),
+                            Chunk.of_sequence(b[:8], blocks_b)]).logits
+    step2 = runner.execute([Chunk.of_sequence(a, blocks_a, 16), Chunk.of_sequence(b, blocks_b, 8)]).logits
     assert step1.shape == (1, runner.vocab_size) and step2.shape == (2, runner.vocab_size)
-    alone_a = runner.execute([SequenceChunk(a, 0, blocks[20:26], True)]).logits[0]
-    alone_b = runner.execute([SequenceChunk(b, 0, blocks[26:29], True)]).logits[0]
+    alone_a = runner.execute([Chunk.of_sequence(a, blocks[20:26])]).logits[0]
+    alone_b = runner.execute([Chunk.of_sequence(b, blocks[26:29])]).logits[0]
     torch.testing.assert_close(step2[0], alone_a, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(step2[1], alone_b, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(step1[0], hf_logits(hf, b[:8])[-1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(step2[0], hf_logits(hf, a)[-1], atol=1e-4, rtol=1e-4)
 
 
+def test_an_in_flight_token_takes_its_input_from_the_previous_steps_ids(tiny_hf_model):
+    """Overlap scheduling: a decode whose input token is still on the device (`in_flight_row`)
+    reads it from the ids given; packed with another sequence's prefill it computes what the
+    known token does."""
+    hf, path = tiny_hf_model("llama")
+    runner = make_runner(path)
+    rng = random.Random(6)
+    ids = [rng.randrange(runner.vocab_size) for _ in range(13)]
+    other = [rng.randrange(runner.vocab_size) for _ in range(7)]
+    blocks = shuffled_blocks(runner, 30 * TPB, seed=7)
+    blocks_ids, blocks_other = blocks[:4], blocks[4:6]
+    runner.execute([Chunk.of_sequence(ids[:-1], blocks_ids, samples=False)])
+    request = Request("r", ids[:-1], SamplingParams(), block_ids=blocks_ids)
+    request.in_flight_row = 2                                  # ids[-1] is not on the host
+    assert request.num_tokens == len(ids) and request.all_ids == ids[:-1]
+    in_flight = Chunk(request, len(ids) - 1, 1, True)
+    with pytest.raises(ValueError, match="in-flight ids"):
+        runner.execute([in_flight])
+    previous_ids = torch.tensor([5, 6, ids[-1], 8])
+    logits = runner.execute([Chunk.of_sequence(other, blocks_other), in_flight], previous_ids).logits
+    torch.testing.assert_close(logits[1], hf_logits(hf, ids)[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[0], hf_logits(hf, other)[-1], atol=1e-4, rtol=1e-4)
+
+
 def test_runner_rejects_too_few_blocks_and_too_long_sequences(tiny_hf_model):
     _, path = tiny_hf_model("llama")
     runner = make_runner(path, max_seq_len=32)
     with pytest.raises(ValueError, match="only 1 blocks"):
-        runner.execute([SequenceChunk(list(range(8)), 0, [0], True)])
+        runner.execute([Chunk.of_sequence(list(range(8)), [0])])
     with pytest.raises(ValueError, match="exceeds max_seq_len 32"):
-        runner.execute([SequenceChunk(list(range(33)), 0, list(range(9)), True)])
+        runner.execute([Chunk.of_sequence(list(range(33)), list(range(9)))])
 
 
 def test_runner_sizes(tiny_hf_model):

@@ -14,7 +14,8 @@ from backend.config import EngineConfig
 from backend.model_config import ModelConfig
 from backend.model_loader import build_model, iter_safetensors, load_model
 from backend.model_paths import default_gguf_path, resolve_model
-from backend.model_runner import ModelRunner, SequenceChunk
+from backend.model_runner import ModelRunner
+from backend.request import Chunk
 from backend.executor import Executor
 from backend.models.null import NullModel
 from backend.presets import PRESETS, init_random_weights
@@ -66,7 +67,7 @@ def test_hf_directory_sharded_loads_and_matches_transformers(tiny_hf_model, tmp_
     runner = ModelRunner(EngineConfig(model_path=str(sharded), device="cpu", tokens_per_block=8,
                                       max_batch_size=2))
     ids = list(range(3, 40))
-    logits = runner.execute([SequenceChunk(ids, 0, [3, 1, 4, 0, 2], True)]).logits
+    logits = runner.execute([Chunk.of_sequence(ids, [3, 1, 4, 0, 2])]).logits
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
@@ -159,10 +160,10 @@ def test_default_model_converts_once_and_matches_transformers(cache, monkeypatch
     runner = ModelRunner(EngineConfig(model_path="default", device="cpu", max_batch_size=1,
                                       max_seq_len=256))
     blocks, tokens = list(range(runner.num_kv_blocks))[::-1], list(ids)
-    chunk = SequenceChunk(tokens, 0, blocks, True)
+    chunk = Chunk.of_sequence(tokens, blocks)
     for _ in range(8):
         tokens.append(int(runner.execute([chunk]).logits.argmax(-1)[0]))
-        chunk = SequenceChunk(tokens[-1:], len(tokens) - 1, blocks, True)
+        chunk = Chunk.of_sequence(tokens, blocks, len(tokens) - 1)
     assert tokens[len(ids):] == expected.tolist()
 
 

@@ -2,13 +2,19 @@
 transformers, with every way a request can end while its next step is already queued."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from backend.config import EngineConfig
+from backend.engine import Engine
 from backend.executor import Executor
 from backend.model_runner import ModelRunner
-from backend.request import FinishReason
+from backend.output_processor import OutputProcessor
+from backend.request import FinishReason, Request
+from backend.sampler import Sampler
 from backend.sampling_params import SamplingParams
+from backend.scheduler import Scheduler
 from tests.backend.test_executor import POISON, Collector
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import TINY, TINY_CONFIGS, make_tiny_model, random_prompts
@@ -48,15 +54,53 @@ def test_overlap_is_off_on_cpu_by_default(tiny_dir):
         executor.shutdown()
 
 
+def step_by_step(runner: ModelRunner, prompts, max_tokens: int, overlap: bool):
+    """Drive `Engine.step` by hand (no executor thread) and record, after each step, every
+    request's (real output ids, in-flight row). Returns the outputs, the record and the scheduler."""
+    scheduler = Scheduler(runner.config, runner.num_kv_blocks, runner.tokens_per_block)
+    outputs = OutputProcessor(runner.max_seq_len, runner.eos_token_ids,
+                              lambda request, reason, error: scheduler.finish(request))
+    engine = Engine(runner, Sampler(runner.vocab_size, runner.eos_token_ids), scheduler, outputs,
+                    threading.Lock(), overlap)
+    requests = [Request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_end_id=True))
+                for i, p in enumerate(prompts)]
+    for request in requests:
+        scheduler.add(request)
+        outputs.add(request, lambda out: None)
+    record = []
+    while scheduler.has_work() or engine.in_flight is not None:
+        engine.step()
+        record.append([(list(r.output_ids), r.in_flight_row) for r in requests])
+    return [r.output_ids for r in requests], record, scheduler
+
+
+def test_engine_step_keeps_one_token_per_request_in_flight(tiny_dir):
+    """Overlap on: each step's tokens stay on the device (a row each, counted, in no id list)
+    until the next step is queued; the tokens, and the number of model steps, are those of the
+    synchronous engine, and every block is back in the pool at the end."""
+    runner = ModelRunner(EngineConfig(model_path=str(tiny_dir), device="cpu", tokens_per_block=8))
+    prompts = random_prompts(3, 512, seed=5, low=4, high=20)
+    sync, sync_record, _ = step_by_step(runner, prompts, 5, overlap=False)
+    tokens, record, scheduler = step_by_step(runner, prompts, 5, overlap=True)
+    assert tokens == sync and all(len(t) == 5 for t in tokens)
+    assert all(row is None for step in sync_record for _, row in step)
+    assert record[0] == [([], 0), ([], 1), ([], 2)]                       # prefill: all in flight
+    assert record[1] == [([t[0]], row) for row, t in enumerate(tokens)]   # first real, next in flight
+    assert record[-2] == [(t[:4], row) for row, t in enumerate(tokens)]   # the 5th: never computed
+    assert record[-1] == [(t, None) for t in tokens]                      # drained, not stepped
+    assert len(record) - 1 == len(sync_record) == 5
+    assert scheduler.kv.num_free_blocks == scheduler.total_blocks
+
+
 class CountingRunner(ModelRunner):
     """Counts steps whose inputs came partly from the previous step's ids on the device."""
 
     overlapped = 0
 
-    def execute(self, chunks, prev_sampled=None, banned_ids=None):
-        if prev_sampled is not None and any(c.prev_row >= 0 for c in chunks):
+    def execute(self, chunks, in_flight_ids=None, banned_ids=None):
+        if in_flight_ids is not None and any(c.request.in_flight_row is not None for c in chunks):
             CountingRunner.overlapped += 1
-        return super().execute(chunks, prev_sampled, banned_ids)
+        return super().execute(chunks, in_flight_ids, banned_ids)
 
 
 @pytest.mark.parametrize("kind", list(TINY_CONFIGS))
@@ -127,7 +171,7 @@ def test_overlap_gives_the_same_outputs_as_the_synchronous_path(tiny_dir):
     assert [r["finish_reason"] for r in overlap[:3]] == [FinishReason.LENGTH, FinishReason.END_ID,
                                                           FinishReason.STOP]
     assert len(overlap[10]["token_ids"]) == 1
-    assert all(t >= 0 for r in overlap for t in r["token_ids"])       # no placeholder leaks
+    assert all(t >= 0 for r in overlap for t in r["token_ids"])       # only real ids are delivered
     assert stats.num_generated_tokens == sync_stats.num_generated_tokens
     assert_all_blocks_free(stats)
 
@@ -157,6 +201,20 @@ def test_end_id_and_stop_sequence_end_exactly_with_overlap(tiny_dir):
         executor.shutdown()
 
 
+def test_min_tokens_counts_the_token_in_flight(tiny_dir):
+    """The min-tokens end ban is decided while the previous token is still on the device: it
+    counts, so the end id is allowed exactly from the min_tokens-th output on."""
+    executor = executor_for(tiny_dir, True, tokens_per_block=8, max_batch_size=8)
+    try:
+        prompt = [9, 8, 7]
+        free = executor.generate([prompt], SamplingParams(max_tokens=12, ignore_end_id=True))[0]["token_ids"]
+        at = next(i for i in range(2, 12) if free[i] not in free[:i])
+        result = executor.generate([prompt], SamplingParams(max_tokens=12, min_tokens=at, end_id=free[at]))[0]
+        assert result["finish_reason"] == FinishReason.END_ID and result["token_ids"] == free[:at]
+    finally:
+        executor.shutdown()
+
+
 def test_cancel_with_overlap_delivers_real_tokens_and_frees_blocks(tiny_dir):
     executor = executor_for(tiny_dir, True, tokens_per_block=8, max_batch_size=8)
     try:
@@ -170,7 +228,7 @@ def test_cancel_with_overlap_delivers_real_tokens_and_frees_blocks(tiny_dir):
         final = collector.final
         assert final.finish_reason == FinishReason.CANCELLED
         tokens = collector.tokens
-        assert len(tokens) < 150 and tokens == free[:len(tokens)]     # a prefix: no placeholder
+        assert len(tokens) < 150 and tokens == free[:len(tokens)]     # a prefix of real tokens
         stats = executor.stats()
         assert_all_blocks_free(stats)
         assert stats.num_cancelled == 1
@@ -182,10 +240,10 @@ def test_cancel_with_overlap_delivers_real_tokens_and_frees_blocks(tiny_dir):
 
 
 class PoisonedRunner(ModelRunner):
-    def execute(self, chunks, prev_sampled=None, banned_ids=None):
-        if any(POISON in c.token_ids for c in chunks):
+    def execute(self, chunks, in_flight_ids=None, banned_ids=None):
+        if any(POISON in c.request.tokens(c.start, c.start + c.num_tokens) for c in chunks):
             raise RuntimeError("poisoned step")
-        return super().execute(chunks, prev_sampled, banned_ids)
+        return super().execute(chunks, in_flight_ids, banned_ids)
 
 
 def test_a_failing_request_fails_alone_with_overlap(tiny_dir):

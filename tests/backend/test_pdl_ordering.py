@@ -60,8 +60,7 @@ def test_a_one_token_decode_step_as_the_decode_graph_runs_it_keeps_the_rule(monk
     init_random_weights(model, seed=1)
     kv_cache = torch.zeros(2, 2, 4, 16, 2, 32, dtype=torch.float16, device=DEVICE)
     graphs = DecodeGraphs(model, kv_cache, max_batch_size=1, max_seq_len=64, tokens_per_block=16)
-    none = np.array([], dtype=np.int64)
-    graphs.stage(np.array([5]), np.array([6]), np.array([22]), np.array([7]), np.array([[1]]), none, none)
+    graphs.stage(np.array([5]), np.array([6]), np.array([22]), np.array([7]), np.array([[1]]))
     monkeypatch.setattr(LlamaModel, "takes_one_token_path", lambda self, hidden: True)   # GPU-only choice
     with recorded_launches() as launches, torch.inference_mode():
         graphs.replay(1)

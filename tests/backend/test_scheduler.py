@@ -14,7 +14,7 @@ import pytest
 from backend.config import EngineConfig
 from backend.request import FinishReason, Request, RequestStatus
 from backend.sampling_params import SamplingParams
-from backend.scheduler import QueueFullError, ScheduledChunk, Scheduler
+from backend.scheduler import QueueFullError, Scheduler
 
 SYSTEM_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [5, 5, 5, 5, 6, 6, 6, 6])
 
@@ -377,9 +377,27 @@ def test_add_refuses_duplicates_and_requests_that_can_never_fit():
     assert scheduler.blocks_needed(9) == 3 and scheduler.total_blocks == 2
 
 
-def test_chunk_samples_is_frozen_at_scheduling_time():
+def test_an_in_flight_token_is_scheduled_without_its_value_and_a_final_one_not_at_all():
+    scheduler = make_scheduler()
+    a, b = make_request("a", [1, 2, 3], max_tokens=4), make_request("b", [4, 5], max_tokens=1)
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduler.complete_step(scheduler.schedule())
+    a.in_flight_row, b.in_flight_row = 0, 1           # the step's tokens, still on the device
+    assert (a.num_tokens, a.num_output_tokens, a.output_ids) == (4, 1, [])
+    out = scheduler.schedule()
+    # a decodes its in-flight token; b's is its last (max_tokens 1): nothing would read its KV.
+    assert [(c.request, c.start, c.num_tokens, c.samples) for c in out.chunks] == [(a, 3, 1, True)]
+    a.in_flight_row = None                            # the step is finished: the value arrives
+    a.output_ids.append(9)
+    assert (a.num_tokens, a.num_output_tokens) == (4, 1)
+
+
+def test_chunk_start_and_samples_are_fixed_at_scheduling_time():
+    scheduler = make_scheduler()
     request = make_request("a", [1, 2, 3])
-    chunk = ScheduledChunk(request, 3)
+    scheduler.add(request)
+    (chunk,) = scheduler.schedule().chunks
     request.num_computed_tokens = 3
     request.output_ids.append(7)
-    assert chunk.samples and chunk.start == 0
+    assert (chunk.start, chunk.num_tokens, chunk.samples) == (0, 3, True)

@@ -48,7 +48,8 @@ def test_one_token_path_is_as_close_to_fp32_as_the_general_path(tmp_path, monkey
     """Batch-1 decode steps run the fused one-token kernels (GEMVs with norm / silu·mul /
     residual fusions, rotary+KV write, programmatic dependent launch) inside a CUDA graph. Its
     bf16 logits are as close to the fp32 model's as the general layers' bf16 logits are."""
-    from backend.model_runner import ModelRunner, SequenceChunk
+    from backend.model_runner import ModelRunner
+    from backend.request import Chunk
     from backend.models.llama import LlamaModel
     from tests.tiny_models import save_tiny_hf_model
 
@@ -65,10 +66,10 @@ def test_one_token_path_is_as_close_to_fp32_as_the_general_path(tmp_path, monkey
         with monkeypatch.context() as patch:
             if not one_token:
                 patch.setattr(LlamaModel, "takes_one_token_path", lambda self, hidden: False)
-            runner.execute([SequenceChunk(prompt, 0, blocks, True)])
+            runner.execute([Chunk.of_sequence(prompt, blocks)])
             hidden = torch.zeros(1, 256, dtype=runner.dtype, device="cuda")
             assert runner.model.model.takes_one_token_path(hidden) == (one_token and dtype == "bfloat16")
-            logits = runner.execute([SequenceChunk([7], len(prompt), blocks, True)]).logits.float().clone()
+            logits = runner.execute([Chunk.of_sequence(prompt + [7], blocks, len(prompt))]).logits.float().clone()
         del runner
         torch.cuda.empty_cache()
         return logits
@@ -85,7 +86,7 @@ def test_one_token_path_is_as_close_to_fp32_as_the_general_path(tmp_path, monkey
 
 def test_decode_graphs_give_the_eager_steps_tokens_in_bf16(tmp_path):
     """Batch-1 bf16 decode steps replayed from CUDA graphs (inputs read from pinned memory by the
-    graph's first kernel, placeholders filled on the device, ids written back to pinned memory,
+    graph's first kernel, in-flight input ids filled on the device, ids written back to pinned memory,
     the one-token kernels with programmatic dependent launch) give the same greedy tokens as the
     same kernels launched eagerly, step by step, where the inputs arrive by copies. A kernel
     that read a step input before the graph's first kernel wrote it would diverge here."""
