@@ -66,7 +66,8 @@ def test_a_one_token_decode_step_as_the_decode_graph_runs_it_keeps_the_rule(monk
         graphs.replay(1)
     names = [launch.kernel for launch in launches]
     assert names[0] == "load_step_inputs" and names[-2:] == ["argmax_chunks", "argmax_rows"]
-    assert names[1:-2] == ["qkv_rope_gemv", "decode_attention", "gemv", "gemv", "gemv"] * 2
+    layers = names[2:-2] if names[1] == "embedding" else names[1:-2]   # a kernel on GPU only
+    assert layers == ["qkv_rope_gemv", "decode_attention", "gemv", "gemv", "gemv"] * 2
     check_step_input_reads(launches)
     with pytest.raises(StepInputRace):
         check_step_input_reads([EARLY_WRITER, EARLY_EMBEDDING] + launches[1:])
