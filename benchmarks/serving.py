@@ -17,10 +17,12 @@ serving path's own ceiling is what is measured) every output must be the known o
     python -m benchmarks.serving --model null --concurrency 1 16 64 --num-requests 256 \\
         --json benchmarks/results/serving_null_cpu.json
     python -m benchmarks.serving --model llama-3.2-1b --tokenizer default --concurrency 1 64 256 \\
-        --num-requests 512 --isl 128:512 --osl 128 --json benchmarks/results/serving_llama1b_h100.json
+        --num-requests 512 --isl 128:512 --osl 128 \\
+        --json benchmarks/results/serving_llama1b_h100.json
 
 Requests per concurrency: min(--num-requests, max(--min-requests, 8 x C)).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +35,14 @@ from dataclasses import fields
 from pathlib import Path
 
 from benchmarks.serving_load import (
-    LoadRequest, Target, engine_closed_loop, generate_once, run_clients, summarize)
-from benchmarks.serving_perf_analyzer import perf_analyzer_records
+    LoadRequest,
+    Target,
+    engine_closed_loop,
+    generate_once,
+    run_clients,
+    summarize,
+)
+from benchmarks.serving_perf_analyzer import perf_analyzer_summary
 
 TARGETS = ("ensemble:grpc", "ensemble:http", "tensorrt_llm_bls:grpc", "tensorrt_llm:grpc")
 # The same load from perf_analyzer (C++ clients) where it is installed; text models only.
@@ -58,8 +66,9 @@ def model_dir_for(model: str, tokenizer: str) -> str:
     return resolve_model(model)
 
 
-def make_requests(tokenizer, num: int, isl: tuple[int, int], osl: tuple[int, int],
-                  seed: int) -> list[LoadRequest]:
+def make_requests(
+    tokenizer, num: int, isl: tuple[int, int], osl: tuple[int, int], seed: int
+) -> list[LoadRequest]:
     """Prompts of random ordinary tokens, as text; their ids are what preprocessing makes of it."""
     from preprocessing.tokenizer import encode
 
@@ -69,7 +78,9 @@ def make_requests(tokenizer, num: int, isl: tuple[int, int], osl: tuple[int, int
     requests = []
     for _ in range(num):
         length = rng.randint(*isl)
-        ids = [t for t in (rng.randrange(1000, vocab - 100) for _ in range(length)) if t not in special]
+        ids = [
+            t for t in (rng.randrange(1000, vocab - 100) for _ in range(length)) if t not in special
+        ]
         text = tokenizer.decode(ids, skip_special_tokens=True)
         requests.append(LoadRequest(text, encode(tokenizer, text), rng.randint(*osl)))
     return requests
@@ -88,8 +99,11 @@ def null_outputs(tokenizer, requests: list[LoadRequest]) -> list[tuple[list[int]
 
 
 def count_wrong(records, expected, token_ids: bool) -> int:
-    return sum(1 for r in records if r.error is None
-               and r.output != expected[r.index][0 if token_ids else 1])
+    return sum(
+        1
+        for r in records
+        if r.error is None and r.output != expected[r.index][0 if token_ids else 1]
+    )
 
 
 def requests_at(concurrency: int, args) -> int:
@@ -103,12 +117,21 @@ def settings_for(args, model_dir: str):
     top = max(args.concurrency)
     isl, osl = parse_range(args.isl), parse_range(args.osl)
     return ServeSettings(
-        model_path=model_dir, device=args.device, dtype=args.dtype, max_batch_size=top,
-        max_num_tokens=args.max_num_tokens, max_seq_len=isl[1] + osl[1] + 64,
+        model_path=model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch_size=top,
+        max_num_tokens=args.max_num_tokens,
+        max_seq_len=isl[1] + osl[1] + 64,
         max_tokens_in_paged_kv_cache=args.kv_tokens or top * (isl[1] + osl[1] + 64),
-        default_max_tokens=osl[1], triton_max_batch_size=min(64, top),
-        postprocessing_batching=args.postprocessing_batching, preprocessing_instance_count=4,
-        http_port=free_port(), grpc_port=free_port(), metrics_port=free_port())
+        default_max_tokens=osl[1],
+        triton_max_batch_size=min(64, top),
+        postprocessing_batching=args.postprocessing_batching,
+        preprocessing_instance_count=4,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+    )
 
 
 def engine_config(settings):
@@ -125,10 +148,14 @@ def run_engine_alone(settings, requests, args, expected) -> list[dict]:
     rows = []
     try:
         warm = [LoadRequest(r.text, list(reversed(r.prompt_ids)), r.output_len) for r in requests]
-        engine_closed_loop(executor, warm[:requests_at(max(args.concurrency), args)],
-                           max(args.concurrency), args.exact_with)
+        engine_closed_loop(
+            executor,
+            warm[: requests_at(max(args.concurrency), args)],
+            max(args.concurrency),
+            args.exact_with,
+        )
         for c in args.concurrency:
-            load = requests[:requests_at(c, args)]
+            load = requests[: requests_at(c, args)]
             records = engine_closed_loop(executor, load, c, args.exact_with)
             row = {"target": "engine", "concurrency": c, **summarize(records, load)}
             if expected:
@@ -140,37 +167,55 @@ def run_engine_alone(settings, requests, args, expected) -> list[dict]:
     return rows
 
 
-def run_server_loads(settings, requests, args, expected, server_log: Path) -> tuple[list[dict], dict]:
+def run_server_loads(
+    settings, requests, args, expected, server_log: Path
+) -> tuple[list[dict], dict]:
     from ensemble.build import build_repository
     from ensemble.server import TritonServer
 
-    repository = build_repository(settings, Path(tempfile.mkdtemp(prefix="serving-bench-")) / "repo")
-    server = TritonServer(repository, settings.http_port, settings.grpc_port, settings.metrics_port,
-                          log_file=server_log)
+    repository = build_repository(
+        settings, Path(tempfile.mkdtemp(prefix="serving-bench-")) / "repo"
+    )
+    server = TritonServer(
+        repository,
+        settings.http_port,
+        settings.grpc_port,
+        settings.metrics_port,
+        log_file=server_log,
+    )
     rows, checks = [], {}
     with server:
-        warm = [LoadRequest(r.text[::-1], list(reversed(r.prompt_ids)), r.output_len)
-                for r in requests]
-        run_clients(Target("grpc", "ensemble", server.grpc_url, args.exact_with),
-                    warm[:requests_at(max(args.concurrency), args)], max(args.concurrency),
-                    args.processes)
+        warm = [
+            LoadRequest(r.text[::-1], list(reversed(r.prompt_ids)), r.output_len) for r in requests
+        ]
+        run_clients(
+            Target("grpc", "ensemble", server.grpc_url, args.exact_with),
+            warm[: requests_at(max(args.concurrency), args)],
+            max(args.concurrency),
+            args.processes,
+        )
         for spec in args.targets:
             model, kind = spec.split(":")
             url = server.http_url if kind == "http" else server.grpc_url
             for c in args.concurrency:
-                load = requests[:requests_at(c, args)]
+                load = requests[: requests_at(c, args)]
                 if kind == "perf_analyzer":
-                    records = perf_analyzer_records(url, model, load, c, args.exact_with)
-                else:
-                    records = run_clients(Target(kind, model, url, args.exact_with), load, c,
-                                          args.processes)
+                    summary = perf_analyzer_summary(url, model, load, c, args.exact_with)
+                    rows.append({"target": spec, "concurrency": c, **summary})
+                    _print(rows[-1])
+                    continue
+                records = run_clients(
+                    Target(kind, model, url, args.exact_with), load, c, args.processes
+                )
                 row = {"target": spec, "concurrency": c, **summarize(records, load)}
-                if expected and kind != "perf_analyzer":       # it keeps no outputs here
+                if expected:
                     row["wrong_outputs"] = count_wrong(records, expected, model == "tensorrt_llm")
                 rows.append(row)
                 _print(row)
         if args.check_text:
-            checks = check_streamed_text(server.http_url, requests[:args.check_text], args.exact_with)
+            checks = check_streamed_text(
+                server.http_url, requests[: args.check_text], args.exact_with
+            )
             print(f"streamed == non-streamed: {checks}", flush=True)
     return rows, checks
 
@@ -198,16 +243,20 @@ def share_of_engine(rows: list[dict]) -> None:
 
 def _print(row: dict) -> None:
     ttft, itl = row["ttft_ms"], row["itl_ms"]
-    print(f"{row['target']:>22} c={row['concurrency']:<4} {row['output_tokens_per_s']:9.0f} tok/s "
-          f"{row['requests_per_s']:7.1f} req/s  TTFT p50 {ttft.get('p50', 0):8.1f} ms  "
-          f"ITL p50 {itl.get('p50', 0):6.2f} ms  {row['responses_per_request']:5.1f} resp/req  "
-          f"failed {row['failed']}" + (f"  wrong {row['wrong_outputs']}" if "wrong_outputs" in row else ""),
-          flush=True)
+    print(
+        f"{row['target']:>22} c={row['concurrency']:<4} {row['output_tokens_per_s']:9.0f} tok/s "
+        f"{row['requests_per_s']:7.1f} req/s  TTFT p50 {ttft.get('p50', 0):8.1f} ms  "
+        f"ITL p50 {itl.get('p50', 0):6.2f} ms  {row['responses_per_request']:5.1f} resp/req  "
+        f"failed {row['failed']}"
+        + (f"  wrong {row['wrong_outputs']}" if "wrong_outputs" in row else ""),
+        flush=True,
+    )
 
 
 def plot(result: dict, out: str) -> str | None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -216,21 +265,29 @@ def plot(result: dict, out: str) -> str | None:
     rows = result["runs"]
     targets = list(dict.fromkeys(r["target"] for r in rows))
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
-    panels = (("output_tokens_per_s", None, "output tokens/s"), ("ttft_ms", "p50", "TTFT p50 (ms)"),
-              ("e2e_ms", "p50", "end-to-end latency p50 (ms)"),
-              ("itl_ms", "p50", "inter-token latency p50 (ms)"))
+    panels = (
+        ("output_tokens_per_s", None, "output tokens/s"),
+        ("ttft_ms", "p50", "TTFT p50 (ms)"),
+        ("e2e_ms", "p50", "end-to-end latency p50 (ms)"),
+        ("itl_ms", "p50", "inter-token latency p50 (ms)"),
+    )
     for target in targets:
         mine = sorted((r for r in rows if r["target"] == target), key=lambda r: r["concurrency"])
         cs = [r["concurrency"] for r in mine]
         style = "k--" if target == "engine" else "o-"
         for ax, (key, stat, _) in zip(axes, panels):
-            ax.plot(cs, [r[key].get(stat, 0) if stat else r[key] for r in mine], style, label=target)
+            points = [(c, r[key].get(stat) if stat else r[key]) for c, r in zip(cs, mine)]
+            points = [(c, v) for c, v in points if v is not None]  # perf_analyzer: no ITL, E2E
+            ax.plot([c for c, _ in points], [v for _, v in points], style, label=target)
     for ax, (_, _, label) in zip(axes, panels):
         ax.set(xscale="log", xlabel="concurrency", ylabel=label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"{result['model']} — ISL {result['isl']}, OSL {result['osl']} — {result['device']}, "
-                 f"{result['date']}, {result['commit']}", fontsize=9)
+    fig.suptitle(
+        f"{result['model']} — ISL {result['isl']}, OSL {result['osl']} — {result['device']}, "
+        f"{result['date']}, {result['commit']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -238,8 +295,12 @@ def plot(result: dict, out: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.serving",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     p.add_argument("--model", default="null", help="null, default, a preset, a HF dir or a .gguf")
     p.add_argument("--tokenizer", default="default", help="the tokenizer (and vocab) of a preset")
     p.add_argument("--device", default="auto")
@@ -250,16 +311,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--isl", default="128:512")
     p.add_argument("--osl", default="128")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--targets", nargs="+", default=list(TARGETS),
-                   choices=TARGETS + PERF_ANALYZER_TARGETS)
+    p.add_argument(
+        "--targets", nargs="+", default=list(TARGETS), choices=TARGETS + PERF_ANALYZER_TARGETS
+    )
     p.add_argument("--exact-with", default="min_tokens", choices=("min_tokens", "end_id"))
-    p.add_argument("--processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
-                   help="client processes")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+        help="client processes",
+    )
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens")
     p.add_argument("--no-engine-alone", action="store_true")
-    p.add_argument("--postprocessing-batching", action="store_true",
-                   help="batch postprocessing (faster; ensemble cancellation then stops at Triton)")
+    p.add_argument(
+        "--postprocessing-batching",
+        action="store_true",
+        help="batch postprocessing (faster; ensemble cancellation then stops at Triton)",
+    )
     p.add_argument("--check-text", type=int, default=4)
     p.add_argument("--json", default=None)
     p.add_argument("--server-log", default=None)
@@ -273,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         # Its tensors are tiny: OpenMP's spinning workers would only take cores from the server.
         os.environ["OMP_NUM_THREADS"] = "1"
         import torch
+
         torch.set_num_threads(1)
     model_dir = model_dir_for(args.model, args.tokenizer)
     tokenizer = load_tokenizer(model_dir)
@@ -280,15 +350,23 @@ def main(argv: list[str] | None = None) -> int:
     requests = make_requests(tokenizer, args.num_requests, isl, osl, args.seed)
     expected = null_outputs(tokenizer, requests) if args.model == "null" else None
     settings = settings_for(args, model_dir)
-    result = {"benchmark": "serving", "model": args.model, "isl": args.isl, "osl": args.osl,
-              **provenance(pick_device(args.device)), "exact_with": args.exact_with,
-              "client_processes": args.processes,
-              "mean_prompt_tokens": sum(len(r.prompt_ids) for r in requests) / len(requests),
-              "settings": {f.name: getattr(settings, f.name) for f in fields(settings)},
-              "runs": []}
+    result = {
+        "benchmark": "serving",
+        "model": args.model,
+        "isl": args.isl,
+        "osl": args.osl,
+        **provenance(pick_device(args.device)),
+        "exact_with": args.exact_with,
+        "client_processes": args.processes,
+        "mean_prompt_tokens": sum(len(r.prompt_ids) for r in requests) / len(requests),
+        "settings": {f.name: getattr(settings, f.name) for f in fields(settings)},
+        "runs": [],
+    }
     if not args.no_engine_alone:
         result["runs"] += run_engine_alone(settings, requests, args, expected)
-    log = Path(args.server_log or Path(tempfile.gettempdir()) / f"serving-bench-{time.time():.0f}.log")
+    log = Path(
+        args.server_log or Path(tempfile.gettempdir()) / f"serving-bench-{time.time():.0f}.log"
+    )
     print(f"tritonserver log: {log}", flush=True)
     rows, checks = run_server_loads(settings, requests, args, expected, log)
     result["runs"] += rows

@@ -3,6 +3,7 @@
 The request data is the one Triton's own CI uses for a TensorRT-LLM ensemble
 (text_input, stream, max_tokens, bad_words, stop_words).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,54 +23,105 @@ def _count(samples: dict, name: str, model: str) -> float:
 @pytest.fixture(scope="module")
 def perf_analyzer():
     from ensemble import perf_analyzer as pa
+
     if pa.missing():
         try:
             pa.setup()
-        except Exception as exc:  # noqa: BLE001 - any setup failure is a reason to skip
+        except Exception as exc:  # any setup failure is a reason to skip
             pytest.skip(f"perf_analyzer cannot be set up here: {exc}")
     return pa
 
 
 def test_streaming_load_without_failures(triton, perf_analyzer, tmp_path):
     data = tmp_path / "input_data.json"
-    data.write_text(json.dumps({"data": [
-        {"text_input": ["Hello, my name is"], "stream": [True], "max_tokens": [8],
-         "bad_words": [""], "stop_words": [""]},
-        {"text_input": ["Le café à côté de l'église est très"], "stream": [True],
-         "max_tokens": [12], "bad_words": [""], "stop_words": [""]},
-    ]}))
+    data.write_text(
+        json.dumps(
+            {
+                "data": [
+                    {
+                        "text_input": ["Hello, my name is"],
+                        "stream": [True],
+                        "max_tokens": [8],
+                        "bad_words": [""],
+                        "stop_words": [""],
+                    },
+                    {
+                        "text_input": ["Le café à côté de l'église est très"],
+                        "stream": [True],
+                        "max_tokens": [12],
+                        "bad_words": [""],
+                        "stop_words": [""],
+                    },
+                ]
+            }
+        )
+    )
     before = metrics(triton.metrics)
     # Under a whole test run's load perf_analyzer has exited 0 with its throughput line and an
     # empty export file: then it runs again, into a new file (it refuses an existing one); the
     # server's counters below cover every run.
     for attempt in range(3):
         export = tmp_path / f"profile_export_{attempt}.json"
-        result = perf_analyzer.run([
-            "-m", "ensemble", "-u", triton.grpc, "-i", "grpc", "--async", "--streaming",
-            "--input-data", str(data), "--shape", "text_input:1", "--shape", "max_tokens:1",
-            "--shape", "bad_words:1", "--shape", "stop_words:1", "--concurrency-range", "4",
-            "--measurement-mode", "count_windows", "--measurement-request-count", "8",
-            "--stability-percentage", "999", "--max-trials", "3",
-            "--profile-export-file", str(export)], capture_output=True, text=True, timeout=300)
+        result = perf_analyzer.run(
+            [
+                "-m",
+                "ensemble",
+                "-u",
+                triton.grpc,
+                "-i",
+                "grpc",
+                "--async",
+                "--streaming",
+                "--input-data",
+                str(data),
+                "--shape",
+                "text_input:1",
+                "--shape",
+                "max_tokens:1",
+                "--shape",
+                "bad_words:1",
+                "--shape",
+                "stop_words:1",
+                "--concurrency-range",
+                "4",
+                "--measurement-mode",
+                "count_windows",
+                "--measurement-request-count",
+                "8",
+                "--stability-percentage",
+                "999",
+                "--max-trials",
+                "3",
+                "--profile-export-file",
+                str(export),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stdout + result.stderr
         assert "Throughput" in result.stdout
         if export.exists() and export.read_text().strip():
             break
     else:
-        pytest.fail("perf_analyzer left an empty profile export three times:\n" + result.stdout[-3000:])
+        pytest.fail(
+            "perf_analyzer left an empty profile export three times:\n" + result.stdout[-3000:]
+        )
 
     requests = [r for e in json.loads(export.read_text())["experiments"] for r in e["requests"]]
     assert len(requests) >= 8, result.stdout[-3000:]
-    assert all(len(r["response_timestamps"]) >= 2 for r in requests)     # streamed pieces
+    assert all(len(r["response_timestamps"]) >= 2 for r in requests)  # streamed pieces
     # The server counts a request when it has finished with it, which may come a moment after
     # the client read its last response: wait up to 10 s for the counters to catch up.
     deadline = time.monotonic() + 10
     while True:
         after = metrics(triton.metrics)
-        succeeded = _count(after, "nv_inference_request_success", "ensemble") \
-            - _count(before, "nv_inference_request_success", "ensemble")
-        failed = _count(after, "nv_inference_request_failure", "ensemble") \
-            - _count(before, "nv_inference_request_failure", "ensemble")
+        succeeded = _count(after, "nv_inference_request_success", "ensemble") - _count(
+            before, "nv_inference_request_success", "ensemble"
+        )
+        failed = _count(after, "nv_inference_request_failure", "ensemble") - _count(
+            before, "nv_inference_request_failure", "ensemble"
+        )
         if succeeded >= len(requests) or failed or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -77,19 +129,21 @@ def test_streaming_load_without_failures(triton, perf_analyzer, tmp_path):
     assert succeeded >= len(requests), f"{succeeded} successes for {len(requests)} requests"
 
 
-def test_serving_benchmark_reads_perf_analyzer_records(triton, perf_analyzer, tokenizer):
-    """benchmarks.serving's perf_analyzer target: each measured request is matched to its prompt
-    and streams exactly its (exact) output length."""
-    from benchmarks.serving_load import LoadRequest, summarize
-    from benchmarks.serving_perf_analyzer import perf_analyzer_records
+def test_serving_benchmark_reads_perf_analyzer(triton, perf_analyzer, tokenizer):
+    """benchmarks.serving's perf_analyzer target: its throughput line is read, each exported
+    request is matched to its prompt and has streamed at most its (exact) output length."""
+    from benchmarks.serving_load import LoadRequest
+    from benchmarks.serving_perf_analyzer import perf_analyzer_summary, run_perf_analyzer
     from preprocessing.tokenizer import encode
 
     texts = ["Hello, my name is", "The capital of France is", "Le café à côté de l'église est"]
     requests = [LoadRequest(t, encode(tokenizer, t), 3 + i) for i, t in enumerate(texts)]
-    records = perf_analyzer_records(triton.grpc, "ensemble", requests, 2, "min_tokens")
-    assert len(records) >= 3 and {r.index for r in records} == {0, 1, 2}
-    assert all(r.error is None and 1 <= r.responses <= requests[r.index].output_len
-               for r in records)
-    summary = summarize(records, requests)
-    assert summary["failed"] == 0
-    assert summary["output_tokens"] == sum(requests[r.index].output_len for r in records)
+    run = run_perf_analyzer(triton.grpc, "ensemble", requests, 2, "min_tokens")
+    assert run.requests_per_s > 0
+    assert len(run.records) >= 3 and {r.index for r in run.records} == {0, 1, 2}
+    assert all(
+        r.error is None and 1 <= r.responses <= requests[r.index].output_len for r in run.records
+    )
+    summary = perf_analyzer_summary(triton.grpc, "ensemble", requests, 2, "min_tokens")
+    assert summary["failed"] == 0 and summary["ttft_ms"]["p50"] > 0
+    assert summary["output_tokens_per_s"] == summary["requests_per_s"] * 4  # mean length 4
