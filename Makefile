@@ -16,7 +16,7 @@ METRICS_PORT ?= 8002
 MODEL ?= default
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast repository benchmark clean
+.PHONY: setup serve test test-fast lint format repository benchmark clean
 
 setup: $(STAMP)
 
@@ -34,10 +34,19 @@ $(STAMP): pyproject.toml Makefile
 serve: setup
 	$(PY) -m ensemble serve --model $(MODEL) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
-test: setup
+test: setup lint
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-test-fast: setup
+# ruff (pyproject.toml [tool.ruff]): lint errors and unformatted files fail `make test`.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+test-fast: setup lint
 	$(PY) -m pytest tests -m "not slow and not e2e" $(PYTEST_ARGS)
 
 repository: setup

@@ -12,6 +12,7 @@ Free blocks come in two kinds:
 
 So `num_free == num_plain + num_evictable` and `num_free + num_used == num_blocks`, always.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,7 +40,7 @@ def hash_block(parent_hash: BlockHash | None, token_ids: list[int]) -> BlockHash
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: BlockHash | None = None   # set while the block is findable in the hash index
+    block_hash: BlockHash | None = None  # set while the block is findable in the hash index
 
 
 class BlockPool:
@@ -48,7 +49,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._plain: deque[int] = deque(range(num_blocks))
-        self._evictable: OrderedDict[int, None] = OrderedDict()   # oldest-freed first
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest-freed first
         self._index: dict[BlockHash, int] = {}
 
     @property

@@ -1,5 +1,6 @@
 """Where converted models, presets and serving environments are kept: $TRITONLLM_CACHE, else
 ~/.cache/tritonllm."""
+
 from __future__ import annotations
 
 import os
@@ -7,4 +8,5 @@ import os
 
 def cache_root() -> str:
     return os.environ.get("TRITONLLM_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "tritonllm")
+        os.path.expanduser("~"), ".cache", "tritonllm"
+    )

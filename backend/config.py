@@ -3,6 +3,7 @@
 It is checked when made, so no part of the engine sees a bad value, and it cannot change after.
 The served repository's settings (ensemble/settings.py) inherit its fields, defaults and checks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,23 +16,23 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_path: str = "default"           # "default", a HF directory, a .gguf file or a preset name
-    tokenizer_dir: str | None = None      # defaults to the model directory
-    device: str = "auto"                  # "auto" = cuda when available, else cpu
-    dtype: str = "auto"                   # "auto" = bfloat16 on GPU, float32 on CPU
-    max_batch_size: int = 64              # running-request cap
-    max_num_tokens: int = 2048            # token budget per step
-    max_seq_len: int | None = None        # prompt + generated; None = the model's limit
-    tokens_per_block: int | None = None   # None = 32 on GPU, 16 on CPU
+    model_path: str = "default"  # "default", a HF directory, a .gguf file or a preset name
+    tokenizer_dir: str | None = None  # defaults to the model directory
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    dtype: str = "auto"  # "auto" = bfloat16 on GPU, float32 on CPU
+    max_batch_size: int = 64  # running-request cap
+    max_num_tokens: int = 2048  # token budget per step
+    max_seq_len: int | None = None  # prompt + generated; None = the model's limit
+    tokens_per_block: int | None = None  # None = 32 on GPU, 16 on CPU
     max_tokens_in_paged_kv_cache: int | None = None
     kv_cache_free_gpu_mem_fraction: float = 0.9
     enable_kv_cache_reuse: bool = True
     enable_chunked_context: bool = True
     batch_scheduler_policy: str = "guaranteed_no_evict"
-    max_queue_size: int = 0               # 0 = unbounded
-    attention_backend: str = "auto"       # "auto" = triton on GPU, torch on CPU
-    cuda_graphs: bool = True              # decode-only steps on GPU
-    seed: int = 0                         # engine-wide generator for unseeded sampling
+    max_queue_size: int = 0  # 0 = unbounded
+    attention_backend: str = "auto"  # "auto" = triton on GPU, torch on CPU
+    cuda_graphs: bool = True  # decode-only steps on GPU
+    seed: int = 0  # engine-wide generator for unseeded sampling
     # Overlap host work (scheduling, packing, stop checks, delivery) with the device's step;
     # None = on for CUDA, off on CPU (nothing to overlap with). True forces it on (tests on CPU).
     overlap_scheduling: bool | None = None
@@ -46,14 +47,23 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low=low)
         if not 0.0 < self.kv_cache_free_gpu_mem_fraction <= 1.0:
-            raise ValueError("kv_cache_free_gpu_mem_fraction must be in (0, 1], "
-                             f"got {self.kv_cache_free_gpu_mem_fraction!r}")
+            raise ValueError(
+                "kv_cache_free_gpu_mem_fraction must be in (0, 1], "
+                f"got {self.kv_cache_free_gpu_mem_fraction!r}"
+            )
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
 
 
 # The least value of each integer field (types are checked from the annotations).
-_LOWEST = {"max_batch_size": 1, "max_num_tokens": 1, "max_seq_len": 1, "tokens_per_block": 1,
-           "max_tokens_in_paged_kv_cache": 1, "max_queue_size": 0, "seed": 0}
+_LOWEST = {
+    "max_batch_size": 1,
+    "max_num_tokens": 1,
+    "max_seq_len": 1,
+    "tokens_per_block": 1,
+    "max_tokens_in_paged_kv_cache": 1,
+    "max_queue_size": 0,
+    "seed": 0,
+}
 _CHOICES = {"batch_scheduler_policy": SCHEDULER_POLICIES, "attention_backend": ATTENTION_BACKENDS}

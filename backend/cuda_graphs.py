@@ -28,6 +28,7 @@ for them); their logits are computed and ignored. The attention kernels size the
 captured `max_seq_len`, and divide each request's context among the splits at run time, so one
 graph serves every context length.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,7 +39,7 @@ import torch
 
 from backend.attention.metadata import AttentionMetadata
 
-try:   # GPU only; the input buffers and staging also run on CPU tensors (tests)
+try:  # GPU only; the input buffers and staging also run on CPU tensors (tests)
     from backend.kernels.argmax import argmax_rows
     from backend.kernels.step_inputs import load_step_inputs
 except ImportError:
@@ -74,8 +75,15 @@ class ReplayIds:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_cache: torch.Tensor, max_batch_size: int, max_seq_len: int,
-                 tokens_per_block: int, max_banned: int = 1):
+    def __init__(
+        self,
+        model,
+        kv_cache: torch.Tensor,
+        max_batch_size: int,
+        max_seq_len: int,
+        tokens_per_block: int,
+        max_banned: int = 1,
+    ):
         device = kv_cache.device
         self.model = model
         self.kv_cache = kv_cache
@@ -85,12 +93,17 @@ class DecodeGraphs:
         # Every per-step input lives in one buffer, mirrored by each slot of the host ring: the
         # first kernel copies from `positions` on, up to the end of the graph's block-table rows
         # (the block table comes last); it writes the input ids itself (in-flight ones resolved).
-        fields = [("input_ids", torch.int64, (n,)), ("in_flight_rows", torch.int64, (n,)),
-                  ("positions", torch.int64, (n,)), ("slot_mapping", torch.int64, (n,)),
-                  ("seq_lens", torch.int32, (n,)), ("banned_ids", torch.int64, (n, max_banned)),
-                  ("block_tables", torch.int32, (n, blocks))]
+        fields = [
+            ("input_ids", torch.int64, (n,)),
+            ("in_flight_rows", torch.int64, (n,)),
+            ("positions", torch.int64, (n,)),
+            ("slot_mapping", torch.int64, (n,)),
+            ("seq_lens", torch.int32, (n,)),
+            ("banned_ids", torch.int64, (n, max_banned)),
+            ("block_tables", torch.int32, (n, blocks)),
+        ]
         sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in fields]
-        aligned = [-(-size // 16) * 16 for size in sizes]         # every field starts 16-aligned
+        aligned = [-(-size // 16) * 16 for size in sizes]  # every field starts 16-aligned
         self.offsets = {name: sum(aligned[:i]) for i, (name, _, _) in enumerate(fields)}
         self.buffer = torch.zeros(sum(aligned), dtype=torch.uint8, device=device)
         pinned = device.type == "cuda"
@@ -98,21 +111,22 @@ class DecodeGraphs:
         self.host_fields: tuple[dict[str, np.ndarray], ...] = ({}, {})
         for (name, dtype, shape), size in zip(fields, sizes):
             start = self.offsets[name]
-            setattr(self, name, self.buffer[start:start + size].view(dtype).view(shape))
+            setattr(self, name, self.buffer[start : start + size].view(dtype).view(shape))
             for slot in (0, 1):
-                self.host_fields[slot][name] = (                      # numpy: cheaper to write
-                    self.host_ring[slot, start:start + size].view(dtype).view(shape).numpy())
-        self.sampled_ring = torch.zeros(2, n, dtype=torch.int64, pin_memory=pinned)   # argmax ids
+                self.host_fields[slot][name] = (  # numpy: cheaper to write
+                    self.host_ring[slot, start : start + size].view(dtype).view(shape).numpy()
+                )
+        self.sampled_ring = torch.zeros(2, n, dtype=torch.int64, pin_memory=pinned)  # argmax ids
         for slot in (0, 1):
             self.host_fields[slot]["slot_mapping"][:] = -1
             self.host_fields[slot]["in_flight_rows"][:] = -1
             self.host_fields[slot]["banned_ids"][:] = -1
         self.sampled_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.replays = torch.zeros(1, dtype=torch.int64, device=device)   # run so far (device)
-        self.slot = torch.zeros(1, dtype=torch.int64, device=device)      # this replay's slot
-        self._replayed = 0                                                # queued so far (host)
-        self._ids_out: list[ReplayIds | None] = [None, None]              # per slot, the last replay's
+        self.replays = torch.zeros(1, dtype=torch.int64, device=device)  # run so far (device)
+        self.slot = torch.zeros(1, dtype=torch.int64, device=device)  # this replay's slot
+        self._replayed = 0  # queued so far (host)
+        self._ids_out: list[ReplayIds | None] = [None, None]  # per slot, the last replay's
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
@@ -125,25 +139,46 @@ class DecodeGraphs:
 
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[:size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
-            max_query_len=1, max_seq_len=self.max_seq_len,
-            query_lens_cpu=[1] * size, seq_lens_cpu=[0] * size)
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[0] * size,
+        )
 
     def load_inputs(self, size: int) -> None:
         """The graph's first kernel: host slot `replays % 2` into the device buffer."""
         table = self.block_tables[:size]
         end = self.offsets["block_tables"] + table.numel() * table.element_size()
         offsets = self.offsets
-        load_step_inputs(self.buffer, self.host_ring, offsets["input_ids"], offsets["in_flight_rows"],
-                         offsets["positions"], end, size, self.sampled_ids, self.replays, self.slot)
+        load_step_inputs(
+            self.buffer,
+            self.host_ring,
+            offsets["input_ids"],
+            offsets["in_flight_rows"],
+            offsets["positions"],
+            end,
+            size,
+            self.sampled_ids,
+            self.replays,
+            self.slot,
+        )
 
     def _forward(self, size: int) -> torch.Tensor:
         self.load_inputs(size)
-        hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, self._meta(size))
+        hidden = self.model(
+            self.input_ids[:size], self.positions[:size], self.kv_cache, self._meta(size)
+        )
         logits = self.model.compute_logits(hidden)
-        argmax_rows(logits, out=self.sampled_ids[:size], to_host=(self.sampled_ring, self.slot, self.replays),
-                    banned=self.banned_ids[:size])
+        argmax_rows(
+            logits,
+            out=self.sampled_ids[:size],
+            to_host=(self.sampled_ring, self.slot, self.replays),
+            banned=self.banned_ids[:size],
+        )
         return logits
 
     @torch.inference_mode()
@@ -160,15 +195,22 @@ class DecodeGraphs:
                     logits = self._forward(size)
                 self.graphs[size] = (graph, logits)
         torch.cuda.current_stream().wait_stream(stream)
-        self.replays.zero_()            # the warm-up runs counted; the host has queued none
+        self.replays.zero_()  # the warm-up runs counted; the host has queued none
         self.sampled_ids.zero_()
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def stage(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-              seq_lens: np.ndarray, block_tables: np.ndarray, in_flight_rows: np.ndarray | None = None,
-              in_flight_ids: torch.Tensor | None = None,
-              banned_ids: np.ndarray | None = None) -> AttentionMetadata:
+    def stage(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+        in_flight_rows: np.ndarray | None = None,
+        in_flight_ids: torch.Tensor | None = None,
+        banned_ids: np.ndarray | None = None,
+    ) -> AttentionMetadata:
         """Write one decode step of n rows into the host slot of the next replay, padded to the
         graph size: padded rows get slot -1 (the KV write skips them) and context length 0
         (attention writes zeros for them); their logits are ignored. `in_flight_rows` [n]: for
@@ -179,15 +221,19 @@ class DecodeGraphs:
         has run its first kernel."""
         n, size = len(input_ids), self.size_for(len(input_ids))
         if in_flight_rows is not None and in_flight_ids.data_ptr() != self.sampled_ids.data_ptr():
-            self.sampled_ids[:len(in_flight_ids)].copy_(in_flight_ids)
+            self.sampled_ids[: len(in_flight_ids)].copy_(in_flight_ids)
         slot = self._replayed % 2
         previous = self._ids_out[slot]
-        if previous is not None:      # its replay read this slot: wait for it, keep its ids
+        if previous is not None:  # its replay read this slot: wait for it, keep its ids
             previous.keep()
             self._ids_out[slot] = None
         host = self.host_fields[slot]
-        for name, values, pad in (("input_ids", input_ids, 0), ("positions", positions, 0),
-                                  ("slot_mapping", slots, -1), ("seq_lens", seq_lens, 0)):
+        for name, values, pad in (
+            ("input_ids", input_ids, 0),
+            ("positions", positions, 0),
+            ("slot_mapping", slots, -1),
+            ("seq_lens", seq_lens, 0),
+        ):
             host[name][:n] = values
             host[name][n:size] = pad
         host["in_flight_rows"][:size] = -1
@@ -195,16 +241,21 @@ class DecodeGraphs:
             host["in_flight_rows"][:n] = in_flight_rows
         host["banned_ids"][:size] = -1
         if banned_ids is not None:
-            host["banned_ids"][:n, :banned_ids.shape[1]] = banned_ids
+            host["banned_ids"][:n, : banned_ids.shape[1]] = banned_ids
         table, width = host["block_tables"], block_tables.shape[1]
         table[:n, :width] = block_tables
         table[:n, width:] = 0
         table[n:size] = 0
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:n], query_start_loc=self.query_start_loc[:n + 1],
-            seq_lens=self.seq_lens[:n], block_tables=self.block_tables[:n, :width],
-            max_query_len=1, max_seq_len=int(seq_lens.max()), query_lens_cpu=[1] * n,
-            seq_lens_cpu=seq_lens.tolist())
+            slot_mapping=self.slot_mapping[:n],
+            query_start_loc=self.query_start_loc[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            block_tables=self.block_tables[:n, :width],
+            max_query_len=1,
+            max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=[1] * n,
+            seq_lens_cpu=seq_lens.tolist(),
+        )
 
     def replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor, ReplayIds]:
         """Run the staged step (n rows) in the smallest graph that fits: float32 logits

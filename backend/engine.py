@@ -29,6 +29,7 @@ request that ended with step n-1 was already queued in step n: that token is dis
 blocks are freed at once (the device runs steps in order, so no later step can overwrite them
 before step n is done with them).
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,8 +53,9 @@ def reads_token_history(request: Request) -> bool:
     """Whether sampling this request's next token reads its output ids on the host. The
     min-tokens end ban reads only how many there are, which an in-flight token counts in."""
     p = request.sampling
-    return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                or p.bad_token_ids)
+    return bool(
+        p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.bad_token_ids
+    )
 
 
 @dataclass(slots=True)
@@ -61,14 +63,22 @@ class LaunchedStep:
     """A step queued on the device: the requests it samples for, in row order, and their
     sampled ids on the way to the host; None when the step failed (then its requests fail)
     or samples for none."""
+
     requests: list[Request]
     sampled: PendingSample | None
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, sampler: Sampler, scheduler: Scheduler,
-                 outputs: OutputProcessor, lock: threading.Lock, overlap: bool,
-                 on_step: Callable[[SchedulerOutput], None] = lambda batch: None):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        sampler: Sampler,
+        scheduler: Scheduler,
+        outputs: OutputProcessor,
+        lock: threading.Lock,
+        overlap: bool,
+        on_step: Callable[[SchedulerOutput], None] = lambda batch: None,
+    ):
         """`lock` guards the scheduler (the executor's lock); everything else here runs on the
         executor thread only. `on_step(batch)` is called under `lock` once a step has run,
         before any of its tokens is delivered (the executor counts it in its stats)."""
@@ -79,7 +89,7 @@ class Engine:
         self.overlap = overlap
         self.on_step = on_step
         self._lock = lock
-        self.in_flight: LaunchedStep | None = None     # the step whose tokens are in flight
+        self.in_flight: LaunchedStep | None = None  # the step whose tokens are in flight
         # Ids of requests for which `reads_token_history` (kept by the executor, under `lock`):
         # when empty, as usual, no step has to look for them.
         self.history_requests: set[str] = set()
@@ -89,15 +99,16 @@ class Engine:
         with self._lock:
             batch = self.scheduler.schedule()
         previous, self.in_flight = self.in_flight, None
-        if previous is not None and (not batch.chunks or batch.preempted
-                                     or self._reads_history(batch.chunks)):
-            self._finish(previous)                          # drain: n-1's tokens are real before n
+        if previous is not None and (
+            not batch.chunks or batch.preempted or self._reads_history(batch.chunks)
+        ):
+            self._finish(previous)  # drain: n-1's tokens are real before n
             previous = None
             batch.chunks = [c for c in batch.chunks if not c.request.is_finished]
         if not batch.chunks:
             return None
         try:
-            launched = [self._launch(batch.chunks, previous)]        # nothing waits for the device
+            launched = [self._launch(batch.chunks, previous)]  # nothing waits for the device
         except Exception:
             log.exception("batched step failed; running its requests one at a time")
             if previous is not None:
@@ -105,12 +116,12 @@ class Engine:
                 previous = None
             launched = [self._launch_alone(c) for c in batch.chunks if not c.request.is_finished]
         if previous is not None:
-            self._finish(previous)                          # n-1's tokens: append, stops, delivery
+            self._finish(previous)  # n-1's tokens: append, stops, delivery
         with self._lock:
-            self.scheduler.complete_step(batch)             # computed counts, full-block hashes
+            self.scheduler.complete_step(batch)  # computed counts, full-block hashes
             self.on_step(batch)
         if self.overlap and len(launched) == 1 and launched[0].sampled is not None:
-            self._put_in_flight(launched[0])                # n's tokens: on the device until n+1
+            self._put_in_flight(launched[0])  # n's tokens: on the device until n+1
         else:
             for launched_step in launched:
                 self._finish(launched_step)
@@ -124,8 +135,10 @@ class Engine:
         out = self.runner.execute(chunks, in_flight_ids, self.sampler.end_bans(requests))
         if not requests:
             return LaunchedStep(requests, None)
-        return LaunchedStep(requests, self.sampler.sample_async(out.logits, requests, out.argmax_ids,
-                                                                out.argmax_host))
+        return LaunchedStep(
+            requests,
+            self.sampler.sample_async(out.logits, requests, out.argmax_ids, out.argmax_host),
+        )
 
     def _launch_alone(self, chunk: Chunk) -> LaunchedStep:
         """One chunk as its own step; if it fails, its request fails, sampling or not (its KV
@@ -138,7 +151,7 @@ class Engine:
 
     def _put_in_flight(self, step: LaunchedStep) -> None:
         for row, request in enumerate(step.requests):
-            if not request.is_finished:                     # not ended by step n-1
+            if not request.is_finished:  # not ended by step n-1
                 request.in_flight_row = row
         self.in_flight = step
 
@@ -157,7 +170,9 @@ class Engine:
             return
         now = time.time()
         append = self.outputs.append
-        for request, token, logprob in zip(requests, sampled.token_ids, sampled.logprobs or repeat(0.0)):
+        for request, token, logprob in zip(
+            requests, sampled.token_ids, sampled.logprobs or repeat(0.0)
+        ):
             request.in_flight_row = None
             try:
                 append(request, token, logprob, now)
@@ -169,5 +184,6 @@ class Engine:
         """Whether a request with a token in flight reads its output ids on the host to be
         sampled this step: then that token must be real first."""
         history = self.history_requests
-        return bool(history) and any(c.request.in_flight_row is not None and c.request.request_id in history
-                                     for c in chunks)
+        return bool(history) and any(
+            c.request.in_flight_row is not None and c.request.request_id in history for c in chunks
+        )

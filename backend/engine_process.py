@@ -26,6 +26,7 @@ A request the engine refuses after the handle's own checks (a full queue) comes 
 finished output with reason `error` and `rejected` set. When the engine process dies, every
 request in flight ends with an error output and later submits raise.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,6 +58,7 @@ SHUTTING_DOWN = "the server is shutting down; retry the request (on another repl
 @dataclass(frozen=True)
 class EngineInfo:
     """What the engine tells its handle once the model is loaded."""
+
     model_dir: str
     vocab_size: int
     max_seq_len: int
@@ -83,16 +85,22 @@ class EngineProcess:
     """Starts an engine process and drives it like an `Executor`: `submit`, `cancel`, `stats`,
     `shutdown`. Outputs reach each request's callback from the handle's receiver thread."""
 
-    def __init__(self, config: EngineConfig, python: str | None = None,
-                 start_timeout_s: float = 1800.0):
+    def __init__(
+        self, config: EngineConfig, python: str | None = None, start_timeout_s: float = 1800.0
+    ):
         config.validate()
         ours, theirs = socket.socketpair()
         self._conn = Connection(ours.detach())
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p
+        )
         self.process = subprocess.Popen(
             [python or engine_python(), "-m", "backend.engine_process", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), env=env, cwd=PROJECT_ROOT)
+            pass_fds=(theirs.fileno(),),
+            env=env,
+            cwd=PROJECT_ROOT,
+        )
         theirs.close()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -129,8 +137,9 @@ class EngineProcess:
     def alive(self) -> bool:
         return self._exit_error is None
 
-    def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-               on_output) -> None:
+    def submit(
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, on_output
+    ) -> None:
         """Check and send a request. Raises ValueError for bad input (as `Executor.submit`) and
         RuntimeError when the engine process is gone; a full queue comes back as an output."""
         prompt_ids = list(prompt_ids)
@@ -178,8 +187,10 @@ class EngineProcess:
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(0.5):
             if self.process.poll() is not None:
-                raise RuntimeError(f"the engine process exited with code {self.process.returncode} "
-                                   "while loading the model (its log is above)")
+                raise RuntimeError(
+                    f"the engine process exited with code {self.process.returncode} "
+                    "while loading the model (its log is above)"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the engine process was not ready after {timeout_s:.0f} s")
         kind, payload = self._conn.recv()
@@ -200,8 +211,11 @@ class EngineProcess:
             for values in payload:
                 out = RequestOutput(*values)
                 with lock:
-                    callback = (callbacks.pop(out.request_id, None) if out.finished
-                                else callbacks.get(out.request_id))
+                    callback = (
+                        callbacks.pop(out.request_id, None)
+                        if out.finished
+                        else callbacks.get(out.request_id)
+                    )
                 if callback is not None:
                     try:
                         callback(out)
@@ -212,12 +226,16 @@ class EngineProcess:
     def _engine_gone(self) -> None:
         code = self.process.wait()
         with self._lock:
-            self._exit_error = (f"the engine process exited (code {code})" if code
-                                else "the engine was shut down")
+            self._exit_error = (
+                f"the engine process exited (code {code})" if code else "the engine was shut down"
+            )
             orphans, self._callbacks = self._callbacks, {}
         for request_id, callback in orphans.items():
-            callback(RequestOutput(request_id, [], [], 0, True, FinishReason.ERROR,
-                                   error=self._exit_error))
+            callback(
+                RequestOutput(
+                    request_id, [], [], 0, True, FinishReason.ERROR, error=self._exit_error
+                )
+            )
 
     def _kill(self) -> None:
         if self.process.poll() is None:
@@ -232,7 +250,7 @@ class _Outbox:
 
     def __init__(self, conn: Connection, executor):
         self._conn, self._executor = conn, executor
-        self.rejected_reason: str | None = None      # set while draining: why requests end
+        self.rejected_reason: str | None = None  # set while draining: why requests end
         self._items: list[tuple] = []
         self._cond = threading.Condition()
         self._closing = False
@@ -241,19 +259,35 @@ class _Outbox:
 
     def put(self, out: RequestOutput) -> None:
         """The executor's output callback (executor thread)."""
-        values = (out.request_id, out.new_token_ids, out.new_logprobs, out.num_output_tokens,
-                  out.finished, out.finish_reason, out.error, out.num_prompt_tokens,
-                  out.num_reused_blocks, out.num_new_blocks, out.cum_logprob, out.arrival_time,
-                  out.first_scheduled_time, out.first_token_time, out.last_token_time,
-                  out.rejected or (self.rejected_reason if out.error else None))
+        values = (
+            out.request_id,
+            out.new_token_ids,
+            out.new_logprobs,
+            out.num_output_tokens,
+            out.finished,
+            out.finish_reason,
+            out.error,
+            out.num_prompt_tokens,
+            out.num_reused_blocks,
+            out.num_new_blocks,
+            out.cum_logprob,
+            out.arrival_time,
+            out.first_scheduled_time,
+            out.first_token_time,
+            out.last_token_time,
+            out.rejected or (self.rejected_reason if out.error else None),
+        )
         with self._cond:
             self._items.append(values)
             if len(self._items) == 1:
                 self._cond.notify()
 
     def reject(self, request_id: str, reason: str, message: str) -> None:
-        self.put(RequestOutput(request_id, [], [], 0, True, FinishReason.ERROR, error=message,
-                               rejected=reason))
+        self.put(
+            RequestOutput(
+                request_id, [], [], 0, True, FinishReason.ERROR, error=message, rejected=reason
+            )
+        )
 
     def close(self) -> None:
         with self._cond:
@@ -275,7 +309,7 @@ class _Outbox:
                 if now >= next_stats:
                     self._conn.send(("stats", self._executor.stats()))
                     next_stats = now + STATS_PERIOD_S
-            except OSError:        # the handle is gone
+            except OSError:  # the handle is gone
                 return
             if closing:
                 return
@@ -292,9 +326,20 @@ def serve(conn: Connection) -> int:
         conn.send(("failed", traceback.format_exc()))
         return 1
     outbox = _Outbox(conn, executor)
-    conn.send(("ready", EngineInfo(executor.model_dir, executor.vocab_size, executor.max_seq_len,
-                                   list(executor.eos_token_ids), executor.limits,
-                                   str(executor.runner.device), os.getpid())))
+    conn.send(
+        (
+            "ready",
+            EngineInfo(
+                executor.model_dir,
+                executor.vocab_size,
+                executor.max_seq_len,
+                list(executor.eos_token_ids),
+                executor.limits,
+                str(executor.runner.device),
+                os.getpid(),
+            ),
+        )
+    )
     wake_read, wake_write = os.pipe()
     signal.signal(signal.SIGTERM, lambda signum, frame: os.write(wake_write, b"x"))
     draining = False
@@ -309,7 +354,7 @@ def serve(conn: Connection) -> int:
                 continue
             try:
                 message = conn.recv()
-            except (EOFError, OSError):      # the handle is gone: stop
+            except (EOFError, OSError):  # the handle is gone: stop
                 break
             kind = message[0]
             if kind == "submit" and draining:
@@ -342,4 +387,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run as `-m`, this file is `__main__`: pickled classes must name `backend.engine_process`.
     from backend.engine_process import main as engine_main
+
     sys.exit(engine_main())

@@ -9,6 +9,7 @@ callback, called from the executor thread; every request gets exactly one output
 `finished=True`, whatever the reason it ends. An exception while serving one request fails that
 request alone and the loop goes on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,21 +45,36 @@ class Executor:
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = list(self.runner.eos_token_ids)
         self.model_dir = self.runner.model_dir
-        self.scheduler = Scheduler(self.config, self.runner.num_kv_blocks, self.runner.tokens_per_block)
-        self.limits = EngineLimits(self.vocab_size, self.max_seq_len, self.runner.tokens_per_block,
-                                   self.scheduler.total_blocks)
-        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed)
+        self.scheduler = Scheduler(
+            self.config, self.runner.num_kv_blocks, self.runner.tokens_per_block
+        )
+        self.limits = EngineLimits(
+            self.vocab_size,
+            self.max_seq_len,
+            self.runner.tokens_per_block,
+            self.scheduler.total_blocks,
+        )
+        self.sampler = Sampler(
+            self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed
+        )
         self._stats = ExecutorStats(kv=self.scheduler.kv_stats())
         self.outputs = OutputProcessor(self.max_seq_len, self.eos_token_ids, self._release)
-        self._live = self.outputs.live          # request_id -> LiveRequest, guarded by _lock
+        self._live = self.outputs.live  # request_id -> LiveRequest, guarded by _lock
         self._cancel_requests: set[str] = set()
         self._lock = threading.Lock()
         # Overlap scheduling (see backend.engine): on by default where there is a device to
         # overlap with; forced on in tests to exercise it on CPU.
         overlap = self.config.overlap_scheduling
         self.overlap = self.runner.device.type == "cuda" if overlap is None else bool(overlap)
-        self.engine = Engine(self.runner, self.sampler, self.scheduler, self.outputs, self._lock,
-                             self.overlap, on_step=self._record_step)
+        self.engine = Engine(
+            self.runner,
+            self.sampler,
+            self.scheduler,
+            self.outputs,
+            self._lock,
+            self.overlap,
+            on_step=self._record_step,
+        )
         self._work = threading.Condition(self._lock)
         self._stopping = False
         self._stop_reason = "executor shut down"
@@ -66,10 +82,17 @@ class Executor:
         self._thread.start()
 
     # ---- public, thread-safe -------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-               on_output: OutputCallback) -> None:
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        on_output: OutputCallback,
+    ) -> None:
         """Validate and queue a request. Raises ValueError (bad input) or QueueFullError."""
-        request = Request(str(request_id), list(prompt_ids), self.limits.check(prompt_ids, sampling))
+        request = Request(
+            str(request_id), list(prompt_ids), self.limits.check(prompt_ids, sampling)
+        )
         with self._lock:
             if self._stopping:
                 raise RuntimeError("executor is shut down")
@@ -91,10 +114,16 @@ class Executor:
             return True
 
     def stats(self) -> ExecutorStats:
-        """A snapshot. The last step's counts read 0 once the engine is idle (no step is running)."""
+        """A snapshot. The last step's counts read 0 once the engine is idle (no step is
+        running)."""
         with self._lock:
-            stats = replace(self._stats, kv=self.scheduler.kv_stats(), finish_reasons=dict(self._stats.finish_reasons),
-                            num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running)
+            stats = replace(
+                self._stats,
+                kv=self.scheduler.kv_stats(),
+                finish_reasons=dict(self._stats.finish_reasons),
+                num_waiting=self.scheduler.num_waiting,
+                num_running=self.scheduler.num_running,
+            )
             if not self.scheduler.has_work():
                 stats.last_num_context_requests = stats.last_num_generation_requests = 0
                 stats.last_num_scheduled_tokens = 0
@@ -112,12 +141,18 @@ class Executor:
         if self._owns_runner and not self._thread.is_alive():
             self.runner.release()
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
-                 timeout: float | None = None) -> list[dict]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams | list[SamplingParams],
+        timeout: float | None = None,
+    ) -> list[dict]:
         """Serve prompts concurrently and block until all finish. Returns one dict per prompt:
         token_ids, logprobs, finish_reason, error."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        results = [{"token_ids": [], "logprobs": [], "finish_reason": None, "error": None} for _ in prompts]
+        results = [
+            {"token_ids": [], "logprobs": [], "finish_reason": None, "error": None} for _ in prompts
+        ]
         done = threading.Semaphore(0)
         tag = f"gen-{time.monotonic_ns()}"
 
@@ -129,6 +164,7 @@ class Executor:
                     results[index]["finish_reason"] = out.finish_reason
                     results[index]["error"] = out.error
                     done.release()
+
             return on_output
 
         for i, (ids, p) in enumerate(zip(prompts, params)):
@@ -149,14 +185,20 @@ class Executor:
         engine = self.engine
         while True:
             with self._lock:
-                while (not self._stopping and not self._cancel_requests and engine.in_flight is None
-                       and not self.scheduler.has_work()):
+                while (
+                    not self._stopping
+                    and not self._cancel_requests
+                    and engine.in_flight is None
+                    and not self.scheduler.has_work()
+                ):
                     self._work.wait()
                 stopping = self._stopping
                 cancelled, self._cancel_requests = self._cancel_requests, set()
             if stopping:
                 for live in list(self._live.values()):
-                    self.outputs.finish(live.request, FinishReason.CANCELLED, error=self._stop_reason)
+                    self.outputs.finish(
+                        live.request, FinishReason.CANCELLED, error=self._stop_reason
+                    )
                 return
             for request_id in cancelled:
                 live = self._live.get(request_id)
@@ -169,11 +211,13 @@ class Executor:
                 log.exception("executor step failed")
                 continue
             if ran is None and not was_in_flight:
-                time.sleep(0.001)            # nothing could be scheduled yet (KV blocks, budget)
+                time.sleep(0.001)  # nothing could be scheduled yet (KV blocks, budget)
 
     def _record_step(self, batch: SchedulerOutput) -> None:
         """Engine hook, under `_lock`: a step ran."""
-        decodes = sum(1 for c in batch.chunks if c.num_tokens == 1 and c.start >= len(c.request.prompt_ids))
+        decodes = sum(
+            1 for c in batch.chunks if c.num_tokens == 1 and c.start >= len(c.request.prompt_ids)
+        )
         stats = self._stats
         stats.num_iterations += 1
         stats.num_preemptions += len(batch.preempted)

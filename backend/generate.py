@@ -6,6 +6,7 @@
 Greedy unless --temperature is given. With --json, one JSON object per prompt is printed:
 {"prompt", "token_ids" (generated ids only, end id excluded), "text", "finish_reason"}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,11 +18,20 @@ from backend.sampling_params import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m backend.generate", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="default", help="'default', a preset, a HF directory or a .gguf file")
+    p = argparse.ArgumentParser(
+        prog="python -m backend.generate", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "--model", default="default", help="'default', a preset, a HF directory or a .gguf file"
+    )
     p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sample at this temperature (default: greedy)",
+    )
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
@@ -42,13 +52,24 @@ def main(argv: list[str] | None = None) -> int:
 
     from backend.executor import Executor
 
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature or 0.0,
-                              top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                              ignore_end_id=args.ignore_eos)
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature or 0.0,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        ignore_end_id=args.ignore_eos,
+    )
     try:
         sampling.validate()
-        config = EngineConfig(model_path=args.model, device=args.device, dtype=args.dtype,
-                              max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens)
+        config = EngineConfig(
+            model_path=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            max_batch_size=args.max_batch_size,
+            max_num_tokens=args.max_num_tokens,
+        )
         executor = Executor(config)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -65,10 +86,21 @@ def main(argv: list[str] | None = None) -> int:
     for text, result in zip(args.prompt, results):
         completion = tokenizer.decode(result["token_ids"], skip_special_tokens=True)
         if args.json:
-            print(json.dumps({"prompt": text, "token_ids": result["token_ids"], "text": completion,
-                              "finish_reason": result["finish_reason"].value}, ensure_ascii=False))
+            print(
+                json.dumps(
+                    {
+                        "prompt": text,
+                        "token_ids": result["token_ids"],
+                        "text": completion,
+                        "finish_reason": result["finish_reason"].value,
+                    },
+                    ensure_ascii=False,
+                )
+            )
         else:
-            print(f"--- {text!r} ({len(result['token_ids'])} tokens, {result['finish_reason'].value})")
+            print(
+                f"--- {text!r} ({len(result['token_ids'])} tokens, {result['finish_reason'].value})"
+            )
             print(completion)
     return 1 if any(r["error"] for r in results) else 0
 
@@ -76,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
 def _encode(tokenizer, text: str, chat: bool) -> list[int]:
     if not chat:
         return tokenizer.encode(text)
-    encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
+    encoded = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 

@@ -9,6 +9,7 @@ The cache is written into a temporary directory beside it and renamed into place
 directory with a config.json is always complete: an interrupted or failed conversion leaves nothing
 that is ever read back, and two processes converting at once both end up with one good copy.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -52,13 +53,16 @@ def convert_gguf(gguf_path: str, cache_root: str) -> str:
     lock = os.open(cache_root, os.O_RDONLY)
     try:
         if not _try_lock(lock):
-            print(f"Waiting for another process converting into {cache_root} ...",
-                  file=sys.stderr, flush=True)
+            print(
+                f"Waiting for another process converting into {cache_root} ...",
+                file=sys.stderr,
+                flush=True,
+            )
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not is_complete(out_dir):
             _convert_into(gguf_path, out_dir, cache_root)
     finally:
-        os.close(lock)          # releases the lock
+        os.close(lock)  # releases the lock
     return out_dir
 
 
@@ -66,8 +70,10 @@ def check_gguf_magic(gguf_path: str) -> None:
     with open(gguf_path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
-        raise ValueError(f"could not read GGUF file {gguf_path}: not a GGUF file "
-                         f"(starts with {magic!r}, expected {GGUF_MAGIC!r})")
+        raise ValueError(
+            f"could not read GGUF file {gguf_path}: not a GGUF file "
+            f"(starts with {magic!r}, expected {GGUF_MAGIC!r})"
+        )
 
 
 def _try_lock(fd: int) -> bool:
@@ -79,19 +85,25 @@ def _try_lock(fd: int) -> bool:
 
 
 def _convert_into(gguf_path: str, out_dir: str, cache_root: str) -> None:
-    print(f"Converting {gguf_path} to a Hugging Face directory at {out_dir} "
-          "(once; later starts reuse it)", file=sys.stderr, flush=True)
+    print(
+        f"Converting {gguf_path} to a Hugging Face directory at {out_dir} "
+        "(once; later starts reuse it)",
+        file=sys.stderr,
+        flush=True,
+    )
     tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=cache_root)
     os.chmod(tmp_dir, 0o755)
     try:
         try:
             _convert(gguf_path, tmp_dir)
         except Exception as e:
-            raise ValueError(f"could not read GGUF file {gguf_path}: {type(e).__name__}: {e}") from e
+            raise ValueError(
+                f"could not read GGUF file {gguf_path}: {type(e).__name__}: {e}"
+            ) from e
         try:
             os.rename(tmp_dir, out_dir)
         except OSError:
-            if not is_complete(out_dir):    # nobody else finished it either
+            if not is_complete(out_dir):  # nobody else finished it either
                 raise
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -114,8 +126,11 @@ def _convert(gguf_path: str, out_dir: str) -> None:
         steps.update()
         steps.set_postfix_str("write safetensors")
         tied = bool(model.config.tie_word_embeddings)
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
-                 if not (tied and k == "lm_head.weight")}
+        state = {
+            k: v.detach().contiguous()
+            for k, v in model.state_dict().items()
+            if not (tied and k == "lm_head.weight")
+        }
         save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
         steps.update()
         steps.set_postfix_str("write config and tokenizer")
@@ -124,6 +139,6 @@ def _convert(gguf_path: str, out_dir: str) -> None:
         config["architectures"] = [type(model).__name__]
         tokenizer.save_pretrained(out_dir)
         model.generation_config.save_pretrained(out_dir)
-        with open(os.path.join(out_dir, "config.json"), "w") as f:   # last: marks completion
+        with open(os.path.join(out_dir, "config.json"), "w") as f:  # last: marks completion
             json.dump(config, f, indent=2, sort_keys=True)
         steps.update()

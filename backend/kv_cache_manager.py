@@ -13,6 +13,7 @@ The match is capped at floor((num_tokens - 1) / B) blocks: the last token must a
 (its logits give the next token), and matching whole blocks only means a request never writes
 into a block that someone else holds. Every block a request writes to has ref_count == 1.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ class KVCacheStats:
     max_blocks: int
     free_blocks: int
     used_blocks: int
-    reused_blocks: int            # cumulative prefix-cache hits, in blocks
+    reused_blocks: int  # cumulative prefix-cache hits, in blocks
     tokens_per_block: int
     allocated_new_blocks: int = 0  # cumulative blocks handed out for fresh content
 
@@ -80,7 +81,7 @@ class KVCacheManager:
         size = self.tokens_per_block
         parent = None
         for i in range((len(tokens) - 1) // size):
-            block_hash = hash_block(parent, tokens[i * size:(i + 1) * size])
+            block_hash = hash_block(parent, tokens[i * size : (i + 1) * size])
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
@@ -89,8 +90,9 @@ class KVCacheManager:
             parent = block_hash
         return match
 
-    def free_blocks_needed(self, request: Request, num_new_tokens: int,
-                           prefix: PrefixMatch | None = None) -> int:
+    def free_blocks_needed(
+        self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None
+    ) -> int:
         """Free blocks that `allocate(request, num_new_tokens, prefix)` would consume.
 
         Counts fresh blocks plus matched blocks that are currently evictable: taking those back
@@ -106,8 +108,9 @@ class KVCacheManager:
         fresh = max(0, self.blocks_needed(computed + num_new_tokens) - held)
         return fresh + revived
 
-    def allocate(self, request: Request, num_new_tokens: int,
-                 prefix: PrefixMatch | None = None) -> bool:
+    def allocate(
+        self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None
+    ) -> bool:
         """Grow the block table to cover num_computed_tokens + num_new_tokens slots.
 
         With `prefix` (admission only: the request holds no blocks), the matched blocks are
@@ -129,7 +132,7 @@ class KVCacheManager:
         return True
 
     def _admit_prefix(self, request: Request, prefix: PrefixMatch) -> None:
-        for block_id in prefix.block_ids:     # take before any fresh allocation can evict them
+        for block_id in prefix.block_ids:  # take before any fresh allocation can evict them
             self.pool.take(block_id)
         request.block_ids = list(prefix.block_ids)
         request.num_computed_tokens = prefix.num_tokens
@@ -149,7 +152,9 @@ class KVCacheManager:
             return
         size = self.tokens_per_block
         for i in range(len(hashes), num_full):
-            block_hash = hash_block(hashes[-1] if hashes else None, request.tokens(i * size, (i + 1) * size))
+            block_hash = hash_block(
+                hashes[-1] if hashes else None, request.tokens(i * size, (i + 1) * size)
+            )
             hashes.append(block_hash)
             self.pool.register(request.block_ids[i], block_hash)
 

@@ -4,6 +4,7 @@ The executor runs them when a request is submitted. A caller in another process 
 the engine process) runs them too, so a bad request is refused at once, with the same message,
 without a round trip to the engine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -26,16 +27,24 @@ class EngineLimits:
         vocab = self.vocab_size
         for token in prompt_ids:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {token!r}")
+                raise ValueError(
+                    f"prompt token ids must be integers in [0, {vocab}), got {token!r}"
+                )
         if len(prompt_ids) >= self.max_seq_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; it must be shorter than "
-                             f"max_seq_len ({self.max_seq_len})")
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; it must be shorter than "
+                f"max_seq_len ({self.max_seq_len})"
+            )
         sampling.validate(vocab)
         # Capacity planning must see the true need.
-        sampling = replace(sampling, max_tokens=min(sampling.max_tokens, self.max_seq_len - len(prompt_ids)))
+        sampling = replace(
+            sampling, max_tokens=min(sampling.max_tokens, self.max_seq_len - len(prompt_ids))
+        )
         needed = -(-(len(prompt_ids) + sampling.max_tokens) // self.tokens_per_block)
         if needed > self.total_blocks:
-            raise ValueError(f"request needs {needed} KV cache blocks (prompt {len(prompt_ids)} + max_tokens "
-                             f"{sampling.max_tokens} tokens) but the cache holds {self.total_blocks}; "
-                             "lower max_tokens or raise max_tokens_in_paged_kv_cache")
+            raise ValueError(
+                f"request needs {needed} KV cache blocks (prompt {len(prompt_ids)} + max_tokens "
+                f"{sampling.max_tokens} tokens) but the cache holds {self.total_blocks}; "
+                "lower max_tokens or raise max_tokens_in_paged_kv_cache"
+            )
         return sampling

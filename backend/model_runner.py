@@ -11,6 +11,7 @@ Sizing: `max_tokens_in_paged_kv_cache` when set; on CUDA otherwise
 `max_num_tokens` tokens (peak activations are set aside); on CPU enough for `max_batch_size`
 sequences of `max_seq_len` tokens, at most 4 GiB.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,37 +33,46 @@ from backend.request import Chunk
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 DEFAULT_MAX_SEQ_LEN = 8192
 CPU_KV_CACHE_CAP_BYTES = 4 << 30
 
 
 _request, _start, _num_tokens, _samples, _block_ids = (
-    attrgetter(name) for name in ("request", "start", "num_tokens", "samples", "block_ids"))
+    attrgetter(name) for name in ("request", "start", "num_tokens", "samples", "block_ids")
+)
 
 
 @dataclass
 class StepLogits:
     """What one step computed."""
-    logits: torch.Tensor               # float32 [sampling chunks, vocab], in chunk order
-    argmax_ids: torch.Tensor | None    # int64 argmax of each row skipping its banned ids, where the
-                                       # step computed it (decode CUDA graphs; valid until the
-                                       # next step runs)
-    argmax_host: ReplayIds | None = None   # the same ids on their way to the host (graphs)
+
+    logits: torch.Tensor  # float32 [sampling chunks, vocab], in chunk order
+    argmax_ids: torch.Tensor | None  # int64 argmax of each row skipping its banned ids, where the
+    # step computed it (decode CUDA graphs; valid until the
+    # next step runs)
+    argmax_host: ReplayIds | None = None  # the same ids on their way to the host (graphs)
 
 
 @dataclass
 class StepInputs:
     """One packed step, on the model device."""
-    input_ids: torch.Tensor       # [T] int64
-    positions: torch.Tensor       # [T] int64
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
     attn_meta: AttentionMetadata
     logits_indices: torch.Tensor  # [N] int, rows of the last token of each sampling chunk
-    in_graph: bool = False        # staged for a decode CUDA graph, which reads it when replayed
+    in_graph: bool = False  # staged for a decode CUDA graph, which reads it when replayed
 
 
-_STAND_IN = [0]     # the input id of an in-flight token until the device replaces it
+_STAND_IN = [0]  # the input id of an in-flight token until the device replaces it
 
 
 def pick_device(name: str) -> torch.device:
@@ -88,7 +98,9 @@ class ModelRunner:
         self.model_dir = resolve_model(config.model_path)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.max_seq_len = self._pick_max_seq_len()
-        self.tokens_per_block = config.tokens_per_block or (32 if self.device.type == "cuda" else 16)
+        self.tokens_per_block = config.tokens_per_block or (
+            32 if self.device.type == "cuda" else 16
+        )
         self.attention = get_attention_backend(config.attention_backend, self.device)
         self.decode_graphs: DecodeGraphs | None = None
         # Two staging buffers, used in turn, each with an event marking its last copy: with
@@ -98,14 +110,27 @@ class ModelRunner:
         self._staging = (StagingBuffer(self.device), StagingBuffer(self.device))
         self._staging_done: list[torch.cuda.Event | None] = [None, None]
         self._num_prepared = 0
-        self.model = load_model(self.model_dir, self.device, self.dtype, self.attention,
-                                self.max_seq_len, self.model_config)
+        self.model = load_model(
+            self.model_dir,
+            self.device,
+            self.dtype,
+            self.attention,
+            self.max_seq_len,
+            self.model_config,
+        )
         self.num_kv_blocks = self._pick_num_kv_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.decode_graphs = self._capture_decode_graphs()
-        log.info("model %s on %s (%s): %d KV blocks x %d tokens, max_seq_len %d, attention %s",
-                 self.model_dir, self.device, self.dtype, self.num_kv_blocks,
-                 self.tokens_per_block, self.max_seq_len, self.attention.name)
+        log.info(
+            "model %s on %s (%s): %d KV blocks x %d tokens, max_seq_len %d, attention %s",
+            self.model_dir,
+            self.device,
+            self.dtype,
+            self.num_kv_blocks,
+            self.tokens_per_block,
+            self.max_seq_len,
+            self.attention.name,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -127,8 +152,12 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     # ---- one step ----------------------------------------------------------------------------
-    def execute(self, chunks: list[Chunk], in_flight_ids: torch.Tensor | None = None,
-                banned_ids: np.ndarray | None = None) -> StepLogits:
+    def execute(
+        self,
+        chunks: list[Chunk],
+        in_flight_ids: torch.Tensor | None = None,
+        banned_ids: np.ndarray | None = None,
+    ) -> StepLogits:
         """The logits of the sampling chunks (and their argmax where the step computes it anyway,
         skipping `banned_ids` [rows, k], -1 = none).
 
@@ -139,7 +168,7 @@ class ModelRunner:
         with torch.inference_mode():
             graphs = self.decode_graphs
             if inputs.in_graph:
-                return StepLogits(*graphs.replay(len(chunks)))    # logits, ids, ids to the host
+                return StepLogits(*graphs.replay(len(chunks)))  # logits, ids, ids to the host
             hidden = self._run_model(inputs)
             return StepLogits(self.model.compute_logits(hidden[inputs.logits_indices]), None)
 
@@ -150,15 +179,29 @@ class ModelRunner:
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """Decode-only steps replay CUDA graphs on GPU with the Triton kernels (they skip padded
         rows; the torch reference does not)."""
-        if not (self.config.cuda_graphs and self.device.type == "cuda" and self.attention.name == "triton"):
+        if not (
+            self.config.cuda_graphs
+            and self.device.type == "cuda"
+            and self.attention.name == "triton"
+        ):
             return None
-        graphs = DecodeGraphs(self.model, self.kv_cache, self.config.max_batch_size, self.max_seq_len,
-                              self.tokens_per_block, max_banned=max(1, len(self.eos_token_ids)))
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            self.config.max_batch_size,
+            self.max_seq_len,
+            self.tokens_per_block,
+            max_banned=max(1, len(self.eos_token_ids)),
+        )
         graphs.capture()
         return graphs
 
-    def prepare(self, chunks: list[Chunk], in_flight_ids: torch.Tensor | None = None,
-                banned_ids: np.ndarray | None = None) -> StepInputs:
+    def prepare(
+        self,
+        chunks: list[Chunk],
+        in_flight_ids: torch.Tensor | None = None,
+        banned_ids: np.ndarray | None = None,
+    ) -> StepInputs:
         """Pack the chunks into one batch. No Python loop over requests beyond reading their
         lists: at batch 256 this runs every step, so block tables are filled with one masked
         numpy assignment from all block ids chained together. A step that a decode CUDA graph
@@ -167,7 +210,7 @@ class ModelRunner:
             raise ValueError("execute() needs at least one chunk")
         tokens_per_block = self.tokens_per_block
         n = len(chunks)
-        requests = list(map(_request, chunks))            # map + attrgetter: C-speed gathers
+        requests = list(map(_request, chunks))  # map + attrgetter: C-speed gathers
         block_lists = list(map(_block_ids, requests))
         query_lens = np.fromiter(map(_num_tokens, chunks), dtype=np.int64, count=n)
         starts = np.fromiter(map(_start, chunks), dtype=np.int64, count=n)
@@ -175,8 +218,9 @@ class ModelRunner:
         if query_lens.min() < 1:
             raise ValueError("every chunk needs at least one token")
         if seq_lens.max() > self.max_seq_len:
-            raise ValueError(f"sequence of {seq_lens.max()} tokens exceeds max_seq_len "
-                             f"{self.max_seq_len}")
+            raise ValueError(
+                f"sequence of {seq_lens.max()} tokens exceeds max_seq_len {self.max_seq_len}"
+            )
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         num_blocks = -(-seq_lens // tokens_per_block)
@@ -184,13 +228,16 @@ class ModelRunner:
         short = np.flatnonzero(held < num_blocks)
         if short.size:
             i = int(short[0])
-            raise ValueError(f"chunk {i} covers {seq_lens[i]} tokens but has only "
-                             f"{held[i]} blocks of {tokens_per_block}")
+            raise ValueError(
+                f"chunk {i} covers {seq_lens[i]} tokens but has only "
+                f"{held[i]} blocks of {tokens_per_block}"
+            )
         # Row i of the table: the chunk's first num_blocks[i] block ids, zeros after.
         columns = np.arange(max(int(held.max()), 1))
         table = np.zeros((n, columns.size), dtype=np.int64)
         table[columns < held[:, None]] = np.fromiter(
-            chain.from_iterable(block_lists), dtype=np.int64, count=int(held.sum()))
+            chain.from_iterable(block_lists), dtype=np.int64, count=int(held.sum())
+        )
         width = int(num_blocks.max())
         block_tables = table[:, :width]
         block_tables[columns[:width] >= num_blocks[:, None]] = 0
@@ -198,29 +245,55 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
         total = int(query_start_loc[-1])
         positions = starts[seq_of_token] + np.arange(total) - query_start_loc[seq_of_token]
-        slots = (block_tables[seq_of_token, positions // tokens_per_block] * tokens_per_block
-                 + positions % tokens_per_block)
+        slots = (
+            block_tables[seq_of_token, positions // tokens_per_block] * tokens_per_block
+            + positions % tokens_per_block
+        )
         samples = np.fromiter(map(_samples, chunks), dtype=bool, count=n)
         logits_indices = (query_start_loc[1:] - 1)[samples]
         # An in-flight token is a chunk of its own (every other token of its request is
         # computed); its input id is a stand-in here, replaced on the device.
         in_flight_rows = [r.in_flight_row for r in requests]
-        token_lists = [r.tokens(c.start, c.start + c.num_tokens) if row is None else _STAND_IN
-                       for c, r, row in zip(chunks, requests, in_flight_rows)]
+        token_lists = [
+            r.tokens(c.start, c.start + c.num_tokens) if row is None else _STAND_IN
+            for c, r, row in zip(chunks, requests, in_flight_rows)
+        ]
         input_ids = np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=total)
-        in_flight = None        # per chunk: its input's row of in_flight_ids, -1 when known
+        in_flight = None  # per chunk: its input's row of in_flight_ids, -1 when known
         if in_flight_rows.count(None) < n:
             if in_flight_ids is None:
                 raise ValueError("chunks of in-flight tokens but no in-flight ids were given")
-            in_flight = np.array([-1 if row is None else row for row in in_flight_rows], dtype=np.int64)
+            in_flight = np.array(
+                [-1 if row is None else row for row in in_flight_rows], dtype=np.int64
+            )
         graphs = self.decode_graphs
-        if (graphs is not None and total == n and n <= graphs.max_batch_size and samples.all()):
-            meta = graphs.stage(input_ids, positions, slots, seq_lens, block_tables, in_flight, in_flight_ids,
-                                banned_ids)
-            return StepInputs(graphs.input_ids[:n], graphs.positions[:n], meta, graphs.query_start_loc[:n],
-                              in_graph=True)
-        arrays = [input_ids, positions, slots, query_start_loc.astype(np.int32), seq_lens.astype(np.int32),
-                  block_tables.astype(np.int32), logits_indices]
+        if graphs is not None and total == n and n <= graphs.max_batch_size and samples.all():
+            meta = graphs.stage(
+                input_ids,
+                positions,
+                slots,
+                seq_lens,
+                block_tables,
+                in_flight,
+                in_flight_ids,
+                banned_ids,
+            )
+            return StepInputs(
+                graphs.input_ids[:n],
+                graphs.positions[:n],
+                meta,
+                graphs.query_start_loc[:n],
+                in_graph=True,
+            )
+        arrays = [
+            input_ids,
+            positions,
+            slots,
+            query_start_loc.astype(np.int32),
+            seq_lens.astype(np.int32),
+            block_tables.astype(np.int32),
+            logits_indices,
+        ]
         if in_flight is not None:
             chunks_in_flight = np.flatnonzero(in_flight >= 0)
             arrays += [(query_start_loc[1:] - 1)[chunks_in_flight], in_flight[chunks_in_flight]]
@@ -228,9 +301,14 @@ class ModelRunner:
         if fill:
             ids_d[fill[0]] = in_flight_ids[fill[1]]
         meta = AttentionMetadata(
-            slot_mapping=slots_d, query_start_loc=qsl_d, seq_lens=seq_d, block_tables=bt_d,
-            max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
-            query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
+            slot_mapping=slots_d,
+            query_start_loc=qsl_d,
+            seq_lens=seq_d,
+            block_tables=bt_d,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
         )
         return StepInputs(ids_d, pos_d, meta, li_d)
 
@@ -264,17 +342,29 @@ class ModelRunner:
         if requested is None:
             return min(limit, DEFAULT_MAX_SEQ_LEN)
         if requested > mc.max_position_embeddings:
-            raise ValueError(f"max_seq_len {requested} exceeds the model's "
-                             f"max_position_embeddings {mc.max_position_embeddings}")
+            raise ValueError(
+                f"max_seq_len {requested} exceeds the model's "
+                f"max_position_embeddings {mc.max_position_embeddings}"
+            )
         if requested > limit:
-            log.warning("max_seq_len %d capped at the sliding window %d (the engine runs full "
-                        "attention, exact only within the window)", requested, limit)
+            log.warning(
+                "max_seq_len %d capped at the sliding window %d (the engine runs full "
+                "attention, exact only within the window)",
+                requested,
+                limit,
+            )
         return min(requested, limit)
 
     def kv_block_bytes(self) -> int:
         mc = self.model_config
-        return (mc.num_layers * 2 * self.tokens_per_block * mc.num_kv_heads * mc.head_dim
-                * torch.empty(0, dtype=self.dtype).element_size())
+        return (
+            mc.num_layers
+            * 2
+            * self.tokens_per_block
+            * mc.num_kv_heads
+            * mc.head_dim
+            * torch.empty(0, dtype=self.dtype).element_size()
+        )
 
     def _pick_num_kv_blocks(self) -> int:
         tokens_per_block = self.tokens_per_block
@@ -287,8 +377,11 @@ class ModelRunner:
             cap = CPU_KV_CACHE_CAP_BYTES // self.kv_block_bytes()
             blocks = min(self.config.max_batch_size * per_seq, cap)
         if blocks < per_seq:
-            log.warning("the KV cache (%d blocks) cannot hold one sequence of max_seq_len %d",
-                        blocks, self.max_seq_len)
+            log.warning(
+                "the KV cache (%d blocks) cannot hold one sequence of max_seq_len %d",
+                blocks,
+                self.max_seq_len,
+            )
         if blocks < 1:
             raise ValueError("no memory left for the KV cache")
         return int(blocks)
@@ -319,15 +412,22 @@ class ModelRunner:
         warmup_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         self.execute(chunks)
         rows = min(self.config.max_batch_size, total)
-        with torch.inference_mode():      # logits of a full decode batch
-            self.model.compute_logits(torch.zeros(rows, self.model_config.hidden_size,
-                                                  dtype=self.dtype, device=self.device))
+        with torch.inference_mode():  # logits of a full decode batch
+            self.model.compute_logits(
+                torch.zeros(
+                    rows, self.model_config.hidden_size, dtype=self.dtype, device=self.device
+                )
+            )
         torch.cuda.synchronize(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - base - warmup_cache_bytes
         del self.kv_cache
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
         budget = (free - activations) * self.config.kv_cache_free_gpu_mem_fraction
-        log.info("warm-up: %.2f GiB peak activations, %.2f GiB free, %.2f GiB for the KV cache",
-                 activations / 2**30, free / 2**30, budget / 2**30)
+        log.info(
+            "warm-up: %.2f GiB peak activations, %.2f GiB free, %.2f GiB for the KV cache",
+            activations / 2**30,
+            free / 2**30,
+            budget / 2**30,
+        )
         return int(budget // self.kv_block_bytes())

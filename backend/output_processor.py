@@ -5,6 +5,7 @@ each request's end ids are resolved once at submission, a request without stop s
 suffix matching, and the delivered-token counter is handed to the executor's stats in bulk instead
 of taking the lock for every output.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,7 +39,7 @@ class OutputProcessor:
         self.max_seq_len = max_seq_len
         self.default_end_ids = frozenset(default_end_ids)
         self.live: dict[str, LiveRequest] = {}
-        self.num_unflushed_tokens = 0           # delivered, not yet added to the executor's stats
+        self.num_unflushed_tokens = 0  # delivered, not yet added to the executor's stats
         self._release = release
 
     def add(self, request: Request, callback: OutputCallback) -> None:
@@ -50,7 +51,7 @@ class OutputProcessor:
         """A sampled token arrived: record it, check stops, deliver what may be delivered."""
         live = self.live.get(request.request_id)
         if live is None or request.status is RequestStatus.FINISHED:
-            return                               # ended meanwhile: the token is discarded
+            return  # ended meanwhile: the token is discarded
         request.output_ids.append(token)
         request.output_logprobs.append(logprob)
         if request.first_token_time is None:
@@ -64,11 +65,20 @@ class OutputProcessor:
         live = self.live.get(request.request_id)
         if live is None or request.status is RequestStatus.FINISHED:
             return
-        self._deliver(live, len(request.output_ids) if reason != FinishReason.ERROR else live.num_delivered,
-                      reason, error)
+        self._deliver(
+            live,
+            len(request.output_ids) if reason != FinishReason.ERROR else live.num_delivered,
+            reason,
+            error,
+        )
 
-    def _deliver(self, live: LiveRequest, deliverable: int, reason: FinishReason | None,
-                 error: str | None = None) -> None:
+    def _deliver(
+        self,
+        live: LiveRequest,
+        deliverable: int,
+        reason: FinishReason | None,
+        error: str | None = None,
+    ) -> None:
         request = live.request
         start = live.num_delivered
         if deliverable < start:
@@ -77,7 +87,9 @@ class OutputProcessor:
         if deliverable == start and not finished:
             return
         new_ids = request.output_ids[start:deliverable]
-        new_logprobs = request.output_logprobs[start:deliverable] if request.sampling.return_log_probs else []
+        new_logprobs = (
+            request.output_logprobs[start:deliverable] if request.sampling.return_log_probs else []
+        )
         live.num_delivered = deliverable
         if new_logprobs:
             live.cum_logprob += sum(new_logprobs)
@@ -90,12 +102,22 @@ class OutputProcessor:
         # Positional, in RequestOutput's field order: three times cheaper than keywords, and this
         # runs for every request every step.
         out = RequestOutput(
-            request.request_id, new_ids, new_logprobs,                        # id, new tokens
-            deliverable, finished, reason, error,                             # progress, end
-            len(request.prompt_ids), request.num_reused_blocks, request.num_new_blocks,
+            request.request_id,
+            new_ids,
+            new_logprobs,  # id, new tokens
+            deliverable,
+            finished,
+            reason,
+            error,  # progress, end
+            len(request.prompt_ids),
+            request.num_reused_blocks,
+            request.num_new_blocks,
             live.cum_logprob,
-            request.arrival_time, request.first_scheduled_time, request.first_token_time,
-            request.last_token_time)
+            request.arrival_time,
+            request.first_scheduled_time,
+            request.first_token_time,
+            request.last_token_time,
+        )
         try:
             live.callback(out)
         except Exception:

@@ -10,6 +10,7 @@ vocabulary size and special ids, so it can be served through the whole Triton pa
 text out). The `null` preset (backend/models/null.py, a model that computes nothing) always takes
 the default model's tokenizer.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 RANDOM_WEIGHTS_FILE = "random_weights.json"
-INIT_STD = 0.02     # keeps activations small and finite in bf16 across 32 layers
+INIT_STD = 0.02  # keeps activations small and finite in bf16 across 32 layers
 
 _LLAMA3 = {
     "model_type": "llama",
@@ -43,34 +44,65 @@ _LLAMA3 = {
 PRESETS: dict[str, dict] = {
     "llama-3.2-1b": {
         **_LLAMA3,
-        "hidden_size": 2048, "num_hidden_layers": 16, "head_dim": 64, "intermediate_size": 8192,
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "head_dim": 64,
+        "intermediate_size": 8192,
         "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 8192},
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     },
     "llama-3.1-8b": {
         **_LLAMA3,
-        "hidden_size": 4096, "num_hidden_layers": 32, "head_dim": 128, "intermediate_size": 14336,
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "head_dim": 128,
+        "intermediate_size": 14336,
         "tie_word_embeddings": False,
-        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 8192},
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     },
     "null": {
-        "model_type": "null", "architectures": ["NullModel"], "vocab_size": 49152,
-        "hidden_size": 1, "num_hidden_layers": 1, "num_attention_heads": 1,
-        "num_key_value_heads": 1, "head_dim": 1, "intermediate_size": 1,
+        "model_type": "null",
+        "architectures": ["NullModel"],
+        "vocab_size": 49152,
+        "hidden_size": 1,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "head_dim": 1,
+        "intermediate_size": 1,
         "max_position_embeddings": 8192,
     },
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "generation_config.json", "tokenizer.model", "vocab.json",
-                   "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 _TOKEN_FIELDS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def write_preset(name: str, cache_root: str, seed: int = 0, tokenizer_from: str | None = None) -> str:
+def write_preset(
+    name: str, cache_root: str, seed: int = 0, tokenizer_from: str | None = None
+) -> str:
     """Write (once) the directory for preset `name` under `cache_root` and return it; with
     `tokenizer_from`, one that carries that model directory's tokenizer (see the docstring)."""
     config = dict(PRESETS[name])
@@ -97,7 +129,7 @@ def write_preset(name: str, cache_root: str, seed: int = 0, tokenizer_from: str 
         json.dump({"preset": name, "seed": seed, "std": INIT_STD}, f)
     try:
         os.rename(tmp_dir, out_dir)
-    except OSError:                 # another process wrote it first
+    except OSError:  # another process wrote it first
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return out_dir
 
@@ -113,7 +145,7 @@ def random_weights_spec(model_dir: str) -> dict | None:
 
 def init_random_weights(model: "nn.Module", seed: int = 0, std: float = INIT_STD) -> None:
     """Fill parameters in place on their device: norms 1, biases 0, matrices N(0, std)."""
-    import torch  # noqa: PLC0415 - naming a preset needs no torch
+    import torch  # naming a preset needs no torch
 
     generator = None
     with torch.no_grad():

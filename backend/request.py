@@ -1,4 +1,5 @@
 """A request as the engine sees it: its state while it is served, and what it emits."""
+
 from __future__ import annotations
 
 import enum
@@ -9,15 +10,15 @@ from backend.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"      # queued, or preempted and requeued
-    RUNNING = "running"      # holds KV blocks, scheduled every step until it finishes
+    WAITING = "waiting"  # queued, or preempted and requeued
+    RUNNING = "running"  # holds KV blocks, scheduled every step until it finishes
     FINISHED = "finished"
 
 
 class FinishReason(str, enum.Enum):
-    LENGTH = "length"        # max_tokens (or max_seq_len) reached
-    STOP = "stop"            # a stop token sequence matched
-    END_ID = "end_id"        # the end id was sampled
+    LENGTH = "length"  # max_tokens (or max_seq_len) reached
+    STOP = "stop"  # a stop token sequence matched
+    END_ID = "end_id"  # the end id was sampled
     CANCELLED = "cancelled"
     ERROR = "error"
 
@@ -35,7 +36,7 @@ class Request:
     # KV state: physical block ids, and how many tokens of `all_ids` are already in the cache.
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_prompt_tokens: int = 0    # prompt tokens served from reused blocks (first admission)
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from reused blocks (first admission)
     num_reused_blocks: int = 0
     num_new_blocks: int = 0
     num_preemptions: int = 0
@@ -58,10 +59,10 @@ class Request:
         """all_ids[start:end] without building all_ids (a decode step reads one token)."""
         n = len(self.prompt_ids)
         if start >= n:
-            return self.output_ids[start - n:end - n]
+            return self.output_ids[start - n : end - n]
         if end <= n:
             return self.prompt_ids[start:end]
-        return self.prompt_ids[start:] + self.output_ids[:end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     @property
     def num_tokens(self) -> int:
@@ -101,8 +102,9 @@ class Chunk:
     samples: bool
 
     @classmethod
-    def of_sequence(cls, token_ids: list[int], block_ids: list[int], start: int = 0,
-                    samples: bool = True) -> Chunk:
+    def of_sequence(
+        cls, token_ids: list[int], block_ids: list[int], start: int = 0, samples: bool = True
+    ) -> Chunk:
         """token_ids[start:] of a bare sequence held in `block_ids`, outside any scheduler (the
         runner's warm-up, tests, benchmarks)."""
         request = Request("sequence", list(token_ids), SamplingParams(), block_ids=block_ids)
@@ -117,9 +119,9 @@ class RequestOutput:
     """
 
     request_id: str
-    new_token_ids: list[int]              # tokens produced since the last output
-    new_logprobs: list[float]             # their log-probs (empty unless return_log_probs)
-    num_output_tokens: int                # generated so far, including new_token_ids
+    new_token_ids: list[int]  # tokens produced since the last output
+    new_logprobs: list[float]  # their log-probs (empty unless return_log_probs)
+    num_output_tokens: int  # generated so far, including new_token_ids
     finished: bool
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -131,4 +133,6 @@ class RequestOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    rejected: str | None = None   # refused unserved: "queue_full", "shutting_down" (retry) or "invalid"
+    rejected: str | None = (
+        None  # refused unserved: "queue_full", "shutting_down" (retry) or "invalid"
+    )

@@ -22,6 +22,7 @@ depend on its neighbours or its position in the batch.
 Log-probs are those of the chosen tokens under the raw model distribution (log_softmax of the
 unprocessed logits), which is what clients compare against other engines.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from backend.logits_processors import (
 from backend.request import Request
 from backend.sampling_params import SamplingParams
 
-try:  # on GPU, a two-kernel argmax: torch's is slow on one vocabulary-wide row (benchmarks/README.md)
+try:  # on GPU, a two-kernel argmax: torch's is slow on a vocabulary-wide row (benchmarks/README.md)
     from backend.kernels.argmax import argmax_rows
 except ImportError:
     argmax_rows = None
@@ -63,8 +64,14 @@ def _kind(p: SamplingParams) -> tuple[SamplingParams, bool, bool, bool]:
     """What a request's parameters ask of every step, worked out once per request: (params,
     greedy, log-probs, may have logits processors). The last is a superset of
     `has_processors`, which is only asked for requests where it may be true."""
-    maybe_processed = bool(p.embedding_bias or p.bad_token_ids or p.min_tokens or p.repetition_penalty != 1.0
-                           or p.presence_penalty or p.frequency_penalty)
+    maybe_processed = bool(
+        p.embedding_bias
+        or p.bad_token_ids
+        or p.min_tokens
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+    )
     return p, p.greedy, p.return_log_probs, maybe_processed
 
 
@@ -84,7 +91,7 @@ class PendingSample:
         self._event = None
         if token_ids.is_cuda:
             if host_ids is None:
-                token_ids = token_ids.to("cpu", non_blocking=True)       # pinned destination
+                token_ids = token_ids.to("cpu", non_blocking=True)  # pinned destination
             if logprobs is not None:
                 logprobs = logprobs.to("cpu", non_blocking=True)
             if host_ids is None or logprobs is not None:
@@ -135,19 +142,29 @@ class Sampler:
             return None
         table = np.full((len(requests), width), -1, dtype=np.int64)
         for row, ban in enumerate(bans):
-            table[row, :len(ban)] = ban
+            table[row, : len(ban)] = ban
         return table
 
-    def sample(self, logits: torch.Tensor, requests: list[Request],
-               argmax_ids: torch.Tensor | None = None, argmax_host=None) -> SamplerOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        argmax_ids: torch.Tensor | None = None,
+        argmax_host=None,
+    ) -> SamplerOutput:
         """Choose one token per row of `logits` [B, V]; row i belongs to requests[i].
         `argmax_ids`: each row's argmax of `logits` skipping the row's `end_bans`, when already
         computed (the decode CUDA graphs do); greedy rows without other logits processors take it
         as it is. `argmax_host`: the same ids on their way to the host (see `PendingSample`)."""
         return self.sample_async(logits, requests, argmax_ids, argmax_host).result()
 
-    def sample_async(self, logits: torch.Tensor, requests: list[Request],
-                     argmax_ids: torch.Tensor | None = None, argmax_host=None) -> PendingSample:
+    def sample_async(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        argmax_ids: torch.Tensor | None = None,
+        argmax_host=None,
+    ) -> PendingSample:
         """Like `sample`, without waiting for the device: the ids stay on the device (the next
         step can read them there) while a copy to host memory is under way."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
@@ -157,7 +174,7 @@ class Sampler:
         greedy, want_logprobs, processed = True, False, False
         ban_applied = argmax_ids is not None
         kinds = self._kinds
-        for r in requests:                       # one pass: this runs for every row every step
+        for r in requests:  # one pass: this runs for every row every step
             kind = kinds.get(r.request_id)
             if kind is None or kind[0] is not r.sampling:
                 kind = kinds[r.request_id] = _kind(r.sampling)
@@ -190,7 +207,8 @@ class Sampler:
         # One host-to-device copy for all per-row scalars (top_k < 2**24 is exact in float32).
         table = torch.tensor(
             [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params],
-            dtype=torch.float32, device=logits.device,
+            dtype=torch.float32,
+            device=logits.device,
         )
         rows = torch.tensor(sampled, dtype=torch.long, device=logits.device)
         scaled = logits[rows] / table[:, 0:1]

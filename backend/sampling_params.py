@@ -3,6 +3,7 @@
 Every rule violation raises `ValueError` naming the field and the rule, e.g.
 `top_p must be in (0, 1], got 1.5`. Validation runs before a request reaches the scheduler.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,18 +16,18 @@ class SamplingParams:
     max_tokens: int = 16
     # 0 means greedy (exact argmax). Any positive value samples.
     temperature: float = 0.0
-    top_k: int = 0            # 0 = disabled
-    top_p: float = 1.0        # 1 = disabled
-    min_p: float = 0.0        # 0 = disabled
-    seed: int | None = None   # per-request generator; None = engine-wide generator
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0  # 1 = disabled
+    min_p: float = 0.0  # 0 = disabled
+    seed: int | None = None  # per-request generator; None = engine-wide generator
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_tokens: int = 0
-    end_id: int | None = None          # None = the model's end-of-sequence id(s)
+    end_id: int | None = None  # None = the model's end-of-sequence id(s)
     ignore_end_id: bool = False
     stop_token_ids: list[list[int]] = field(default_factory=list)  # stop token sequences
-    bad_token_ids: list[list[int]] = field(default_factory=list)   # banned token sequences
+    bad_token_ids: list[list[int]] = field(default_factory=list)  # banned token sequences
     embedding_bias: dict[int, float] = field(default_factory=dict)  # token id -> logit bias
     return_log_probs: bool = False
 

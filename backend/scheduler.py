@@ -29,6 +29,7 @@ Rules, in the order `schedule()` applies them:
 5. `max_queue_size` bounds requests that have never been admitted; preempted ones coming back
    do not count against it.
 """
+
 from __future__ import annotations
 
 import time
@@ -47,7 +48,7 @@ class QueueFullError(RuntimeError):
 @dataclass
 class SchedulerOutput:
     chunks: list[Chunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)   # during this schedule() call
+    preempted: list[Request] = field(default_factory=list)  # during this schedule() call
 
     @property
     def num_batched_tokens(self) -> int:
@@ -60,23 +61,28 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, tokens_per_block, config.enable_kv_cache_reuse)
         self.no_evict = config.batch_scheduler_policy == "guaranteed_no_evict"
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []               # admission order: oldest first
-        self._requests: dict[str, Request] = {}        # every waiting or running request
+        self.running: list[Request] = []  # admission order: oldest first
+        self._requests: dict[str, Request] = {}  # every waiting or running request
 
     # ---- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         """Queue a new request. ValueError if it can never be served, QueueFullError if full."""
         if request.request_id in self._requests:
             raise ValueError(f"request_id {request.request_id!r} is already queued or running")
-        if (not self.config.enable_chunked_context
-                and request.num_prompt_tokens > self.config.max_num_tokens):
-            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens, more than "
-                             f"max_num_tokens ({self.config.max_num_tokens}) and chunked context "
-                             "is disabled; enable_chunked_context or raise max_num_tokens")
+        if (
+            not self.config.enable_chunked_context
+            and request.num_prompt_tokens > self.config.max_num_tokens
+        ):
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens, more than "
+                f"max_num_tokens ({self.config.max_num_tokens}) and chunked context "
+                "is disabled; enable_chunked_context or raise max_num_tokens"
+            )
         needed = self.blocks_needed(request.max_total_tokens)
         if needed > self.total_blocks:
-            raise ValueError(f"request needs {needed} KV cache blocks but the cache holds "
-                             f"{self.total_blocks}")
+            raise ValueError(
+                f"request needs {needed} KV cache blocks but the cache holds {self.total_blocks}"
+            )
         limit = self.config.max_queue_size
         if limit and sum(r.first_scheduled_time is None for r in self.waiting) >= limit:
             raise QueueFullError(f"request queue is full (max_queue_size={limit}); retry later")
@@ -158,14 +164,21 @@ class Scheduler:
         chunks = batch.chunks
         running = RequestStatus.RUNNING
         for request in list(self.running):
-            if request.status is not running:                    # preempted earlier this step
+            if request.status is not running:  # preempted earlier this step
                 continue
             computed = request.num_computed_tokens
             num_tokens = request.num_tokens
             # The last of max_total_tokens is never computed: nothing reads its KV. (A request
             # holds it unfinished only while it is in flight.)
-            remaining = min(num_tokens, len(request.prompt_ids) + request.sampling.max_tokens - 1) - computed
-            if remaining == 1 and budget > 0 and computed < len(request.block_ids) * tokens_per_block:
+            remaining = (
+                min(num_tokens, len(request.prompt_ids) + request.sampling.max_tokens - 1)
+                - computed
+            )
+            if (
+                remaining == 1
+                and budget > 0
+                and computed < len(request.block_ids) * tokens_per_block
+            ):
                 chunks.append(Chunk(request, computed, 1, computed + 1 == num_tokens))
                 budget -= 1
                 continue
@@ -174,8 +187,10 @@ class Scheduler:
                 continue
             while not self.kv.allocate(request, num_new):
                 if self.no_evict:
-                    raise RuntimeError(f"request {request.request_id} outgrew its KV block "
-                                       "reservation (more tokens than max_total_tokens?)")
+                    raise RuntimeError(
+                        f"request {request.request_id} outgrew its KV block "
+                        "reservation (more tokens than max_total_tokens?)"
+                    )
                 victim = self.running[-1]
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -188,7 +203,7 @@ class Scheduler:
 
     def _admit_waiting(self, batch: SchedulerOutput, budget: int) -> None:
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_batch_size:
-            return                               # nothing can be admitted: skip the reservation sum
+            return  # nothing can be admitted: skip the reservation sum
         reserved = sum(map(self._blocks_to_grow, self.running)) if self.no_evict else 0
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             request = self.waiting[0]
@@ -208,8 +223,10 @@ class Scheduler:
                 request.first_scheduled_time = time.time()
             if self.no_evict:
                 reserved += self._blocks_to_grow(request)
-            start = request.num_computed_tokens              # past the reused prefix
-            batch.chunks.append(Chunk(request, start, num_tokens, start + num_tokens == request.num_tokens))
+            start = request.num_computed_tokens  # past the reused prefix
+            batch.chunks.append(
+                Chunk(request, start, num_tokens, start + num_tokens == request.num_tokens)
+            )
             budget -= num_tokens
 
     def _preempt(self, request: Request) -> None:
@@ -231,7 +248,7 @@ class Scheduler:
         requests = self._requests
         for chunk in batch.chunks:
             request = chunk.request
-            if requests.get(request.request_id) is not request:      # ended meanwhile
+            if requests.get(request.request_id) is not request:  # ended meanwhile
                 continue
             end = chunk.start + chunk.num_tokens
             request.num_computed_tokens = end

@@ -12,6 +12,7 @@ The host buffer may be rewritten only after its last copy finished: the model ru
 these, used in turn, and waits on each one's event before reusing it (the step may be packed while
 the previous one still runs on the GPU).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -43,12 +44,17 @@ class StagingBuffer:
             self._grow(max(total, 2 * self.host.numel()))
         host = self.host.numpy()
         for a, start in zip(arrays, offsets):
-            host[start:start + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+            host[start : start + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
         self.dev[:total].copy_(self.host[:total], non_blocking=True)
-        return [self.dev[start:start + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
-                for a, start in zip(arrays, offsets)]
+        return [
+            self.dev[start : start + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
+            for a, start in zip(arrays, offsets)
+        ]
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-            np.dtype(np.bool_): torch.bool}[np.dtype(dtype)]
+    return {
+        np.dtype(np.int64): torch.int64,
+        np.dtype(np.int32): torch.int32,
+        np.dtype(np.bool_): torch.bool,
+    }[np.dtype(dtype)]

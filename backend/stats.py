@@ -1,4 +1,5 @@
 """Executor statistics, read by the Triton adapter for metrics and by tests."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,13 +12,13 @@ class ExecutorStats:
     kv: KVCacheStats
     num_waiting: int = 0
     num_running: int = 0
-    num_completed: int = 0            # requests finished for any reason since start
+    num_completed: int = 0  # requests finished for any reason since start
     num_failed: int = 0
     num_cancelled: int = 0
     num_iterations: int = 0
     num_preemptions: int = 0
-    num_prompt_tokens: int = 0        # cumulative, of finished requests
-    num_generated_tokens: int = 0     # cumulative, delivered tokens
+    num_prompt_tokens: int = 0  # cumulative, of finished requests
+    num_generated_tokens: int = 0  # cumulative, delivered tokens
     last_num_context_requests: int = 0
     last_num_generation_requests: int = 0
     last_num_scheduled_tokens: int = 0

@@ -4,6 +4,7 @@ Stop sequences are matched on token ids after every step. A matched stop sequenc
 (the text ends where the stop word starts). Tokens that could still become a stop sequence are held
 back until the next token decides, so a streamed stop word never leaks its first pieces.
 """
+
 from __future__ import annotations
 
 from backend.request import FinishReason, Request

@@ -1,5 +1,6 @@
 """Field checks shared by the engine's configuration and request parameters: each error names
 the field and the rule, e.g. `max_tokens must be >= 1, got 0`."""
+
 from __future__ import annotations
 
 import dataclasses

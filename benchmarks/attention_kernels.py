@@ -15,6 +15,7 @@
 --write-tuning it writes the fastest (least total time over the cases of a shape key) into
 backend/kernels/tuning/{decode,prefill}_attention.json under this GPU's name.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,7 @@ CACHE_TOKENS = 1 << 20
 def make_meta(query_lens, seq_lens, num_blocks, device, gen):
     """Random (shuffled) block tables into a cache of num_blocks blocks."""
     per_seq = [math.ceil(s / BLOCK_SIZE) for s in seq_lens]
-    physical = torch.randperm(num_blocks, generator=gen)[:sum(per_seq)].tolist()
+    physical = torch.randperm(num_blocks, generator=gen)[: sum(per_seq)].tolist()
     tables = torch.zeros(len(seq_lens), max(per_seq), dtype=torch.int32)
     for b, n in enumerate(per_seq):
         tables[b, :n] = torch.tensor([physical.pop() for _ in range(n)], dtype=torch.int32)
@@ -51,22 +52,36 @@ def make_meta(query_lens, seq_lens, num_blocks, device, gen):
         slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+        block_tables=tables.to(device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
 
 
 def run_kernel(query, k_cache, v_cache, meta, scale, **kw):
     if meta.max_query_len == 1:
-        return decode.decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                       meta.query_start_loc, meta.max_seq_len, scale, **kw)
-    return prefill.prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                     meta.query_start_loc, scale, **kw)
+        return decode.decode_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_seq_len,
+            scale,
+            **kw,
+        )
+    return prefill.prefill_attention(
+        query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, **kw
+    )
 
 
 class Setup:
     def __init__(self, heads, kv_heads, head_dim):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.num_blocks = CACHE_TOKENS // BLOCK_SIZE
         shape = (self.num_blocks, BLOCK_SIZE, kv_heads, head_dim)
         self.k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -86,9 +101,11 @@ class Setup:
 def check_correctness(s: Setup):
     print(f"== correctness {s.name()}: ||out-ref|| / ||ref|| vs fp32 reference")
     k32, v32 = s.k_cache.float(), s.v_cache.float()
-    cases = {"decode bs=5": ([1] * 5, [1, 31, 32, 700, 3000], {}),
-             "decode bs=3, 16 splits": ([1] * 3, [1, 100, 5000], {"num_splits": 16}),
-             "prefill + prefix + decodes": ([300, 1, 77, 1], [300, 901, 1077, 33], {})}
+    cases = {
+        "decode bs=5": ([1] * 5, [1, 31, 32, 700, 3000], {}),
+        "decode bs=3, 16 splits": ([1] * 3, [1, 100, 5000], {"num_splits": 16}),
+        "prefill + prefix + decodes": ([300, 1, 77, 1], [300, 901, 1077, 33], {}),
+    }
     for name, (q_lens, s_lens, kw) in cases.items():
         meta = s.meta(q_lens, s_lens)
         query = s.query(sum(q_lens))
@@ -101,16 +118,18 @@ def check_correctness(s: Setup):
 
 def bench_kv_write(s: Setup):
     num_tokens = 8192
-    key, value = s.query(num_tokens)[:, :s.kv_heads], s.query(num_tokens)[:, :s.kv_heads]
+    key, value = s.query(num_tokens)[:, : s.kv_heads], s.query(num_tokens)[:, : s.kv_heads]
     slots = [torch.randperm(CACHE_TOKENS, device="cuda")[:num_tokens] for _ in range(4)]
-    us = graph_us_per_call([lambda sl=sl: kv_write.write_kv(key, value, s.k_cache, s.v_cache, sl)
-                            for sl in slots])
-    nbytes = num_tokens * s.kv_heads * s.head_dim * 2 * 2 * 2      # K and V, read and write
+    us = graph_us_per_call(
+        [lambda sl=sl: kv_write.write_kv(key, value, s.k_cache, s.v_cache, sl) for sl in slots]
+    )
+    nbytes = num_tokens * s.kv_heads * s.head_dim * 2 * 2 * 2  # K and V, read and write
     print(f"== kv write {s.name()}: {num_tokens} tokens {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s")
 
 
 def bench_decode(s: Setup, shapes, sweep) -> dict[str, dict[str, dict]]:
-    """Prints the timings; returns shape key -> config as JSON -> case -> us (at the chosen splits)."""
+    """Prints the timings; returns shape key -> config as JSON -> case -> us (at the chosen
+    splits)."""
     print(f"== decode {s.name()} (CUDA graph replays)")
     print(f"  {'bs':>4} {'ctx':>6} {'splits':>6} {'config':>12} {'us':>8} {'GB/s':>7}")
     default = decode.launch_config
@@ -118,9 +137,17 @@ def bench_decode(s: Setup, shapes, sweep) -> dict[str, dict[str, dict]]:
     timings: dict[str, dict[str, dict]] = {}
     configs = [None]
     if sweep:
-        configs += [dict(BLOCK_N=n, num_warps=w, num_stages=st)
-                    for n, w, st in [(32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (64, 8, 3),
-                                     (128, 8, 3)]]
+        configs += [
+            dict(BLOCK_N=n, num_warps=w, num_stages=st)
+            for n, w, st in [
+                (32, 4, 3),
+                (64, 4, 2),
+                (64, 4, 4),
+                (128, 4, 3),
+                (64, 8, 3),
+                (128, 8, 3),
+            ]
+        ]
     for bs, ctx in shapes:
         nbytes = bs * ctx * s.kv_heads * s.head_dim * 2 * 2
         sets = max(2, min(32, math.ceil(512e6 / nbytes)))
@@ -135,15 +162,36 @@ def bench_decode(s: Setup, shapes, sweep) -> dict[str, dict[str, dict]]:
             runs += [(cfg, chosen) for cfg in configs[1:]]
         for cfg, splits in runs:
             decode.launch_config = (lambda hd, few, dev, c=cfg: c) if cfg else default
-            us = graph_us_per_call([
-                lambda m=m, n=splits: decode.decode_attention(
-                    query, s.k_cache, s.v_cache, m.block_tables, m.seq_lens, m.query_start_loc,
-                    m.max_seq_len, s.scale, num_splits=n) for m in metas])
-            label = "default" if cfg is None else f"N{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
+            us = graph_us_per_call(
+                [
+                    lambda m=m, n=splits: decode.decode_attention(
+                        query,
+                        s.k_cache,
+                        s.v_cache,
+                        m.block_tables,
+                        m.seq_lens,
+                        m.query_start_loc,
+                        m.max_seq_len,
+                        s.scale,
+                        num_splits=n,
+                    )
+                    for m in metas
+                ]
+            )
+            label = (
+                "default"
+                if cfg is None
+                else f"N{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
+            )
             mark = "*" if (cfg is None and splits == chosen) else " "
-            print(f" {mark}{bs:4d} {ctx:6d} {splits:6d} {label:>12} {us:8.1f} {nbytes / us / 1e3:7.0f}")
+            print(
+                f" {mark}{bs:4d} {ctx:6d} {splits:6d} {label:>12} {us:8.1f} "
+                f"{nbytes / us / 1e3:7.0f}"
+            )
             if splits == chosen:
-                used = json.dumps(dict(cfg or default(s.head_dim, few, device_name)), sort_keys=True)
+                used = json.dumps(
+                    dict(cfg or default(s.head_dim, few, device_name)), sort_keys=True
+                )
                 timings.setdefault(key, {}).setdefault(used, {})[(bs, ctx)] = us
     decode.launch_config = default
     return timings
@@ -158,15 +206,21 @@ def bench_prefill(s: Setup, tiles, sweep) -> dict[str, dict[str, dict]]:
     """Prints the timings; returns shape key -> config as JSON -> case -> ms."""
     print(f"== prefill {s.name()} (do_bench medians)")
     print(f"  {'case':>24} {'config':>20} {'ms':>8} {'TFLOP/s':>8}")
-    cases = {"prompt 4096": ([4096], [4096]),
-             "chunk 2048 + prefix 2048": ([2048], [4096]),
-             "8 x 512 prompts": ([512] * 8, [512] * 8),
-             "chunk 1024 + 64 decodes": ([1024] + [1] * 64, [2048] + [1024] * 64)}
+    cases = {
+        "prompt 4096": ([4096], [4096]),
+        "chunk 2048 + prefix 2048": ([2048], [4096]),
+        "8 x 512 prompts": ([512] * 8, [512] * 8),
+        "chunk 1024 + 64 decodes": ([1024] + [1] * 64, [2048] + [1024] * 64),
+    }
     default = prefill.launch_config
     variants = [None] + (tiles if sweep else [])
     key = prefill.tuning_key(s.heads // s.kv_heads, s.head_dim, s.k_cache.element_size())
-    default_config = default(s.heads // s.kv_heads, s.head_dim, s.k_cache.element_size(),
-                             tuning.device_name(s.k_cache.device))
+    default_config = default(
+        s.heads // s.kv_heads,
+        s.head_dim,
+        s.k_cache.element_size(),
+        tuning.device_name(s.k_cache.device),
+    )
     timings: dict[str, dict] = {}
     for name, (q_lens, s_lens) in cases.items():
         meta = s.meta(q_lens, s_lens)
@@ -174,26 +228,36 @@ def bench_prefill(s: Setup, tiles, sweep) -> dict[str, dict[str, dict]]:
         flops = causal_flops(q_lens, s_lens, s)
         for tile in variants:
             if tile:
-                config = dict(BLOCK_M=tile[0], BLOCK_N=tile[1], num_warps=tile[2], num_stages=tile[3])
+                config = dict(
+                    BLOCK_M=tile[0], BLOCK_N=tile[1], num_warps=tile[2], num_stages=tile[3]
+                )
                 prefill.launch_config = lambda g, hd, es, dev, c=config: c
             else:
                 config = dict(default_config)
                 prefill.launch_config = default
             try:
-                ms = do_bench(lambda: run_kernel(query, s.k_cache, s.v_cache, meta, s.scale),
-                              warmup=25, rep=100, return_mode="median")
-            except Exception as e:   # e.g. out of shared memory for a large tile
+                ms = do_bench(
+                    lambda: run_kernel(query, s.k_cache, s.v_cache, meta, s.scale),
+                    warmup=25,
+                    rep=100,
+                    return_mode="median",
+                )
+            except Exception as e:  # e.g. out of shared memory for a large tile
                 print(f"  {name:>24} {str(tile):>20} failed: {type(e).__name__}")
                 continue
             timings.setdefault(json.dumps(config, sort_keys=True), {})[name] = ms
             label = "default" if tile is None else "M{} N{} w{} s{}".format(*tile)
             print(f"  {name:>24} {label:>20} {ms:8.3f} {flops / ms / 1e9:8.1f}")
-        if len(q_lens) == 1 and q_lens == s_lens:      # yardstick: torch SDPA, contiguous K/V
+        if len(q_lens) == 1 and q_lens == s_lens:  # yardstick: torch SDPA, contiguous K/V
             L = q_lens[0]
             q = torch.randn(1, s.heads, L, s.head_dim, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(1, s.heads, L, s.head_dim, device="cuda", dtype=torch.bfloat16)
-            ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True),
-                          warmup=25, rep=100, return_mode="median")
+            ms = do_bench(
+                lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True),
+                warmup=25,
+                rep=100,
+                return_mode="median",
+            )
             print(f"  {name:>24} {'torch sdpa (MHA)':>20} {ms:8.3f} {flops / ms / 1e9:8.1f}")
     prefill.launch_config = default
     return {key: timings}
@@ -224,6 +288,7 @@ def bench_fused():
     from backend.model_config import RopeConfig
     from backend.layers.norm import RMSNorm
     from backend.layers.rotary import RotaryEmbedding, apply_rotary
+
     print("== fused kernels, 4096 tokens, bf16 (do_bench medians, us)")
     tokens, hidden = 4096, 4096
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -232,8 +297,10 @@ def bench_fused():
     weight = norm.weight.detach()
     out, new_res = rms_norm(x, weight, 1e-5, residual)
     ref_out, ref_res = norm(x, residual)
-    print(f"  rmsnorm+residual max diff {(out.float() - ref_out.float()).abs().max().item():.3g}, "
-          f"residual equal {torch.equal(new_res, ref_res)}")
+    print(
+        f"  rmsnorm+residual max diff {(out.float() - ref_out.float()).abs().max().item():.3g}, "
+        f"residual equal {torch.equal(new_res, ref_res)}"
+    )
     t_kernel = do_bench(lambda: rms_norm(x, weight, 1e-5, residual), return_mode="median") * 1e3
     with torch.no_grad():
         t_torch = do_bench(lambda: norm(x, residual), return_mode="median") * 1e3
@@ -242,17 +309,28 @@ def bench_fused():
     rotary = RotaryEmbedding(RopeConfig(theta=500000.0), head_dim, 8192, 8192)
     rotary.build_cache("cuda")
     positions = torch.randint(0, 8192, (tokens,), device="cuda")
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=torch.bfloat16)
-    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    qkv = torch.randn(
+        tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=torch.bfloat16
+    )
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     cos, sin = rotary(positions, torch.bfloat16)
     ref_q, _ = apply_rotary(q.clone(), k.clone(), *rotary(positions, torch.float32))
     got_q, _ = apply_rotary_(q.clone(), k.clone(), rotary.cos_sin, positions)
     print(f"  rope max diff vs fp32 torch {(got_q.float() - ref_q.float()).abs().max().item():.3g}")
-    t_kernel = do_bench(lambda: apply_rotary_(q, k, rotary.cos_sin, positions), return_mode="median") * 1e3
-    t_torch = do_bench(lambda: (rotary(positions, torch.bfloat16), apply_rotary(q, k, cos, sin)),
-                       return_mode="median") * 1e3
-    print(f"  rope H={heads} KV={kv_heads} D={head_dim}: triton {t_kernel:.1f}  torch {t_torch:.1f}")
+    t_kernel = (
+        do_bench(lambda: apply_rotary_(q, k, rotary.cos_sin, positions), return_mode="median") * 1e3
+    )
+    t_torch = (
+        do_bench(
+            lambda: (rotary(positions, torch.bfloat16), apply_rotary(q, k, cos, sin)),
+            return_mode="median",
+        )
+        * 1e3
+    )
+    print(
+        f"  rope H={heads} KV={kv_heads} D={head_dim}: triton {t_kernel:.1f}  torch {t_torch:.1f}"
+    )
 
 
 def main():
@@ -260,32 +338,58 @@ def main():
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--fused-only", action="store_true")
-    parser.add_argument("--write-tuning", action="store_true",
-                        help="with --sweep: write the fastest configs into this GPU's tuning tables")
+    parser.add_argument(
+        "--write-tuning",
+        action="store_true",
+        help="with --sweep: write the fastest configs into this GPU's tuning tables",
+    )
     args = parser.parse_args()
     if args.write_tuning and not args.sweep:
         parser.error("--write-tuning needs --sweep")
     torch.manual_seed(0)
-    print(torch.cuda.get_device_name(), "SMs", decode.num_sms(torch.device("cuda")),
-          "triton", triton.__version__)
+    print(
+        torch.cuda.get_device_name(),
+        "SMs",
+        decode.num_sms(torch.device("cuda")),
+        "triton",
+        triton.__version__,
+    )
     bench_fused()
     if args.fused_only:
         return
-    big = Setup(32, 8, 128)                                        # Llama-3.1-8B attention
+    big = Setup(32, 8, 128)  # Llama-3.1-8B attention
     if not args.skip_check:
         check_correctness(big)
     bench_kv_write(big)
-    shapes = [(1, 1024), (1, 8192), (4, 4096), (8, 2048), (16, 1024), (32, 1024), (32, 4096),
-              (64, 2048), (128, 1024), (256, 1024)]
+    shapes = [
+        (1, 1024),
+        (1, 8192),
+        (4, 4096),
+        (8, 2048),
+        (16, 1024),
+        (32, 1024),
+        (32, 4096),
+        (64, 2048),
+        (128, 1024),
+        (256, 1024),
+    ]
     decode_timings = bench_decode(big, shapes, args.sweep)
-    prefill_timings = bench_prefill(big, [(64, 64, 4, 4), (64, 32, 4, 3), (128, 32, 4, 2), (128, 64, 8, 3),
-                                         (128, 64, 4, 3)], args.sweep)
+    prefill_timings = bench_prefill(
+        big,
+        [(64, 64, 4, 4), (64, 32, 4, 3), (128, 32, 4, 2), (128, 64, 8, 3), (128, 64, 4, 3)],
+        args.sweep,
+    )
     del big
     torch.cuda.empty_cache()
-    small = Setup(32, 8, 64)                                       # Llama-3.2-1B attention
-    decode_timings |= bench_decode(small, [(1, 4096), (16, 1024), (64, 2048), (256, 1024)], args.sweep)
-    prefill_timings |= bench_prefill(small, [(128, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3),
-                                            (64, 128, 4, 3), (128, 128, 8, 3)], args.sweep)
+    small = Setup(32, 8, 64)  # Llama-3.2-1B attention
+    decode_timings |= bench_decode(
+        small, [(1, 4096), (16, 1024), (64, 2048), (256, 1024)], args.sweep
+    )
+    prefill_timings |= bench_prefill(
+        small,
+        [(128, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 3)],
+        args.sweep,
+    )
     if args.write_tuning:
         write_tuning("decode_attention", decode_timings)
         write_tuning("prefill_attention", prefill_timings)

@@ -1,7 +1,8 @@
 """A tritonclient gRPC streaming client, written exactly as one for TensorRT-LLM's backend would be.
 
-    python -m benchmarks.client_example --url localhost:8001 --prompt "Write a haiku about the sea."
+python -m benchmarks.client_example --url localhost:8001 --prompt "Write a haiku about the sea."
 """
+
 from __future__ import annotations
 
 import argparse

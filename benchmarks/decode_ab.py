@@ -20,6 +20,7 @@ Variants (the changes apply while the variant's graphs are captured; decode step
   no_argmax         diagnostic: the graph leaves out its greedy argmax (and so never moves on
                     to the other input slot: wrong tokens)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,13 +54,22 @@ def _changes(variant: str) -> list:
         pairs = (item.split("=") for item in variant[4:].split(","))
         override = {key: int(value) for key, value in pairs}
         base = qkv_rope.checked_config
-        return [mock.patch.object(qkv_rope, "checked_config",
-                                  lambda n, k, config, **kw: base(n, k, {**(config or {}), **override}, **kw))]
+        return [
+            mock.patch.object(
+                qkv_rope,
+                "checked_config",
+                lambda n, k, config, **kw: base(n, k, {**(config or {}), **override}, **kw),
+            )
+        ]
     if variant == "attention_merges":
         return [mock.patch.object(gemv, "takes_partials", lambda weight, head_dim: False)]
     if variant == "no_attention":
-        return [mock.patch.object(gemv, "takes_partials", lambda weight, head_dim: False),
-                mock.patch.object(triton_backend, "paged_attention", lambda q, k_cache, v_cache, meta, scale: q)]
+        return [
+            mock.patch.object(gemv, "takes_partials", lambda weight, head_dim: False),
+            mock.patch.object(
+                triton_backend, "paged_attention", lambda q, k_cache, v_cache, meta, scale: q
+            ),
+        ]
     if variant == "no_argmax":
         return [mock.patch.object(cuda_graphs, "argmax_rows", lambda logits, out, to_host: out)]
     if variant == "torch_embedding":
@@ -69,9 +79,14 @@ def _changes(variant: str) -> list:
 
 def build(variant: str, model: str, batch: int, isl: int, n2: int) -> Executor:
     seq = isl + n2 + 1
-    config = EngineConfig(model_path=model, max_batch_size=batch, max_num_tokens=max(2048, batch * isl),
-                          max_seq_len=seq, max_tokens_in_paged_kv_cache=batch * (seq + 64),
-                          enable_kv_cache_reuse=False)
+    config = EngineConfig(
+        model_path=model,
+        max_batch_size=batch,
+        max_num_tokens=max(2048, batch * isl),
+        max_seq_len=seq,
+        max_tokens_in_paged_kv_cache=batch * (seq + 64),
+        enable_kv_cache_reuse=False,
+    )
     with contextlib.ExitStack() as stack:
         for change in _changes(variant):
             stack.enter_context(change)
@@ -79,9 +94,12 @@ def build(variant: str, model: str, batch: int, isl: int, n2: int) -> Executor:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_ab", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__[__doc__.index("Variants"):])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.decode_ab",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__[__doc__.index("Variants") :],
+    )
     p.add_argument("--variants", nargs="+", default=["default", "no_attention"])
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--batch", type=int, default=1)
@@ -91,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    for variant in args.variants:    # unknown names fail before anything is built
+    for variant in args.variants:  # unknown names fail before anything is built
         try:
             _changes(variant)
         except ValueError as e:
@@ -108,14 +126,28 @@ def main(argv: list[str] | None = None) -> dict:
             r = measure(executor, args.batch, args.isl, args.n1, args.n2, repeats=3)
             steps[variant].append(r["step_ms"])
             floor_ms = r["bytes_per_step"] / rate * 1e3
-        print(f"round {round_ + 1}: " + ", ".join(f"{v} {s[-1]:.4f}" for v, s in steps.items()), flush=True)
-    result = {"benchmark": "decode_ab", **provenance(device), "model": args.model, "batch": args.batch,
-              "isl": args.isl, "rounds": args.rounds, "floor_ms": round(floor_ms, 4),
-              "copy_rate_tb_s": round(rate / 1e12, 3), "variants": {}}
+        print(
+            f"round {round_ + 1}: " + ", ".join(f"{v} {s[-1]:.4f}" for v, s in steps.items()),
+            flush=True,
+        )
+    result = {
+        "benchmark": "decode_ab",
+        **provenance(device),
+        "model": args.model,
+        "batch": args.batch,
+        "isl": args.isl,
+        "rounds": args.rounds,
+        "floor_ms": round(floor_ms, 4),
+        "copy_rate_tb_s": round(rate / 1e12, 3),
+        "variants": {},
+    }
     for variant, s in steps.items():
         median = statistics.median(s)
-        result["variants"][variant] = {"median_step_ms": round(median, 4), "step_ms_all": s,
-                                       "fraction_of_floor": round(floor_ms / median, 3)}
+        result["variants"][variant] = {
+            "median_step_ms": round(median, 4),
+            "step_ms_all": s,
+            "fraction_of_floor": round(floor_ms / median, 3),
+        }
         print(f"{variant:24s} {median:.4f} ms  {floor_ms / median:.3f} of the floor", flush=True)
     for executor in executors.values():
         executor.shutdown()

@@ -11,6 +11,7 @@ N2 - N1 decode steps take (wall2 - wall1), so prefill and start-up cancel out.
 
     python -m benchmarks.decode_floor --model llama-3.2-1b --batch 1 --isl 128 --json OUT
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,7 +58,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def kv_bytes_per_token(runner) -> int:
     mc = runner.model_config
-    return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * torch.empty(0, dtype=runner.dtype).element_size()
+    return (
+        mc.num_layers
+        * 2
+        * mc.num_kv_heads
+        * mc.head_dim
+        * torch.empty(0, dtype=runner.dtype).element_size()
+    )
 
 
 def timed_generate(executor: Executor, prompts, max_tokens: int) -> float:
@@ -70,7 +77,9 @@ def timed_generate(executor: Executor, prompts, max_tokens: int) -> float:
 def measure(executor: Executor, batch: int, isl: int, n1: int, n2: int, repeats: int) -> dict:
     rng = random.Random(0)
     # Distinct prompts: prefix reuse must not shrink the work.
-    prompts = [[rng.randrange(100, executor.vocab_size - 100) for _ in range(isl)] for _ in range(batch)]
+    prompts = [
+        [rng.randrange(100, executor.vocab_size - 100) for _ in range(isl)] for _ in range(batch)
+    ]
     timed_generate(executor, prompts, n1)  # warm-up: compile kernels, capture graphs
     diffs = []
     for _ in range(repeats):
@@ -85,13 +94,20 @@ def measure(executor: Executor, batch: int, isl: int, n1: int, n2: int, repeats:
     kv_write = batch * kv_bytes_per_token(runner)
     logits = batch * runner.vocab_size * 4
     total = weight_bytes(runner.model) + kv_read + kv_write + logits
-    return {"step_ms": round(step_s * 1e3, 4), "step_ms_all": [round(d * 1e3, 4) for d in diffs],
-            "bytes_per_step": int(total), "weight_bytes": weight_bytes(runner.model),
-            "kv_bytes_read": int(kv_read), "mean_context": mean_context}
+    return {
+        "step_ms": round(step_s * 1e3, 4),
+        "step_ms_all": [round(d * 1e3, 4) for d in diffs],
+        "bytes_per_step": int(total),
+        "weight_bytes": weight_bytes(runner.model),
+        "kv_bytes_read": int(kv_read),
+        "mean_context": mean_context,
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.decode_floor", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.decode_floor", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--isl", type=int, default=128)
@@ -105,9 +121,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     max_batch = max(args.batch)
     seq = args.isl + args.n2 + 1
-    config = EngineConfig(model_path=args.model, device=args.device, dtype=args.dtype, max_batch_size=max_batch,
-                          max_num_tokens=max(2048, min(max_batch * args.isl, 16384)), max_seq_len=seq,
-                          max_tokens_in_paged_kv_cache=max_batch * (seq + 64), enable_kv_cache_reuse=False)
+    config = EngineConfig(
+        model_path=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch_size=max_batch,
+        max_num_tokens=max(2048, min(max_batch * args.isl, 16384)),
+        max_seq_len=seq,
+        max_tokens_in_paged_kv_cache=max_batch * (seq + 64),
+        enable_kv_cache_reuse=False,
+    )
     executor = Executor(config)
     device = executor.runner.device
     rate = copy_rate_bytes_per_s(device)
@@ -115,11 +138,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for batch in args.batch:
         r = measure(executor, batch, args.isl, args.n1, args.n2, args.repeats)
         floor_s = r["bytes_per_step"] / rate
-        results.append({"benchmark": "decode_floor", **provenance(device), "model": args.model,
-                        "dtype": str(executor.runner.dtype).replace("torch.", ""), "batch": batch, "isl": args.isl,
-                        **r, "copy_rate_tb_s": round(rate / 1e12, 3), "floor_ms": round(floor_s * 1e3, 4),
-                        "fraction_of_floor": round(floor_s * 1e3 / r["step_ms"], 3),
-                        "cuda_graphs": executor.config.cuda_graphs})
+        results.append(
+            {
+                "benchmark": "decode_floor",
+                **provenance(device),
+                "model": args.model,
+                "dtype": str(executor.runner.dtype).replace("torch.", ""),
+                "batch": batch,
+                "isl": args.isl,
+                **r,
+                "copy_rate_tb_s": round(rate / 1e12, 3),
+                "floor_ms": round(floor_s * 1e3, 4),
+                "fraction_of_floor": round(floor_s * 1e3 / r["step_ms"], 3),
+                "cuda_graphs": executor.config.cuda_graphs,
+            }
+        )
         print(json.dumps(results[-1]), flush=True)
     executor.shutdown()
     save_json(args.json, results if len(results) > 1 else results[0])

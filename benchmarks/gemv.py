@@ -11,16 +11,17 @@ stages per shape and reports the fastest.
 gate_up (+RMSNorm), down (+silu·mul, +residual), then lm_head, all in one CUDA graph, where a
 kernel's start overlaps its predecessor's end (prefetch, early launch). With `--sweep` it improves
 the per-projection configs one projection at a time (one pass of coordinate descent) from
-`launch_config`'s (this GPU's table entries, else the default rule). With `--wait-cost` it also times
-the chain with the kernels' waits for their predecessor skipped (a diagnostic: the results are
-wrong, the weights stream exactly as before), for every projection and for each kind alone: the
+`launch_config`'s (this GPU's table entries, else the default rule). With `--wait-cost` it also
+times the chain with the kernels' waits for their predecessor skipped (a diagnostic: the results
+are wrong, the weights stream exactly as before), for every projection and for each kind alone: the
 difference is what waiting for the previous kernel costs. `--chain --sweep --write-tuning` also
 writes the configs it kept into `backend/kernels/tuning/gemv.json` under this GPU's name (review
 the diff before committing: a one-pass sweep's gains may be noise, see the README).
 
-    python -m benchmarks.gemv --model llama-3.2-1b [--chain [--wait-cost]] [--sweep [--write-tuning]] \
-        --json OUT
+    python -m benchmarks.gemv --model llama-3.2-1b [--chain [--wait-cost]] \
+        [--sweep [--write-tuning]] --json OUT
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,10 +45,13 @@ SWEEP = dict(BLOCK_N=[4, 8, 16, 32], BLOCK_K=[256, 512], num_warps=[4, 8], num_s
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """name -> (N, K) of the weight."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    return {"qkv": (q + 2 * kv, config.hidden_size), "o": (config.hidden_size, q),
-            "gate_up": (2 * config.intermediate_size, config.hidden_size),
-            "down": (config.hidden_size, config.intermediate_size),
-            "lm_head": (config.vocab_size, config.hidden_size)}
+    return {
+        "qkv": (q + 2 * kv, config.hidden_size),
+        "o": (config.hidden_size, q),
+        "gate_up": (2 * config.intermediate_size, config.hidden_size),
+        "down": (config.hidden_size, config.intermediate_size),
+        "lm_head": (config.vocab_size, config.hidden_size),
+    }
 
 
 def time_us(product, x, weights, replays: int = 20) -> float:
@@ -64,20 +68,29 @@ def configs(k: int):
 
 def measure(name: str, n: int, k: int, copies: int, sweep: bool, copy_rate: float) -> dict:
     """One projection: cuBLAS and the GEMV per call, and with `sweep` the fastest configs."""
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
+    weights = [
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)
+    ]
     weight_bytes = weights[0].numel() * weights[0].element_size()
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     error = float((gemv(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max())
     default = launch_config(n, k, device_name=tuning.device_name(x.device))
-    row = {"projection": name, "n": n, "k": k, "weight_mb": round(weight_bytes / 1e6, 1),
-           "max_abs_diff_vs_cublas": error, "cublas_us": round(time_us(F.linear, x, weights), 2),
-           "gemv_us": round(time_us(gemv, x, weights), 2), "default_config": default}
+    row = {
+        "projection": name,
+        "n": n,
+        "k": k,
+        "weight_mb": round(weight_bytes / 1e6, 1),
+        "max_abs_diff_vs_cublas": error,
+        "cublas_us": round(time_us(F.linear, x, weights), 2),
+        "gemv_us": round(time_us(gemv, x, weights), 2),
+        "default_config": default,
+    }
     if sweep:
         timings = []
         for c in configs(k):
             try:
                 timings.append((time_us(lambda a, w: gemv(a, w, config=c), x, weights), c))
-            except Exception as exc:       # e.g. out of shared memory for this tile shape
+            except Exception as exc:  # e.g. out of shared memory for this tile shape
                 timings.append((float("inf"), {**c, "error": type(exc).__name__}))
         timings.sort(key=lambda t: t[0])
         row["best_us"], row["best_config"] = round(timings[0][0], 2), timings[0][1]
@@ -103,13 +116,21 @@ def chain_candidates(n: int, k: int):
                 yield {**config, "PREFETCH_K": prefetch}
 
 
-def measure_chain(config: ModelConfig, sweep: bool, copy_rate: float, wait_cost: bool = False) -> dict:
+def measure_chain(
+    config: ModelConfig, sweep: bool, copy_rate: float, wait_cost: bool = False
+) -> dict:
     """The one-token projection chain of a decode step over every layer's own weights."""
     shapes = projection_shapes(config)
     hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
-    layers = [{name: torch.randn(*shapes[name], device="cuda", dtype=torch.bfloat16) / shapes[name][1] ** 0.5
-               for name in ("qkv", "o", "gate_up", "down")} for _ in range(config.num_layers)]
-    lm_head = torch.randn(*shapes["lm_head"], device="cuda", dtype=torch.bfloat16) / hidden ** 0.5
+    layers = [
+        {
+            name: torch.randn(*shapes[name], device="cuda", dtype=torch.bfloat16)
+            / shapes[name][1] ** 0.5
+            for name in ("qkv", "o", "gate_up", "down")
+        }
+        for _ in range(config.num_layers)
+    ]
+    lm_head = torch.randn(*shapes["lm_head"], device="cuda", dtype=torch.bfloat16) / hidden**0.5
     norm = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
     stream = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     nbytes = sum(w.numel() * w.element_size() for layer in layers for w in layer.values())
@@ -120,17 +141,27 @@ def measure_chain(config: ModelConfig, sweep: bool, copy_rate: float, wait_cost:
             for layer in layers:
                 qkv = gemv(x, layer["qkv"], norm_weight=norm, eps=1e-5, config=configs["qkv"])
                 gemv(qkv[:, :q_size], layer["o"], residual=x, out=x, config=configs["o"])
-                gate_up = gemv(x, layer["gate_up"], norm_weight=norm, eps=1e-5, config=configs["gate_up"])
-                gemv(gate_up, layer["down"], silu_mul=True, residual=x, out=x, config=configs["down"])
+                gate_up = gemv(
+                    x, layer["gate_up"], norm_weight=norm, eps=1e-5, config=configs["gate_up"]
+                )
+                gemv(
+                    gate_up, layer["down"], silu_mul=True, residual=x, out=x, config=configs["down"]
+                )
             return gemv(x, lm_head, config=configs["lm_head"])
+
         return time_us(run, stream, [None])
 
     device_name = tuning.device_name(stream.device)
     defaults = {name: launch_config(*shapes[name], device_name=device_name) for name in shapes}
     best = defaults
     floor_us = nbytes / copy_rate * 1e6
-    row = {"projections": "qkv, o, gate_up, down per layer; lm_head", "weight_mb": round(nbytes / 1e6, 1),
-           "floor_us": round(floor_us, 1), "default_us": round(step(defaults), 1), "default_configs": dict(defaults)}
+    row = {
+        "projections": "qkv, o, gate_up, down per layer; lm_head",
+        "weight_mb": round(nbytes / 1e6, 1),
+        "floor_us": round(floor_us, 1),
+        "default_us": round(step(defaults), 1),
+        "default_configs": dict(defaults),
+    }
     if sweep:
         best_us, tried = row["default_us"], 0
         for name in ("down", "gate_up", "qkv", "o"):
@@ -138,13 +169,17 @@ def measure_chain(config: ModelConfig, sweep: bool, copy_rate: float, wait_cost:
                 trial = {**best, name: candidate}
                 try:
                     us = step(trial)
-                except Exception:      # e.g. out of registers or shared memory for this shape
+                except Exception:  # e.g. out of registers or shared memory for this shape
                     continue
                 tried += 1
                 if us < best_us * 0.995:
                     best_us, best = us, trial
-        row.update(best_us=round(best_us, 1), best_configs=best, configs_tried=tried,
-                   best_fraction_of_floor=round(floor_us / best_us, 3))
+        row.update(
+            best_us=round(best_us, 1),
+            best_configs=best,
+            configs_tried=tried,
+            best_fraction_of_floor=round(floor_us / best_us, 3),
+        )
     if wait_cost:
         row.update(wait_cost_us(step, defaults, row["default_us"]))
     row["default_fraction_of_floor"] = round(floor_us / row["default_us"], 3)
@@ -155,10 +190,14 @@ def wait_cost_us(step, configs: dict, first_default_us: float) -> dict:
     """The chain timed with the waits skipped: everywhere, then for one kind of projection at a
     time; the defaults timed again at the end, and the faster of the two runs kept (the first
     timing of a run tends to be the slowest)."""
+
     def without_wait(names):
         return step({n: {**c, "SKIP_WAIT": True} if n in names else c for n, c in configs.items()})
-    result = {"no_wait_us": round(without_wait(set(configs)), 1),
-              "no_wait_one_kind_us": {name: round(without_wait({name}), 1) for name in configs}}
+
+    result = {
+        "no_wait_us": round(without_wait(set(configs)), 1),
+        "no_wait_one_kind_us": {name: round(without_wait({name}), 1) for name in configs},
+    }
     result["default_us"] = round(min(first_default_us, step(configs)), 1)
     return result
 
@@ -168,19 +207,30 @@ def write_tuning(config: ModelConfig, row: dict, result_path: str | None) -> Non
     shapes = projection_shapes(config)
     configs = {tuning_key(*shapes[name]): dict(best) for name, best in row["best_configs"].items()}
     source = f"benchmarks.gemv --chain --sweep at {row['commit']}, {row['date']}" + (
-        f" ({result_path})" if result_path else "")
+        f" ({result_path})" if result_path else ""
+    )
     print("wrote", tuning.write("gemv", row["device"], configs, source))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gemv", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.gemv", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--sweep", action="store_true")
-    p.add_argument("--chain", action="store_true", help="time a decode step's whole chain of products")
-    p.add_argument("--wait-cost", action="store_true",
-                   help="with --chain: also time it with the waits for the previous kernel skipped")
-    p.add_argument("--write-tuning", action="store_true",
-                   help="with --chain --sweep: write the kept configs into this GPU's tuning table")
+    p.add_argument(
+        "--chain", action="store_true", help="time a decode step's whole chain of products"
+    )
+    p.add_argument(
+        "--wait-cost",
+        action="store_true",
+        help="with --chain: also time it with the waits for the previous kernel skipped",
+    )
+    p.add_argument(
+        "--write-tuning",
+        action="store_true",
+        help="with --chain --sweep: write the kept configs into this GPU's tuning table",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.write_tuning and not (args.chain and args.sweep):
@@ -189,8 +239,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = ModelConfig.from_dir(resolve_model(args.model))
     copy_rate = copy_rate_bytes_per_s(device)
     if args.chain:
-        row = {"benchmark": "gemv_chain", **provenance(device), "model": args.model,
-               "copy_rate_tb_s": round(copy_rate / 1e12, 3), **measure_chain(config, args.sweep, copy_rate, args.wait_cost)}
+        row = {
+            "benchmark": "gemv_chain",
+            **provenance(device),
+            "model": args.model,
+            "copy_rate_tb_s": round(copy_rate / 1e12, 3),
+            **measure_chain(config, args.sweep, copy_rate, args.wait_cost),
+        }
         print(json.dumps(row), flush=True)
         save_json(args.json, row)
         if args.write_tuning:
@@ -199,12 +254,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     for name, (n, k) in projection_shapes(config).items():
         copies = config.num_layers if name != "lm_head" else 2
-        row = {"benchmark": "gemv", "model": args.model,
-               **measure(name, n, k, copies, args.sweep, copy_rate)}
+        row = {
+            "benchmark": "gemv",
+            "model": args.model,
+            **measure(name, n, k, copies, args.sweep, copy_rate),
+        }
         results.append(row)
         print(json.dumps(row), flush=True)
-        save_json(args.json, {**provenance(device), "copy_rate_tb_s": round(copy_rate / 1e12, 3),
-                              "rows": results})        # after every row: a cut-off run keeps its rows
+        save_json(
+            args.json,
+            {**provenance(device), "copy_rate_tb_s": round(copy_rate / 1e12, 3), "rows": results},
+        )  # after every row: a cut-off run keeps its rows
     return results
 
 

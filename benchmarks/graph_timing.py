@@ -1,4 +1,5 @@
 """GPU time of kernel calls, measured from replays of one CUDA graph (no host launch cost)."""
+
 from __future__ import annotations
 
 import torch
@@ -10,7 +11,7 @@ def graph_us_per_call(calls, replays: int = 20) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for call in calls:             # compile / pick algorithms outside the capture
+        for call in calls:  # compile / pick algorithms outside the capture
             call()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):

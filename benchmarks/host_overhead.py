@@ -11,6 +11,7 @@ take (wall2 - wall1). The machine may be shared: the best of `--repeats` pairs i
 
     python -m benchmarks.host_overhead [--batch 1 64 256] [--repeats 3] [--overlap] [--profile]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,6 +38,7 @@ class FakeRunner(ModelRunner):
 
 def tiny_model_dir() -> Path:
     from tests.tiny_models import make_tiny_model
+
     path = Path(tempfile.gettempdir()) / "host-overhead-tiny-llama"
     if not (path / "config.json").exists():
         make_tiny_model("llama", path)
@@ -52,15 +54,26 @@ def run(executor: Executor, batch: int, isl: int, osl: int, seed: int) -> tuple[
     return time.perf_counter() - start, executor.stats().num_iterations - n0
 
 
-def ms_per_decode_step(batch: int, isl: int = 128, short: int = 20, long: int = 220,
-                       overlap: bool | None = None, repeats: int = 1) -> float:
-    config = EngineConfig(model_path=str(tiny_model_dir()), max_batch_size=max(batch, 1),
-                          max_num_tokens=8192, max_seq_len=isl + long + 16, tokens_per_block=32,
-                          overlap_scheduling=overlap)
+def ms_per_decode_step(
+    batch: int,
+    isl: int = 128,
+    short: int = 20,
+    long: int = 220,
+    overlap: bool | None = None,
+    repeats: int = 1,
+) -> float:
+    config = EngineConfig(
+        model_path=str(tiny_model_dir()),
+        max_batch_size=max(batch, 1),
+        max_num_tokens=8192,
+        max_seq_len=isl + long + 16,
+        tokens_per_block=32,
+        overlap_scheduling=overlap,
+    )
     executor = Executor(config, runner=FakeRunner(config))
     best = float("inf")
     try:
-        run(executor, batch, isl, short, seed=0)                    # warm-up
+        run(executor, batch, isl, short, seed=0)  # warm-up
         for i in range(repeats):
             wall1, steps1 = run(executor, batch, isl, short, seed=2 * i + 1)
             wall2, steps2 = run(executor, batch, isl, long, seed=2 * i + 2)
@@ -71,11 +84,17 @@ def ms_per_decode_step(batch: int, isl: int = 128, short: int = 20, long: int = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.host_overhead", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.host_overhead", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--overlap", action="store_true", help="force overlap scheduling on (CPU test path)")
-    p.add_argument("--profile", action="store_true", help="cProfile the executor thread (first batch size)")
+    p.add_argument(
+        "--overlap", action="store_true", help="force overlap scheduling on (CPU test path)"
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="cProfile the executor thread (first batch size)"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     overlap = True if args.overlap else None
@@ -83,7 +102,11 @@ def main(argv: list[str] | None = None) -> None:
         profile(args.batch[0], overlap)
         return
     for batch in args.batch:
-        print(f"batch {batch:4d}: {ms_per_decode_step(batch, overlap=overlap, repeats=args.repeats):.3f} ms/step host overhead")
+        print(
+            f"batch {batch:4d}: "
+            f"{ms_per_decode_step(batch, overlap=overlap, repeats=args.repeats):.3f} "
+            f"ms/step host overhead"
+        )
 
 
 def profile(batch: int, overlap: bool | None) -> None:

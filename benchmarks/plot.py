@@ -1,7 +1,8 @@
 """Plots of committed results (PNG beside the JSON), and the README's headline table.
 
-    python -m benchmarks.plot benchmarks/results
+python -m benchmarks.plot benchmarks/results
 """
+
 from __future__ import annotations
 
 import glob
@@ -27,14 +28,21 @@ def plot_decode_floor(path: str) -> str:
     batches = [r["batch"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ax1.plot(batches, [r["step_ms"] for r in rows], "o-", label="engine decode step")
-    ax1.plot(batches, [r["floor_ms"] for r in rows], "s--", label="floor: weights + KV at copy rate")
+    ax1.plot(
+        batches, [r["floor_ms"] for r in rows], "s--", label="floor: weights + KV at copy rate"
+    )
     ax1.set(xscale="log", xlabel="batch", ylabel="ms per step", title="Decode step vs memory floor")
     ax1.legend()
     ax2.plot(batches, [b / r["step_ms"] * 1e3 for b, r in zip(batches, rows)], "o-")
-    ax2.set(xscale="log", xlabel="batch", ylabel="output tokens/s", title="Decode throughput vs batch")
+    ax2.set(
+        xscale="log", xlabel="batch", ylabel="output tokens/s", title="Decode throughput vs batch"
+    )
     r0 = rows[0]
-    fig.suptitle(f"{r0['model']} {r0['dtype']}, ISL {r0['isl']} — {r0['device']}, {r0['date']}, {r0['commit']}",
-                 fontsize=9)
+    fig.suptitle(
+        f"{r0['model']} {r0['dtype']}, ISL {r0['isl']} — {r0['device']}, "
+        f"{r0['date']}, {r0['commit']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     out = path.replace(".json", ".png")
     fig.savefig(out, dpi=110)
@@ -58,8 +66,11 @@ def plot_offline(paths: list[str], out: str) -> str:
     ax.bar_label(bars, fmt="%.0f")
     ax.set(ylabel="output tokens/s", title="Offline throughput")
     r0 = rows[0]
-    fig.suptitle(f"{r0['num_requests']} requests, ISL {r0['isl']}, OSL {r0['osl']} — {r0['device']}, "
-                 f"{r0['date']}, {r0['commit']}", fontsize=8)
+    fig.suptitle(
+        f"{r0['num_requests']} requests, ISL {r0['isl']}, OSL {r0['osl']} — {r0['device']}, "
+        f"{r0['date']}, {r0['commit']}",
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -72,13 +83,22 @@ def headline(results_dir: str) -> str:
     for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
         for r in load(path):
             if r.get("benchmark") == "offline":
-                base = (f"transformers {r['hf_output_tokens_per_s']:,.0f} tok/s ({r['speedup_vs_hf']}x)"
-                        if "hf_output_tokens_per_s" in r else "—")
-                lines.append(f"| offline, {r['num_requests']} req, ISL {r['isl']}, OSL {r['osl']} | {r['model']} "
-                             f"| {r['device']} | {r['output_tokens_per_s']:,.0f} output tok/s | {base} |")
+                base = (
+                    f"transformers {r['hf_output_tokens_per_s']:,.0f} tok/s ({r['speedup_vs_hf']}x)"
+                    if "hf_output_tokens_per_s" in r
+                    else "—"
+                )
+                lines.append(
+                    f"| offline, {r['num_requests']} req, ISL {r['isl']}, OSL {r['osl']} "
+                    f"| {r['model']} | {r['device']} "
+                    f"| {r['output_tokens_per_s']:,.0f} output tok/s | {base} |"
+                )
             elif r.get("benchmark") == "decode_floor":
-                lines.append(f"| decode step, batch {r['batch']}, ISL {r['isl']} | {r['model']} | {r['device']} "
-                             f"| {r['step_ms']} ms | floor {r['floor_ms']} ms, fraction {r['fraction_of_floor']} |")
+                lines.append(
+                    f"| decode step, batch {r['batch']}, ISL {r['isl']} | {r['model']} "
+                    f"| {r['device']} | {r['step_ms']} ms | floor {r['floor_ms']} ms, "
+                    f"fraction {r['fraction_of_floor']} |"
+                )
     return "\n".join(lines)
 
 
@@ -98,7 +118,12 @@ def main(argv: list[str] | None = None) -> None:
     for path in glob.glob(os.path.join(results_dir, "offline*.json")):
         groups.setdefault(load(path)[0]["device"], []).append(path)
     for device, paths in sorted(groups.items()):
-        print("wrote", plot_offline(sorted(paths), os.path.join(results_dir, f"offline_{device_tag(device)}.png")))
+        print(
+            "wrote",
+            plot_offline(
+                sorted(paths), os.path.join(results_dir, f"offline_{device_tag(device)}.png")
+            ),
+        )
     print(headline(results_dir))
 
 

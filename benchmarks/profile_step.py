@@ -5,6 +5,7 @@ and delivery).
 
     python -m benchmarks.profile_step --model llama-3.2-1b --batch 1 --isl 128 --json OUT
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,14 +54,23 @@ def kernel_table(runner: ModelRunner, inputs, top: int = 15) -> dict:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             runner.model.compute_logits(runner._run_model(inputs))
             torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
+    rows = [
+        e
+        for e in prof.key_averages()
+        if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)
+    ]
     rows = [(e.key, e.count, getattr(e, "self_device_time_total", 0.0)) for e in rows]
     rows = [r for r in rows if r[2] > 0]
     rows.sort(key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
-    return {"eager_gpu_ms": round(total / 1e3, 4), "eager_kernel_launches": sum(r[1] for r in rows),
-            "top_kernels": [{"kernel": k[:90], "count": c, "ms": round(t / 1e3, 4), "share": round(t / total, 3)}
-                            for k, c, t in rows[:top]]}
+    return {
+        "eager_gpu_ms": round(total / 1e3, 4),
+        "eager_kernel_launches": sum(r[1] for r in rows),
+        "top_kernels": [
+            {"kernel": k[:90], "count": c, "ms": round(t / 1e3, 4), "share": round(t / total, 3)}
+            for k, c, t in rows[:top]
+        ],
+    }
 
 
 def engine_profile(model: str, batch: int, isl: int, steps: int = 64, top: int = 20) -> dict:
@@ -71,11 +81,19 @@ def engine_profile(model: str, batch: int, isl: int, steps: int = 64, top: int =
     from backend.executor import Executor
     from backend.sampling_params import SamplingParams
 
-    executor = Executor(EngineConfig(model_path=model, max_batch_size=batch, max_seq_len=isl + steps + 32,
-                                     max_tokens_in_paged_kv_cache=batch * (isl + steps + 64),
-                                     max_num_tokens=max(2048, min(batch * isl, 16384))))
+    executor = Executor(
+        EngineConfig(
+            model_path=model,
+            max_batch_size=batch,
+            max_seq_len=isl + steps + 32,
+            max_tokens_in_paged_kv_cache=batch * (isl + steps + 64),
+            max_num_tokens=max(2048, min(batch * isl, 16384)),
+        )
+    )
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, executor.vocab_size - 100) for _ in range(isl)] for _ in range(batch)]
+    prompts = [
+        [rng.randrange(100, executor.vocab_size - 100) for _ in range(isl)] for _ in range(batch)
+    ]
     params = SamplingParams(max_tokens=steps, ignore_end_id=True)
     executor.generate(prompts, SamplingParams(max_tokens=8, ignore_end_id=True))
     torch.cuda.synchronize()
@@ -88,45 +106,85 @@ def engine_profile(model: str, batch: int, isl: int, steps: int = 64, top: int =
     events = prof.key_averages()
     gpu_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
     cpu_rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
-    return {"engine_wall_ms": round(wall * 1e3, 2), "steps": steps, "gpu_busy_ms": round(gpu_us / 1e3, 2),
-            "gpu_busy_fraction": round(gpu_us / 1e6 / wall, 3),
-            "top_host_ops": [{"op": e.key[:80], "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3)}
-                             for e in cpu_rows]}
+    return {
+        "engine_wall_ms": round(wall * 1e3, 2),
+        "steps": steps,
+        "gpu_busy_ms": round(gpu_us / 1e3, 2),
+        "gpu_busy_fraction": round(gpu_us / 1e6 / wall, 3),
+        "top_host_ops": [
+            {
+                "op": e.key[:80],
+                "count": e.count,
+                "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
+            }
+            for e in cpu_rows
+        ],
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.profile_step", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--isl", type=int, default=128)
     p.add_argument("--json", default=None)
-    p.add_argument("--engine", action="store_true", help="profile the whole engine instead of the runner")
+    p.add_argument(
+        "--engine", action="store_true", help="profile the whole engine instead of the runner"
+    )
     args = p.parse_args(argv)
     if args.engine:
-        results = [{"benchmark": "profile_engine", "model": args.model, "batch": b, "isl": args.isl,
-                    **engine_profile(args.model, b, args.isl)} for b in args.batch]
+        results = [
+            {
+                "benchmark": "profile_engine",
+                "model": args.model,
+                "batch": b,
+                "isl": args.isl,
+                **engine_profile(args.model, b, args.isl),
+            }
+            for b in args.batch
+        ]
         print(json.dumps(results, indent=1), flush=True)
         save_json(args.json, results)
         return results
     max_batch = max(args.batch)
     seq = args.isl + 64
-    runner = ModelRunner(EngineConfig(model_path=args.model, max_batch_size=max_batch, max_seq_len=seq,
-                                      max_tokens_in_paged_kv_cache=max_batch * seq))
+    runner = ModelRunner(
+        EngineConfig(
+            model_path=args.model,
+            max_batch_size=max_batch,
+            max_seq_len=seq,
+            max_tokens_in_paged_kv_cache=max_batch * seq,
+        )
+    )
     rng = random.Random(0)
     per_seq = -(-seq // runner.tokens_per_block)
     results = []
     for batch in args.batch:
         blocks = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-        prompts = [[rng.randrange(100, runner.vocab_size - 100) for _ in range(args.isl)] for _ in range(batch)]
+        prompts = [
+            [rng.randrange(100, runner.vocab_size - 100) for _ in range(args.isl)]
+            for _ in range(batch)
+        ]
         runner.execute([Chunk.of_sequence(p, b) for p, b in zip(prompts, blocks)])
         decode = [Chunk.of_sequence(p + [5], b, args.isl) for p, b in zip(prompts, blocks)]
         inputs = runner.prepare(decode)
         graphs = runner.decode_graphs
-        row = {"benchmark": "profile_step", **provenance(runner.device), "model": args.model, "batch": batch,
-               "isl": args.isl}
-        if graphs is not None:       # staged each time: a replay reads the slot staged for it
-            row["graph_replay_gpu_ms"] = round(cuda_ms(lambda: (runner.prepare(decode), graphs.replay(batch))), 4)
-        row["runner_step_ms"] = round(wall_ms(lambda: runner.execute(decode).logits.argmax(-1).tolist()), 4)
+        row = {
+            "benchmark": "profile_step",
+            **provenance(runner.device),
+            "model": args.model,
+            "batch": batch,
+            "isl": args.isl,
+        }
+        if graphs is not None:  # staged each time: a replay reads the slot staged for it
+            row["graph_replay_gpu_ms"] = round(
+                cuda_ms(lambda: (runner.prepare(decode), graphs.replay(batch))), 4
+            )
+        row["runner_step_ms"] = round(
+            wall_ms(lambda: runner.execute(decode).logits.argmax(-1).tolist()), 4
+        )
         row["prepare_ms"] = round(wall_ms(lambda: runner.prepare(decode)), 4)
         row.update(kernel_table(runner, inputs))
         results.append(row)

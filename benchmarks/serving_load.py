@@ -16,6 +16,7 @@ inter-token latency is per request (last - first) / (tokens - 1), as genai-perf 
 Text endpoints report no token count; their output lengths are exact (min_tokens = max_tokens),
 so the requested length is the count.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,8 @@ import numpy as np
 
 @dataclass
 class LoadRequest:
-    text: str                    # for ensemble and tensorrt_llm_bls
-    prompt_ids: list[int]        # what preprocessing makes of `text` (tensorrt_llm, engine alone)
+    text: str  # for ensemble and tensorrt_llm_bls
+    prompt_ids: list[int]  # what preprocessing makes of `text` (tensorrt_llm, engine alone)
     output_len: int
 
 
@@ -51,10 +52,11 @@ class Record:
 @dataclass
 class Target:
     """What one load run talks to."""
-    kind: str                    # "grpc", "http" or "engine"
-    model: str = "ensemble"      # ensemble | tensorrt_llm_bls | tensorrt_llm
+
+    kind: str  # "grpc", "http" or "engine"
+    model: str = "ensemble"  # ensemble | tensorrt_llm_bls | tensorrt_llm
     url: str = ""
-    exact_with: str = "min_tokens"   # how output lengths are made exact: min_tokens | end_id
+    exact_with: str = "min_tokens"  # how output lengths are made exact: min_tokens | end_id
 
 
 # ---- metrics ---------------------------------------------------------------------------------
@@ -62,8 +64,12 @@ def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
     arr = np.asarray(values) * 1e3
-    return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)),
-            "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99))}
+    return {
+        "mean": float(arr.mean()),
+        "p50": float(np.percentile(arr, 50)),
+        "p90": float(np.percentile(arr, 90)),
+        "p99": float(np.percentile(arr, 99)),
+    }
 
 
 def summarize(records: list[Record], requests: list[LoadRequest]) -> dict:
@@ -76,10 +82,13 @@ def summarize(records: list[Record], requests: list[LoadRequest]) -> dict:
     wall = max(end - start, 1e-9)
     tokens = sum(r.tokens for r in ok)
     return {
-        "num_requests": len(records), "failed": len(failed),
+        "num_requests": len(records),
+        "failed": len(failed),
         "errors": sorted({r.error for r in failed if r.error})[:5],
-        "wall_s": wall, "output_tokens": tokens,
-        "output_tokens_per_s": tokens / wall, "requests_per_s": len(ok) / wall,
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall,
+        "requests_per_s": len(ok) / wall,
         "responses_per_request": float(np.mean([r.responses for r in ok])) if ok else 0.0,
         "ttft_ms": percentiles([r.first - r.sent for r in ok]),
         "itl_ms": percentiles([(r.last - r.first) / (r.tokens - 1) for r in ok if r.tokens > 1]),
@@ -88,8 +97,9 @@ def summarize(records: list[Record], requests: list[LoadRequest]) -> dict:
 
 
 # ---- engine alone ----------------------------------------------------------------------------
-def engine_closed_loop(executor, requests: list[LoadRequest], concurrency: int,
-                       exact_with: str = "min_tokens") -> list[Record]:
+def engine_closed_loop(
+    executor, requests: list[LoadRequest], concurrency: int, exact_with: str = "min_tokens"
+) -> list[Record]:
     """The same closed loop against an in-process Executor (no Triton, no IPC)."""
     from backend.sampling_params import SamplingParams
 
@@ -99,8 +109,11 @@ def engine_closed_loop(executor, requests: list[LoadRequest], concurrency: int,
 
     def submit(i: int) -> None:
         req, rec = requests[i], records[i]
-        exact = ({"min_tokens": req.output_len} if exact_with == "min_tokens"
-                 else {"ignore_end_id": True})
+        exact = (
+            {"min_tokens": req.output_len}
+            if exact_with == "min_tokens"
+            else {"ignore_end_id": True}
+        )
         rec.sent = time.perf_counter()
 
         def on_output(out, rec=rec) -> None:
@@ -116,8 +129,12 @@ def engine_closed_loop(executor, requests: list[LoadRequest], concurrency: int,
                 ended.put(rec.index)
 
         rec.output = []
-        executor.submit(f"{tag}-{i}", req.prompt_ids,
-                        SamplingParams(max_tokens=req.output_len, **exact), on_output)
+        executor.submit(
+            f"{tag}-{i}",
+            req.prompt_ids,
+            SamplingParams(max_tokens=req.output_len, **exact),
+            on_output,
+        )
 
     sent = 0
     for _ in range(min(concurrency, len(requests))):
@@ -132,8 +149,9 @@ def engine_closed_loop(executor, requests: list[LoadRequest], concurrency: int,
 
 
 # ---- Triton clients --------------------------------------------------------------------------
-def run_clients(target: Target, requests: list[LoadRequest], concurrency: int,
-                processes: int) -> list[Record]:
+def run_clients(
+    target: Target, requests: list[LoadRequest], concurrency: int, processes: int
+) -> list[Record]:
     """Closed loop at `concurrency` through `processes` client processes."""
     processes = max(1, min(processes, concurrency))
     ctx = mp.get_context("spawn")
@@ -141,11 +159,15 @@ def run_clients(target: Target, requests: list[LoadRequest], concurrency: int,
     results = ctx.Queue()
     start = ctx.Event()
     shares = [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
-    workers = [ctx.Process(target=_worker, args=(target, requests, share, counter, start, results),
-                           daemon=True) for share in shares]
+    workers = [
+        ctx.Process(
+            target=_worker, args=(target, requests, share, counter, start, results), daemon=True
+        )
+        for share in shares
+    ]
     for w in workers:
         w.start()
-    ready = [results.get() for _ in workers]           # each worker says it is ready
+    ready = [results.get() for _ in workers]  # each worker says it is ready
     assert all(r == "ready" for r in ready), ready
     start.set()
     records: list[Record] = []
@@ -168,7 +190,7 @@ def _worker(target: Target, requests, slots: int, counter, start, results) -> No
         start.wait()
         records = run(target, requests, slots, take)
         results.put([asdict(r) for r in records])
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
+    except BaseException as exc:  # reported to the parent, which raises
         results.put(f"{type(exc).__name__}: {exc}")
 
 
@@ -203,16 +225,25 @@ def grpc_inputs(model: str, req: LoadRequest, exact_with: str, stream: bool = Tr
 
 def request_arrays(model: str, req: LoadRequest, exact_with: str, stream: bool) -> dict:
     """Input tensors of one request, as a TensorRT-LLM backend client sends them."""
-    exact = (("min_tokens", np.array([[req.output_len]], np.int32)) if exact_with == "min_tokens"
-             else ("end_id", np.array([[-1]], np.int32)))
+    exact = (
+        ("min_tokens", np.array([[req.output_len]], np.int32))
+        if exact_with == "min_tokens"
+        else ("end_id", np.array([[-1]], np.int32))
+    )
     if model == "tensorrt_llm":
-        return {"input_ids": np.array([req.prompt_ids], np.int32),
-                "input_lengths": np.array([[len(req.prompt_ids)]], np.int32),
-                "request_output_len": np.array([[req.output_len]], np.int32),
-                "streaming": np.array([[stream]], bool), exact[0]: exact[1]}
-    return {"text_input": np.array([[req.text.encode()]], dtype=object),
-            "max_tokens": np.array([[req.output_len]], np.int32),
-            "stream": np.array([[stream]], bool), exact[0]: exact[1]}
+        return {
+            "input_ids": np.array([req.prompt_ids], np.int32),
+            "input_lengths": np.array([[len(req.prompt_ids)]], np.int32),
+            "request_output_len": np.array([[req.output_len]], np.int32),
+            "streaming": np.array([[stream]], bool),
+            exact[0]: exact[1],
+        }
+    return {
+        "text_input": np.array([[req.text.encode()]], dtype=object),
+        "max_tokens": np.array([[req.output_len]], np.int32),
+        "stream": np.array([[stream]], bool),
+        exact[0]: exact[1],
+    }
 
 
 def _grpc_slots(target: Target, requests, slots: int, take) -> list[Record]:
@@ -235,12 +266,17 @@ def _grpc_slots(target: Target, requests, slots: int, take) -> list[Record]:
                 self.record = None
                 idle.release()
                 return
-            self.record = Record(i, time.perf_counter(), output=[] if output_name == "output_ids" else "")
+            self.record = Record(
+                i, time.perf_counter(), output=[] if output_name == "output_ids" else ""
+            )
             with lock:
                 records.append(self.record)
-            self.client.async_stream_infer(target.model, grpc_inputs(target.model, requests[i],
-                                           target.exact_with), request_id=str(i),
-                                           enable_empty_final_response=True)
+            self.client.async_stream_infer(
+                target.model,
+                grpc_inputs(target.model, requests[i], target.exact_with),
+                request_id=str(i),
+                enable_empty_final_response=True,
+            )
 
         def on_response(self, result, error) -> None:
             rec, now = self.record, time.perf_counter()
@@ -278,13 +314,18 @@ def _grpc_slots(target: Target, requests, slots: int, take) -> list[Record]:
 # HTTP ---------------------------------------------------------------------------------------
 def http_body(model: str, req: LoadRequest, exact_with: str, stream: bool) -> dict:
     """The JSON body of Triton's generate endpoints (one value per input, no batch dimension)."""
-    return {name: _json_value(value) for name, value in
-            request_arrays(model, req, exact_with, stream).items()}
+    return {
+        name: _json_value(value)
+        for name, value in request_arrays(model, req, exact_with, stream).items()
+    }
 
 
 def _json_value(value: np.ndarray):
-    flat = value.reshape(-1).tolist() if value.dtype != object else [
-        v.decode() for v in value.reshape(-1)]
+    flat = (
+        value.reshape(-1).tolist()
+        if value.dtype != object
+        else [v.decode() for v in value.reshape(-1)]
+    )
     return flat[0] if len(flat) == 1 else flat
 
 
@@ -330,8 +371,9 @@ async def _http_main(target: Target, requests, slots: int, take) -> list[Record]
 
 
 # ---- one request, non-streamed and streamed (exactness check) --------------------------------
-def generate_once(http_url: str, model: str, req: LoadRequest, exact_with: str,
-                  stream: bool) -> str:
+def generate_once(
+    http_url: str, model: str, req: LoadRequest, exact_with: str, stream: bool
+) -> str:
     """The text of one request through HTTP generate (stream=False) or generate_stream."""
     import urllib.request
 
@@ -349,4 +391,3 @@ def generate_once(http_url: str, model: str, req: LoadRequest, exact_with: str,
                 raise RuntimeError(event["error"])
             text.append(event.get("text_output", ""))
     return "".join(text)
-

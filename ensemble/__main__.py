@@ -6,6 +6,7 @@
 
 Every ServeSettings field is an option (`--max-tokens-in-paged-kv-cache 4096`, `--device cpu`, ...).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,38 +30,68 @@ def _parse_bool(text: str) -> bool:
 
 
 def _add_settings_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", dest="model_path", default=None,
-                        help="'default', a Hugging Face directory or a .gguf file")
+    parser.add_argument(
+        "--model",
+        dest="model_path",
+        default=None,
+        help="'default', a Hugging Face directory or a .gguf file",
+    )
     for f in fields(ServeSettings):
         if f.name == "model_path":
             continue
         kind = str(f.type)
-        convert = (_parse_bool if kind.startswith("bool") else int if kind.startswith("int")
-                   else float if kind.startswith("float") else str)
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=convert,
-                            default=None, help=f"(default: {f.default})")
+        convert = (
+            _parse_bool
+            if kind.startswith("bool")
+            else int
+            if kind.startswith("int")
+            else float
+            if kind.startswith("float")
+            else str
+        )
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=convert,
+            default=None,
+            help=f"(default: {f.default})",
+        )
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
-    given = {f.name: getattr(args, f.name) for f in fields(ServeSettings)
-             if getattr(args, f.name, None) is not None}
+    given = {
+        f.name: getattr(args, f.name)
+        for f in fields(ServeSettings)
+        if getattr(args, f.name, None) is not None
+    }
     settings = ServeSettings(**given)
     settings.validate()
     return settings
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ensemble", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m ensemble",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="render a model repository")
     build.add_argument("--out", required=True, type=Path, help="repository directory to write")
     _add_settings_options(build)
     serve = commands.add_parser("serve", help="build a repository and run tritonserver on it")
-    serve.add_argument("--out", type=Path, default=None,
-                       help="where to build the repository (default: a temporary directory)")
-    serve.add_argument("--repository", type=Path, default=None,
-                       help="serve this existing repository as it is instead of building one")
+    serve.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where to build the repository (default: a temporary directory)",
+    )
+    serve.add_argument(
+        "--repository",
+        type=Path,
+        default=None,
+        help="serve this existing repository as it is instead of building one",
+    )
     serve.add_argument("--log-verbose", type=int, default=0)
     _add_settings_options(serve)
     commands.add_parser("check", help="check the checked-in repository against the defaults")
@@ -69,16 +100,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         stale = stale_configs(ServeSettings())
         if stale:
-            print(f"stale config.pbtxt in {SOURCE_REPOSITORY}: {', '.join(stale)}; "
-                  "run: python -m ensemble build --out model_repository")
+            print(
+                f"stale config.pbtxt in {SOURCE_REPOSITORY}: {', '.join(stale)}; "
+                "run: python -m ensemble build --out model_repository"
+            )
             return 1
         print("model_repository matches the default settings")
         return 0
     try:
         settings = settings_from_args(args)
         if args.command == "serve":
-            check_ports_free({name: getattr(settings, name)
-                              for name in ("http_port", "grpc_port", "metrics_port")})
+            check_ports_free(
+                {
+                    name: getattr(settings, name)
+                    for name in ("http_port", "grpc_port", "metrics_port")
+                }
+            )
         if args.command == "build" or not args.repository:
             check_model(settings.model_path)
             if settings.tokenizer_dir:
@@ -86,15 +123,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as exc:
         parser.error(str(exc))
     if args.command == "serve" and not args.repository:
-        resolve_model(settings.model_path)   # convert here, once, before the models start
+        resolve_model(settings.model_path)  # convert here, once, before the models start
     if args.command == "build":
         out = build_repository(settings, args.out)
         print(f"wrote {out}")
         return 0
     with tempfile.TemporaryDirectory(prefix="tritonllm-repo-") as tmp:
         repository = args.repository or build_repository(settings, args.out or tmp)
-        server = TritonServer(repository, settings.http_port, settings.grpc_port,
-                              settings.metrics_port, log_verbose=args.log_verbose)
+        server = TritonServer(
+            repository,
+            settings.http_port,
+            settings.grpc_port,
+            settings.metrics_port,
+            log_verbose=args.log_verbose,
+        )
         return serve_forever(server)
 
 

@@ -1,4 +1,6 @@
-"""Write a model repository: rendered configs plus the models' code from the checked-in repository."""
+"""Write a model repository: rendered configs plus the models' code from the checked-in
+repository."""
+
 from __future__ import annotations
 
 import shutil
@@ -13,8 +15,9 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SOURCE_REPOSITORY = PROJECT_ROOT / "model_repository"
 
 
-def build_repository(settings: ServeSettings, out_dir: str | Path,
-                     source: str | Path = SOURCE_REPOSITORY) -> Path:
+def build_repository(
+    settings: ServeSettings, out_dir: str | Path, source: str | Path = SOURCE_REPOSITORY
+) -> Path:
     """Render every config.pbtxt into out_dir and copy each model's `1/` code beside it."""
     check_wiring(ENSEMBLE, MODELS)
     configs = render_configs(settings)
@@ -26,8 +29,11 @@ def build_repository(settings: ServeSettings, out_dir: str | Path,
         if version_dir.exists() and version_dir.resolve() != (source / name / "1"):
             shutil.rmtree(version_dir)
         if not version_dir.exists():
-            shutil.copytree(source / name / "1", version_dir,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            shutil.copytree(
+                source / name / "1",
+                version_dir,
+                ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+            )
         (model_dir / "config.pbtxt").write_text(configs[name])
     return out
 

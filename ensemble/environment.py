@@ -18,6 +18,7 @@ the two can differ:
 `check_stub_numpy()` runs inside every stub (each model's initialize()), so a repository started
 by hand under numpy 2 fails to load with the fix in its message instead of failing requests.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -35,11 +36,13 @@ def stub_numpy_problem(version: str) -> str | None:
     """Why a stub cannot run with numpy `version`, or None when it can."""
     if int(version.split(".")[0]) < 2:
         return None
-    return (f"tritonserver 2.51's Python backend stub reads tensors through numpy 1.x, and this "
-            f"environment has numpy {version}: every request would fail. Install '{STUB_NUMPY_RULE}' "
-            "in the environment that starts tritonserver (`make serve` uses .venv, which has it), "
-            "or start it with `python -m ensemble serve`, which makes a serving environment with "
-            "numpy < 2 beside a numpy 2 stack")
+    return (
+        f"tritonserver 2.51's Python backend stub reads tensors through numpy 1.x, and this "
+        f"environment has numpy {version}: every request would fail. Install '{STUB_NUMPY_RULE}' "
+        "in the environment that starts tritonserver (`make serve` uses .venv, which has it), "
+        "or start it with `python -m ensemble serve`, which makes a serving environment with "
+        "numpy < 2 beside a numpy 2 stack"
+    )
 
 
 def check_stub_numpy() -> None:
@@ -53,7 +56,7 @@ def check_stub_numpy() -> None:
 
 @dataclass(frozen=True)
 class StubEnvironment:
-    prefix: Path                 # a Python environment: bin/python3, site-packages
+    prefix: Path  # a Python environment: bin/python3, site-packages
 
     @property
     def python(self) -> Path:
@@ -69,8 +72,12 @@ def stub_environment(log=print) -> StubEnvironment:
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     env = StubEnvironment(Path(cache_root()) / f"serving-env-py{version}")
     if not _has_stub_numpy(env):
-        log(f"this Python has numpy {numpy.__version__}, which tritonserver 2.51's stub cannot read:"
-            f" making a serving environment with {STUB_NUMPY_RULE} at {env.prefix}", flush=True)
+        log(
+            f"this Python has numpy {numpy.__version__}, which tritonserver 2.51's stub cannot "
+            f"read:"
+            f" making a serving environment with {STUB_NUMPY_RULE} at {env.prefix}",
+            flush=True,
+        )
         _make(env)
     return env
 
@@ -78,23 +85,35 @@ def stub_environment(log=print) -> StubEnvironment:
 def _has_stub_numpy(env: StubEnvironment) -> bool:
     if not env.python.exists():
         return False
-    result = subprocess.run([str(env.python), "-c", "import numpy; print(numpy.__version__)"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [str(env.python), "-c", "import numpy; print(numpy.__version__)"],
+        capture_output=True,
+        text=True,
+    )
     return result.returncode == 0 and stub_numpy_problem(result.stdout.strip()) is None
 
 
 def _make(env: StubEnvironment) -> None:
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(env.prefix)], check=True)
     # The launching environment's packages, after the serving environment's own numpy.
-    site = subprocess.run([str(env.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    site = subprocess.run(
+        [str(env.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     ours = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     Path(site, "tritonllm-launching-env.pth").write_text("\n".join(ours) + "\n")
-    pip = subprocess.run([str(env.python), "-m", "pip", "install", "-q", STUB_NUMPY_RULE],
-                         capture_output=True, text=True)
+    pip = subprocess.run(
+        [str(env.python), "-m", "pip", "install", "-q", STUB_NUMPY_RULE],
+        capture_output=True,
+        text=True,
+    )
     if pip.returncode != 0 or not _has_stub_numpy(env):
         raise RuntimeError(
             f"could not install {STUB_NUMPY_RULE} into the serving environment {env.prefix}:\n"
-            f"{pip.stderr.strip()[-800:]}\nInstall it there by hand (on a host without network, from a "
-            f"wheel: {env.python} -m pip install numpy-1.26.4-cp3*.whl), or set PIP_FIND_LINKS to a "
-            "folder holding that wheel and start again")
+            f"{pip.stderr.strip()[-800:]}\nInstall it there by hand (on a host without network, "
+            f"from a wheel: {env.python} -m pip install numpy-1.26.4-cp3*.whl), or set "
+            f"PIP_FIND_LINKS to a "
+            "folder holding that wheel and start again"
+        )

@@ -4,6 +4,7 @@ Each parameter is the `ServeSettings` field of its name: read as that field's ty
 when unset. "auto", "" and an unfilled "${...}" placeholder all mean unset. A value that does not
 parse is an error naming the parameter, not a silent default.
 """
+
 from __future__ import annotations
 
 import json
@@ -89,5 +90,6 @@ def tokenizer_dir(params: dict[str, str]) -> str:
     explicit = get_setting(params, "tokenizer_dir")
     if explicit:
         return explicit
-    from backend.model_paths import resolve_model  # noqa: PLC0415 - only when needed
+    from backend.model_paths import resolve_model  # only when needed
+
     return resolve_model(get_setting(params, "model_path"))

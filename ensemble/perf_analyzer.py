@@ -9,6 +9,7 @@ libcudart.so.12 (PyPI `nvidia-cuda-runtime-cu12`, even with no GPU).
   python -m ensemble.perf_analyzer run -- -m ensemble -i grpc --streaming ...
   eval "$(python -m ensemble.perf_analyzer env)"  # perf_analyzer on PATH, e.g. for genai-perf
 """
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,8 @@ def environment() -> dict[str, str]:
     lib = cudart_dir()
     if lib is not None:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in (str(lib), env.get("LD_LIBRARY_PATH")) if p)
+            p for p in (str(lib), env.get("LD_LIBRARY_PATH")) if p
+        )
     return env
 
 
@@ -49,8 +51,13 @@ def missing() -> str | None:
     if cudart_dir() is None:
         return f"libcudart.so.12 is missing (pip install {CUDA_RUNTIME})"
     try:
-        result = subprocess.run([str(BINARY), "--version"], env=environment(),
-                                capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [str(BINARY), "--version"],
+            env=environment(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except OSError as exc:
         return f"{BINARY} does not start: {exc}"
     if result.returncode != 0:
@@ -64,14 +71,29 @@ def setup() -> Path:
         subprocess.run(pip + ["install", "--quiet", CUDA_RUNTIME], check=True)
     if not BINARY.exists():
         with tempfile.TemporaryDirectory() as tmp:
-            subprocess.run(pip + ["download", "--quiet", "--no-deps", "--only-binary=:all:",
-                                  "--platform", "manylinux1_x86_64", "--dest", tmp,
-                                  f"tritonclient=={TRITONCLIENT_VERSION}"], check=True)
+            subprocess.run(
+                pip
+                + [
+                    "download",
+                    "--quiet",
+                    "--no-deps",
+                    "--only-binary=:all:",
+                    "--platform",
+                    "manylinux1_x86_64",
+                    "--dest",
+                    tmp,
+                    f"tritonclient=={TRITONCLIENT_VERSION}",
+                ],
+                check=True,
+            )
             wheel = next(Path(tmp).glob("tritonclient-*.whl"))
             member = f"tritonclient-{TRITONCLIENT_VERSION}.data/data/bin/perf_analyzer"
             INSTALL_DIR.mkdir(parents=True, exist_ok=True)
-            with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, \
-                    open(BINARY, "wb") as dst:
+            with (
+                zipfile.ZipFile(wheel) as archive,
+                archive.open(member) as src,
+                open(BINARY, "wb") as dst,
+            ):
                 shutil.copyfileobj(src, dst)
             BINARY.chmod(0o755)
     problem = missing()

@@ -4,6 +4,7 @@ model instance, the engine process under the LLM's stub, and the shared memory t
 Used to drain the engines before a shutdown, and to clean up after a server that was killed
 (a killed server cannot remove its shared-memory regions; its stubs may outlive it briefly).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,7 @@ SHM_DIR, SHM_PATTERN = Path("/dev/shm"), "triton_python_backend_shm_region_*"
 def engine_processes(server_pid: int) -> list[int]:
     """The engine processes started by the server's models (descendants running
     backend.engine_process)."""
-    return [pid for pid in descendants(server_pid)
-            if b"backend.engine_process" in cmdline(pid)]
+    return [pid for pid in descendants(server_pid) if b"backend.engine_process" in cmdline(pid)]
 
 
 def cmdline(pid: int) -> bytes:
@@ -53,8 +53,11 @@ def remove_orphan_shm_regions(before: set[Path]) -> None:
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
-            mapped.update(line.split()[-1] for line in maps.read_text().splitlines()
-                          if "triton_python_backend_shm_region" in line)
+            mapped.update(
+                line.split()[-1]
+                for line in maps.read_text().splitlines()
+                if "triton_python_backend_shm_region" in line
+            )
         except OSError:
             continue
     for region in set(SHM_DIR.glob(SHM_PATTERN)) - before:
@@ -82,5 +85,6 @@ def send_signal(pid: int, signum: int) -> None:
 def terminate_with_parent() -> None:
     """In the child before exec: get SIGTERM when the launcher dies, however it dies."""
     import ctypes
+
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -3,13 +3,16 @@
 The output is plain text with real values (no `${...}` placeholders). Unset engine values are
 written as "auto", which the models read back as "let the engine decide".
 """
+
 from __future__ import annotations
 
 from ensemble.settings import ServeSettings, to_param
 from ensemble.tensors import BLS, ENSEMBLE, POSTPROCESSING, PREPROCESSING, TENSORRT_LLM, Tensor
 
-HEADER = ("# Rendered by `python -m ensemble build` from ensemble/settings.py; "
-          "change the settings, not this file.\n")
+HEADER = (
+    "# Rendered by `python -m ensemble build` from ensemble/settings.py; "
+    "change the settings, not this file.\n"
+)
 
 MODEL_NAMES = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
 
@@ -27,7 +30,11 @@ def render_configs(settings: ServeSettings) -> dict[str, str]:
 
 
 def render_ensemble(s: ServeSettings) -> str:
-    lines = ['name: "ensemble"', 'platform: "ensemble"', f"max_batch_size: {s.triton_max_batch_size}"]
+    lines = [
+        'name: "ensemble"',
+        'platform: "ensemble"',
+        f"max_batch_size: {s.triton_max_batch_size}",
+    ]
     lines += _tensors("input", ENSEMBLE.inputs) + _tensors("output", ENSEMBLE.outputs)
     lines.append("ensemble_scheduling {")
     lines.append("  step [")
@@ -49,11 +56,15 @@ def render_preprocessing(s: ServeSettings) -> str:
     lines += _tensors("input", PREPROCESSING.inputs) + _tensors("output", PREPROCESSING.outputs)
     lines += _dynamic_batching(s.max_queue_delay_microseconds)
     lines += _instances(s.preprocessing_instance_count)
-    lines += _parameters({
-        "model_path": s.model_path, "tokenizer_dir": s.tokenizer_dir,
-        "add_special_tokens": s.add_special_tokens, "default_max_tokens": s.default_max_tokens,
-        "apply_chat_template": s.apply_chat_template,
-    })
+    lines += _parameters(
+        {
+            "model_path": s.model_path,
+            "tokenizer_dir": s.tokenizer_dir,
+            "add_special_tokens": s.add_special_tokens,
+            "default_max_tokens": s.default_max_tokens,
+            "apply_chat_template": s.apply_chat_template,
+        }
+    )
     return _text(lines)
 
 
@@ -64,12 +75,14 @@ def render_tensorrt_llm(s: ServeSettings) -> str:
     lines += _dynamic_batching(s.max_queue_delay_microseconds)
     lines += _instances(1)  # one engine per instance: it owns the KV cache
     params = dict(s.engine_parameters())
-    params.update({
-        "exclude_input_in_output": s.exclude_input_in_output,
-        "default_max_tokens": s.default_max_tokens,
-        "cancellation_check_period_ms": s.cancellation_check_period_ms,
-        "stats_check_period_ms": s.stats_check_period_ms,
-    })
+    params.update(
+        {
+            "exclude_input_in_output": s.exclude_input_in_output,
+            "default_max_tokens": s.default_max_tokens,
+            "cancellation_check_period_ms": s.cancellation_check_period_ms,
+            "stats_check_period_ms": s.stats_check_period_ms,
+        }
+    )
     lines += _parameters(params)
     return _text(lines)
 
@@ -82,10 +95,13 @@ def render_postprocessing(s: ServeSettings) -> str:
     if s.postprocessing_batching:
         lines += _dynamic_batching(0, preserve_ordering=True)
     lines += _instances(s.postprocessing_instance_count if s.postprocessing_batching else 1)
-    lines += _parameters({
-        "model_path": s.model_path, "tokenizer_dir": s.tokenizer_dir,
-        "skip_special_tokens": s.skip_special_tokens,
-    })
+    lines += _parameters(
+        {
+            "model_path": s.model_path,
+            "tokenizer_dir": s.tokenizer_dir,
+            "skip_special_tokens": s.skip_special_tokens,
+        }
+    )
     return _text(lines)
 
 
@@ -112,8 +128,12 @@ def _tensors(kind: str, tensors: tuple[Tensor, ...]) -> list[str]:
     lines = [f"{kind} ["]
     for i, t in enumerate(tensors):
         dims = ", ".join(str(d) for d in t.dims)
-        lines += ["  {", f'    name: "{t.name}"', f"    data_type: TYPE_{t.dtype}",
-                  f"    dims: [ {dims} ]"]
+        lines += [
+            "  {",
+            f'    name: "{t.name}"',
+            f"    data_type: TYPE_{t.dtype}",
+            f"    dims: [ {dims} ]",
+        ]
         if t.optional:
             lines.append("    optional: true")
         if t.ragged:

@@ -5,6 +5,7 @@ A ValueError is bad input: its message goes to the client as is (INVALID_ARG, HT
 else is ours: logged, and answered as an internal error. Only callable inside the Python backend,
 which provides `triton_python_backend_utils`.
 """
+
 from __future__ import annotations
 
 
@@ -21,8 +22,11 @@ def respond(model: str, requests, convert) -> list:
     for request in requests:
         try:
             outputs = convert(request, inputs_of(request))
-            responses.append(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor(name, value) for name, value in outputs.items()]))
+            responses.append(
+                pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor(name, value) for name, value in outputs.items()]
+                )
+            )
         except Exception as exc:
             responses.append(pb_utils.InferenceResponse(error=failure(model, exc)))
     return responses
@@ -38,8 +42,10 @@ def dispatch(model: str, requests, handle) -> None:
         try:
             handle(request, inputs_of(request), sender)
         except Exception as exc:  # never leave a request without its FINAL flag
-            sender.send(pb_utils.InferenceResponse(error=failure(model, exc)),
-                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            sender.send(
+                pb_utils.InferenceResponse(error=failure(model, exc)),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
 
 
 def failure(model: str, exc: Exception):

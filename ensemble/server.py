@@ -7,6 +7,7 @@ from the stubs' environment (see environment.py: this one, or a serving environm
 numpy < 2), so the stubs import its packages (ours via PYTHONPATH); the engine process runs
 under this interpreter.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,8 +26,15 @@ from pathlib import Path
 from backend.engine_process import ENGINE_PYTHON_ENV
 from backend.cache import cache_root
 from ensemble.environment import StubEnvironment, stub_environment
-from ensemble.processes import (SHM_DIR, SHM_PATTERN, engine_processes, remove_orphan_shm_regions,
-                                send_signal, terminate_with_parent, wait_group_gone)
+from ensemble.processes import (
+    SHM_DIR,
+    SHM_PATTERN,
+    engine_processes,
+    remove_orphan_shm_regions,
+    send_signal,
+    terminate_with_parent,
+    wait_group_gone,
+)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DRAIN_S = 1.0
@@ -38,8 +46,8 @@ STOP_TIMEOUT_S = 15.0
 
 @dataclass
 class TritonInstall:
-    root: Path            # .../site-packages/pytriton/tritonserver
-    libs: Path            # .../site-packages/nvidia_pytriton.libs
+    root: Path  # .../site-packages/pytriton/tritonserver
+    libs: Path  # .../site-packages/nvidia_pytriton.libs
 
     @property
     def binary(self) -> Path:
@@ -55,8 +63,7 @@ def locate_tritonserver() -> TritonInstall:
     """Find tritonserver inside the installed nvidia-pytriton wheel (without importing it)."""
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("nvidia-pytriton is not installed; "
-                           "pip install 'nvidia-pytriton==0.7.0'")
+        raise RuntimeError("nvidia-pytriton is not installed; pip install 'nvidia-pytriton==0.7.0'")
     root = Path(spec.submodule_search_locations[0]).resolve() / "tritonserver"
     install = TritonInstall(root=root, libs=root.parent.parent / "nvidia_pytriton.libs")
     for path in (install.binary, install.stub, install.libs):
@@ -94,8 +101,10 @@ def check_ports_free(ports: dict[str, int]) -> None:
             try:
                 sock.bind(("0.0.0.0", port))
             except OSError as exc:
-                raise OSError(f"{name} {port} is already in use ({exc.strerror}): stop what "
-                              f"listens there or choose another --{name.replace('_', '-')}") from None
+                raise OSError(
+                    f"{name} {port} is already in use ({exc.strerror}): stop what "
+                    f"listens there or choose another --{name.replace('_', '-')}"
+                ) from None
 
 
 def free_port() -> int:
@@ -110,7 +119,7 @@ class TritonServer:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
-    log_file: Path | None = None        # None = inherit the terminal
+    log_file: Path | None = None  # None = inherit the terminal
     log_verbose: int = 0
     extra_args: list[str] = field(default_factory=list)
     process: subprocess.Popen | None = None
@@ -129,11 +138,17 @@ class TritonServer:
         return f"http://localhost:{self.metrics_port}/metrics"
 
     def command(self, install: TritonInstall, backends: Path) -> list[str]:
-        return [str(install.binary), f"--model-repository={Path(self.repository).resolve()}",
-                f"--backend-directory={backends}", f"--http-port={self.http_port}",
-                f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
-                f"--log-verbose={self.log_verbose}", f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
-                *self.extra_args]
+        return [
+            str(install.binary),
+            f"--model-repository={Path(self.repository).resolve()}",
+            f"--backend-directory={backends}",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            f"--log-verbose={self.log_verbose}",
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            *self.extra_args,
+        ]
 
     def environment(self, install: TritonInstall, stubs: StubEnvironment) -> dict[str, str]:
         env = dict(os.environ)
@@ -141,27 +156,39 @@ class TritonServer:
         # the standard library's extension modules fail with undefined symbols.
         libdir = sysconfig.get_config_var("LIBDIR")
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in (libdir, env.get("LD_LIBRARY_PATH"), str(install.libs)) if p)
+            p for p in (libdir, env.get("LD_LIBRARY_PATH"), str(install.libs)) if p
+        )
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p)
-        env[ENGINE_PYTHON_ENV] = env.get(ENGINE_PYTHON_ENV) or sys.executable   # torch, CUDA
-        if stubs.prefix != Path(sys.base_prefix):        # the stubs' virtual environment
+            p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p
+        )
+        env[ENGINE_PYTHON_ENV] = env.get(ENGINE_PYTHON_ENV) or sys.executable  # torch, CUDA
+        if stubs.prefix != Path(sys.base_prefix):  # the stubs' virtual environment
             env["VIRTUAL_ENV"] = str(stubs.prefix)
             env["PATH"] = os.pathsep.join((str(stubs.prefix / "bin"), env.get("PATH", "")))
         return env
 
     def start(self) -> "TritonServer":
-        check_ports_free({"http_port": self.http_port, "grpc_port": self.grpc_port,
-                          "metrics_port": self.metrics_port})
+        check_ports_free(
+            {
+                "http_port": self.http_port,
+                "grpc_port": self.grpc_port,
+                "metrics_port": self.metrics_port,
+            }
+        )
         install = locate_tritonserver()
         backends = prepare_backends(install)
         stubs = stub_environment()
         self._shm_before = set(SHM_DIR.glob(SHM_PATTERN))
         output = open(self.log_file, "ab") if self.log_file else None
         self.process = subprocess.Popen(
-            self.command(install, backends), env=self.environment(install, stubs),
-            stdout=output, stderr=subprocess.STDOUT if output else None, start_new_session=True,
-            cwd=PROJECT_ROOT, preexec_fn=terminate_with_parent)
+            self.command(install, backends),
+            env=self.environment(install, stubs),
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+            start_new_session=True,
+            cwd=PROJECT_ROOT,
+            preexec_fn=terminate_with_parent,
+        )
         if output:
             output.close()
         return self
@@ -178,8 +205,9 @@ class TritonServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with code {self.process.returncode}"
-                                   + self._log_tail())
+                raise RuntimeError(
+                    f"tritonserver exited with code {self.process.returncode}" + self._log_tail()
+                )
             if self.is_ready() and (self.process is None or self.process.poll() is None):
                 return
             time.sleep(0.5)
@@ -195,14 +223,14 @@ class TritonServer:
             engines = engine_processes(self.process.pid)
             for pid in engines:
                 send_signal(pid, signal.SIGTERM)
-            if engines:   # let the ends pass through the ensembles before Triton unloads their steps
+            if engines:  # let the ends pass through the ensembles before Triton unloads their steps
                 time.sleep(DRAIN_S)
             self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 pass
-        if self.process.poll() != 0:    # killed, crashed or hung: its stubs and engine may live on
+        if self.process.poll() != 0:  # killed, crashed or hung: its stubs and engine may live on
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -214,10 +242,11 @@ class TritonServer:
 
     def curl_example(self) -> str:
         # A question to an instruct model needs its chat template (else it may answer "").
-        body = ('{"text_input": "What is the capital of France?", "max_tokens": 32, '
-                '"apply_chat_template": true}')
-        return (f"curl -s -X POST localhost:{self.http_port}/v2/models/ensemble/generate "
-                f"-d '{body}'")
+        body = (
+            '{"text_input": "What is the capital of France?", "max_tokens": 32, '
+            '"apply_chat_template": true}'
+        )
+        return f"curl -s -X POST localhost:{self.http_port}/v2/models/ensemble/generate -d '{body}'"
 
     def _log_tail(self, lines: int = 40) -> str:
         if not self.log_file or not Path(self.log_file).exists():
@@ -242,12 +271,18 @@ def serve_forever(server: TritonServer) -> int:
     """Start, wait until ready, print how to call it, and stop cleanly on Ctrl-C, SIGTERM or
     SIGHUP (a closed terminal). Returns tritonserver's exit code (128 + signal if killed), so a
     supervisor sees a server that died as a failure."""
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # SIGINT: also when started with `&`
+    for signum in (
+        signal.SIGTERM,
+        signal.SIGHUP,
+        signal.SIGINT,
+    ):  # SIGINT: also when started with `&`
         signal.signal(signum, _interrupt)
     server.start()
     try:
         server.wait_ready()
-        print(f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}")
+        print(
+            f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}"
+        )
         print(server.curl_example(), flush=True)
         code = server.process.wait()
         code = 128 - code if code < 0 else code
@@ -256,7 +291,7 @@ def serve_forever(server: TritonServer) -> int:
     except KeyboardInterrupt:
         print("stopping tritonserver ...", flush=True)
         return 0
-    except (RuntimeError, TimeoutError) as exc:      # it did not start; the log says why
+    except (RuntimeError, TimeoutError) as exc:  # it did not start; the log says why
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:

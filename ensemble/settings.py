@@ -8,6 +8,7 @@ TensorRT-LLM where one exists), the Triton-side knobs of the five models and the
 `tokens_per_block` = 32 on GPU / 16 on CPU, KV cache sized from `kv_cache_free_gpu_mem_fraction`);
 such parameters are rendered with the value "auto" and read back as unset.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -25,15 +26,15 @@ class ServeSettings(EngineConfig):
     inherited so that a new engine knob is served without another edit), then the repository's."""
 
     # ---- request defaults --------------------------------------------------------------------
-    default_max_tokens: int = 64           # when a request has no max_tokens/request_output_len
-    exclude_input_in_output: bool = True   # default of the per-request input of the same name
-    add_special_tokens: bool = True        # preprocessing: tokenizer.encode(add_special_tokens=)
+    default_max_tokens: int = 64  # when a request has no max_tokens/request_output_len
+    exclude_input_in_output: bool = True  # default of the per-request input of the same name
+    add_special_tokens: bool = True  # preprocessing: tokenizer.encode(add_special_tokens=)
     # preprocessing: wrap text_input as one user message in the model's chat template (the
     # per-request input apply_chat_template overrides it); off by default as in tensorrtllm_backend
     apply_chat_template: bool = False
-    skip_special_tokens: bool = True       # postprocessing: decode(skip_special_tokens=)
+    skip_special_tokens: bool = True  # postprocessing: decode(skip_special_tokens=)
     # ---- Triton side ---------------------------------------------------------------------------
-    triton_max_batch_size: int = 64        # max_batch_size of every config (requests' batch dim)
+    triton_max_batch_size: int = 64  # max_batch_size of every config (requests' batch dim)
     # tensorrt_llm and tensorrt_llm_bls decoupled (streaming; gRPC stream, generate_stream) or not
     # (one response per request; plain infer() over HTTP/gRPC); the ensemble follows tensorrt_llm
     decoupled_mode: bool = True
@@ -74,10 +75,17 @@ class ServeSettings(EngineConfig):
 
 _PORTS = ("http_port", "grpc_port", "metrics_port")  # 0 = the port is not used
 # The least value of each of the repository's integers (EngineConfig checks its own).
-_LOWEST = {"default_max_tokens": 1, "triton_max_batch_size": 1, "preprocessing_instance_count": 1,
-           "postprocessing_instance_count": 1, "bls_instance_count": 1,
-           "max_queue_delay_microseconds": 0, "cancellation_check_period_ms": 1,
-           "stats_check_period_ms": 1, **{name: 0 for name in _PORTS}}
+_LOWEST = {
+    "default_max_tokens": 1,
+    "triton_max_batch_size": 1,
+    "preprocessing_instance_count": 1,
+    "postprocessing_instance_count": 1,
+    "bls_instance_count": 1,
+    "max_queue_delay_microseconds": 0,
+    "cancellation_check_period_ms": 1,
+    "stats_check_period_ms": 1,
+    **{name: 0 for name in _PORTS},
+}
 
 
 def to_param(value) -> str:

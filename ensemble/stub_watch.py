@@ -13,6 +13,7 @@ A model starts its watcher in initialize() and dismisses it in finalize(), so an
 normal shutdown is not taken for a death. The watcher is a shell loop in a session of its own:
 it costs no Python interpreter and survives the signals sent to the stub's process group.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,10 +43,20 @@ def watch_stub(model: str, grace_s: int = GRACE_S) -> subprocess.Popen | None:
                 return None
     except OSError:
         return None
-    env = {"SERVER": str(os.getppid()), "STUB": str(os.getpid()), "MODEL": model,
-           "GRACE": str(grace_s), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-    return subprocess.Popen(["sh", "-c", _SCRIPT], env=env, start_new_session=True,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    env = {
+        "SERVER": str(os.getppid()),
+        "STUB": str(os.getpid()),
+        "MODEL": model,
+        "GRACE": str(grace_s),
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+    }
+    return subprocess.Popen(
+        ["sh", "-c", _SCRIPT],
+        env=env,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def dismiss(watcher: subprocess.Popen | None) -> None:

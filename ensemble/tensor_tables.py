@@ -6,6 +6,7 @@
 A test holds the README's block equal to `render()`, so the tables cannot drift from the
 configs; a tensor without a meaning below makes `render()` fail.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,9 @@ from ensemble.tensors import ENSEMBLE, TENSORRT_LLM, Tensor
 BEGIN = "<!-- tensor tables: written by `python -m ensemble.tensor_tables --write README.md` -->"
 END = "<!-- end of tensor tables -->"
 
-_SAMPLING = ("greedy unless temperature > 0, top_k > 1 or 0 < top_p < 1 (then temperature "
-             "defaults to 1.0)")
+_SAMPLING = (
+    "greedy unless temperature > 0, top_k > 1 or 0 < top_p < 1 (then temperature defaults to 1.0)"
+)
 _PERF = "with `return_perf_metrics`, else 0"
 
 MEANING = {
@@ -28,13 +30,17 @@ MEANING = {
     "bad_words": "words never generated: one word per element, or one comma-separated string",
     "stop_words": "words that end generation (same format); the output ends before the stop word",
     "top_k": f"sample among the k likeliest tokens; {_SAMPLING}",
-    "top_p": "nucleus sampling: the smallest set of tokens with this much probability; <= 0 is unset",
+    "top_p": (
+        "nucleus sampling: the smallest set of tokens with this much probability; <= 0 is unset"
+    ),
     "length_penalty": "beam search only: accepted, no effect at beam width 1",
     "stream": "true: a response per engine step (decoupled models only); false: one response",
     "embedding_bias_words": "words whose logits get a bias",
     "embedding_bias_weights": "the bias of each of `embedding_bias_words`",
-    "apply_chat_template": ("wrap `text_input` as one user message in the model's chat template "
-                            "(default: the repository's `apply_chat_template`, false)"),
+    "apply_chat_template": (
+        "wrap `text_input` as one user message in the model's chat template "
+        "(default: the repository's `apply_chat_template`, false)"
+    ),
     # ---- both models' inputs
     "end_id": "the token that ends generation (default: the tokenizer's eos); -1: none",
     "pad_id": "padding id (default: the tokenizer's pad, else eos)",
@@ -50,15 +56,21 @@ MEANING = {
     "return_context_logits": "not supported: true is refused",
     "return_generation_logits": "not supported: true is refused",
     "return_perf_metrics": "fill the KV-cache and timing outputs",
-    "exclude_input_in_output": ("false: the output starts with the prompt (default: the "
-                                "repository's `exclude_input_in_output`, true)"),
+    "exclude_input_in_output": (
+        "false: the output starts with the prompt (default: the "
+        "repository's `exclude_input_in_output`, true)"
+    ),
     "beam_width": "must be 1 (no beam search)",
     "num_return_sequences": "must be 1",
     # ---- tensorrt_llm inputs
     "input_ids": "prompt token ids (required)",
     "input_lengths": "how many of `input_ids` are the prompt (default: all)",
-    "request_output_len": "most tokens to generate (default: the repository's `default_max_tokens`)",
-    "stop_words_list": "stop sequences as token ids, TensorRT-LLM's [2, N] format (ids; end offsets, -1 padded)",
+    "request_output_len": (
+        "most tokens to generate (default: the repository's `default_max_tokens`)"
+    ),
+    "stop_words_list": (
+        "stop sequences as token ids, TensorRT-LLM's [2, N] format (ids; end offsets, -1 padded)"
+    ),
     "bad_words_list": "banned sequences as token ids, same format",
     "embedding_bias": "a bias per vocabulary id, added to the logits",
     "runtime_top_k": "the ensemble's `top_k`",
@@ -71,12 +83,20 @@ MEANING = {
     "output_ids": "[beam, tokens]: the new ids when streaming, all of them otherwise",
     "sequence_length": "number of ids in `output_ids`, per beam",
     "cum_log_probs": "summed log-probs of the generated tokens (with `return_log_probs`, else 0)",
-    "output_log_probs": "[beam, tokens]: log-prob of each token in this response (with `return_log_probs`, else empty)",
+    "output_log_probs": (
+        "[beam, tokens]: log-prob of each token in this response "
+        "(with `return_log_probs`, else empty)"
+    ),
     "batch_index": "the row of the request's batch this response answers",
     "sequence_index": "always 0 (one sequence per request)",
-    "finish_reason": "why the row ended: `length`, `stop`, `end_id` or `cancelled`; empty before the last response",
+    "finish_reason": (
+        "why the row ended: `length`, `stop`, `end_id` or `cancelled`; "
+        "empty before the last response"
+    ),
     "kv_cache_alloc_new_blocks": f"KV-cache blocks allocated for the request, {_PERF}",
-    "kv_cache_reused_blocks": f"KV-cache blocks reused from earlier prompts (prefix reuse), {_PERF}",
+    "kv_cache_reused_blocks": (
+        f"KV-cache blocks reused from earlier prompts (prefix reuse), {_PERF}"
+    ),
     "kv_cache_alloc_total_blocks": f"KV-cache blocks the request holds in all, {_PERF}",
     "arrival_time_ns": f"when the engine received the request (ns since the epoch), {_PERF}",
     "first_scheduled_time_ns": f"when it was first scheduled, {_PERF}",
@@ -101,9 +121,12 @@ def table(tensors: tuple[Tensor, ...]) -> str:
     return "\n".join(rows)
 
 
-TABLES = (("`ensemble` inputs", ENSEMBLE.inputs), ("`ensemble` outputs", ENSEMBLE.outputs),
-          ("`tensorrt_llm` inputs", TENSORRT_LLM.inputs),
-          ("`tensorrt_llm` outputs", TENSORRT_LLM.outputs))
+TABLES = (
+    ("`ensemble` inputs", ENSEMBLE.inputs),
+    ("`ensemble` outputs", ENSEMBLE.outputs),
+    ("`tensorrt_llm` inputs", TENSORRT_LLM.inputs),
+    ("`tensorrt_llm` outputs", TENSORRT_LLM.outputs),
+)
 
 
 def render() -> str:
@@ -121,8 +144,11 @@ def replace_block(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ensemble.tensor_tables", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m ensemble.tensor_tables",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--write", type=Path, help="a README holding the block: replace it in place")
     args = p.parse_args(argv)
     if args.write is None:

@@ -6,6 +6,7 @@ The values a client sends are one table (REQUEST_INPUTS: each one's name in ever
 it, and its type); the models' inputs, the ensemble's routing and the adapters' names for errors
 and per-type readers are derived from it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,17 +15,17 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Tensor:
     name: str
-    dtype: str                    # Triton type without the TYPE_ prefix: INT32, FP32, BOOL, STRING...
+    dtype: str  # Triton type without the TYPE_ prefix: INT32, FP32, BOOL, STRING...
     dims: tuple[int, ...] = (1,)
     optional: bool = False
-    ragged: bool = False          # allow_ragged_batch (variable-length inputs)
+    ragged: bool = False  # allow_ragged_batch (variable-length inputs)
 
 
 @dataclass(frozen=True)
 class Step:
     model: str
-    inputs: dict[str, str]        # model input -> ensemble tensor
-    outputs: dict[str, str]       # model output -> ensemble tensor
+    inputs: dict[str, str]  # model input -> ensemble tensor
+    outputs: dict[str, str]  # model output -> ensemble tensor
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def _opt(name: str, dtype: str, dims: tuple[int, ...] = (1,), ragged: bool = Fal
     return Tensor(name, dtype, dims, optional=True, ragged=ragged)
 
 
-# ---- per-response outputs shared by tensorrt_llm, the ensemble and the BLS model ------------------
+# ---- per-response outputs shared by tensorrt_llm, the ensemble and the BLS model -----------------
 PERF_OUTPUTS = (
     Tensor("kv_cache_alloc_new_blocks", "INT32"),
     Tensor("kv_cache_reused_blocks", "INT32"),
@@ -60,6 +61,7 @@ LLM_SIDE_OUTPUTS = (
     Tensor("finish_reason", "STRING"),
 ) + PERF_OUTPUTS
 
+
 # ---- request inputs: one row per value a client sends, with its name in each model --------------
 @dataclass(frozen=True)
 class RequestInput:
@@ -77,34 +79,34 @@ class RequestInput:
 # text_input is required, but declared optional and checked by preprocessing: Triton 2.51 answers
 # a decoupled ensemble request that lacks a required input with an empty response, no error.
 _ROWS = (  # ensemble input, tensorrt_llm input, preprocessing input, type[, dims]
-    ("text_input",               None,                       "QUERY",                  "STRING"),
-    ("max_tokens",               "request_output_len",       "REQUEST_OUTPUT_LEN",     "INT32"),
-    ("num_return_sequences",     "num_return_sequences",     None,                     "INT32"),
-    ("bad_words",                None,                       "BAD_WORDS_DICT",         "STRING", (-1,)),
-    ("stop_words",               None,                       "STOP_WORDS_DICT",        "STRING", (-1,)),
-    ("exclude_input_in_output",  "exclude_input_in_output",  None,                     "BOOL"),
-    ("end_id",                   "end_id",                   "END_ID",                 "INT32"),
-    ("pad_id",                   "pad_id",                   "PAD_ID",                 "INT32"),
-    ("top_k",                    "runtime_top_k",            None,                     "INT32"),
-    ("top_p",                    "runtime_top_p",            None,                     "FP32"),
-    ("temperature",              "temperature",              None,                     "FP32"),
-    ("length_penalty",           "len_penalty",              None,                     "FP32"),
-    ("repetition_penalty",       "repetition_penalty",       None,                     "FP32"),
-    ("min_tokens",               "min_tokens",               None,                     "INT32"),
-    ("min_length",               "min_length",               None,                     "INT32"),
-    ("presence_penalty",         "presence_penalty",         None,                     "FP32"),
-    ("frequency_penalty",        "frequency_penalty",        None,                     "FP32"),
-    ("seed",                     "seed",                     None,                     "UINT64"),
-    ("random_seed",              "random_seed",              None,                     "UINT64"),
-    ("return_log_probs",         "return_log_probs",         None,                     "BOOL"),
-    ("return_context_logits",    "return_context_logits",    None,                     "BOOL"),
-    ("return_generation_logits", "return_generation_logits", None,                     "BOOL"),
-    ("return_perf_metrics",      "return_perf_metrics",      None,                     "BOOL"),
-    ("beam_width",               "beam_width",               None,                     "INT32"),
-    ("stream",                   "streaming",                None,                     "BOOL"),
-    ("embedding_bias_words",     None,                       "EMBEDDING_BIAS_WORDS",   "STRING", (-1,)),
-    ("embedding_bias_weights",   None,                       "EMBEDDING_BIAS_WEIGHTS", "FP32",   (-1,)),
-    ("apply_chat_template",      None,                       "APPLY_CHAT_TEMPLATE",    "BOOL"),
+    ("text_input", None, "QUERY", "STRING"),
+    ("max_tokens", "request_output_len", "REQUEST_OUTPUT_LEN", "INT32"),
+    ("num_return_sequences", "num_return_sequences", None, "INT32"),
+    ("bad_words", None, "BAD_WORDS_DICT", "STRING", (-1,)),
+    ("stop_words", None, "STOP_WORDS_DICT", "STRING", (-1,)),
+    ("exclude_input_in_output", "exclude_input_in_output", None, "BOOL"),
+    ("end_id", "end_id", "END_ID", "INT32"),
+    ("pad_id", "pad_id", "PAD_ID", "INT32"),
+    ("top_k", "runtime_top_k", None, "INT32"),
+    ("top_p", "runtime_top_p", None, "FP32"),
+    ("temperature", "temperature", None, "FP32"),
+    ("length_penalty", "len_penalty", None, "FP32"),
+    ("repetition_penalty", "repetition_penalty", None, "FP32"),
+    ("min_tokens", "min_tokens", None, "INT32"),
+    ("min_length", "min_length", None, "INT32"),
+    ("presence_penalty", "presence_penalty", None, "FP32"),
+    ("frequency_penalty", "frequency_penalty", None, "FP32"),
+    ("seed", "seed", None, "UINT64"),
+    ("random_seed", "random_seed", None, "UINT64"),
+    ("return_log_probs", "return_log_probs", None, "BOOL"),
+    ("return_context_logits", "return_context_logits", None, "BOOL"),
+    ("return_generation_logits", "return_generation_logits", None, "BOOL"),
+    ("return_perf_metrics", "return_perf_metrics", None, "BOOL"),
+    ("beam_width", "beam_width", None, "INT32"),
+    ("stream", "streaming", None, "BOOL"),
+    ("embedding_bias_words", None, "EMBEDDING_BIAS_WORDS", "STRING", (-1,)),
+    ("embedding_bias_weights", None, "EMBEDDING_BIAS_WEIGHTS", "FP32", (-1,)),
+    ("apply_chat_template", None, "APPLY_CHAT_TEMPLATE", "BOOL"),
 )
 REQUEST_INPUTS = tuple(RequestInput(*row) for row in _ROWS)
 
@@ -116,8 +118,9 @@ def ensemble_names(model: str) -> dict[str, str]:
 
 
 def _inputs(column: str) -> tuple[Tensor, ...]:
-    return tuple(_opt(getattr(r, column), r.dtype, r.dims) for r in REQUEST_INPUTS
-                 if getattr(r, column))
+    return tuple(
+        _opt(getattr(r, column), r.dtype, r.dims) for r in REQUEST_INPUTS if getattr(r, column)
+    )
 
 
 # ---- ensemble / BLS (text in, text out) ----------------------------------------------------------
@@ -158,17 +161,21 @@ TENSORRT_LLM = ModelIO(
         _opt("stop_words_list", "INT32", (2, -1), ragged=True),
         _opt("bad_words_list", "INT32", (2, -1), ragged=True),
         _opt("embedding_bias", "FP32", (-1,), ragged=True),
-    ) + _inputs("llm") + (_opt("stop", "BOOL"),),
+    )
+    + _inputs("llm")
+    + (_opt("stop", "BOOL"),),
     outputs=(
         Tensor("output_ids", "INT32", (-1, -1)),
         Tensor("sequence_length", "INT32", (-1,)),
-    ) + LLM_SIDE_OUTPUTS + DETOK_OUTPUTS,
+    )
+    + LLM_SIDE_OUTPUTS
+    + DETOK_OUTPUTS,
 )
 
 # ---- postprocessing ------------------------------------------------------------------------------
 POSTPROCESSING = ModelIO(
     inputs=(
-        Tensor("TOKENS_BATCH", "INT32", (-1, -1), ragged=True),   # windows of any length, batched
+        Tensor("TOKENS_BATCH", "INT32", (-1, -1), ragged=True),  # windows of any length, batched
         Tensor("SEQUENCE_LENGTH", "INT32", (-1,)),
         _opt("WINDOW_CONTEXT_LENGTH", "INT32"),
         _opt("IS_FINAL", "BOOL"),
@@ -188,8 +195,9 @@ _PRE_TO_LLM = {  # preprocessing output -> (internal tensor, tensorrt_llm input)
     "OUT_END_ID": ("_PREPROCESSOR_END_ID", "end_id"),
     "OUT_PAD_ID": ("_PREPROCESSOR_PAD_ID", "pad_id"),
 }
-_LLM_FROM_ENSEMBLE = {  # tensorrt_llm input -> ensemble input, for those preprocessing does not read
-    r.llm: r.ensemble for r in REQUEST_INPUTS if r.llm and not r.preprocessing}
+_LLM_FROM_ENSEMBLE = {  # tensorrt_llm input -> ensemble input, for those preprocessing doesn't read
+    r.llm: r.ensemble for r in REQUEST_INPUTS if r.llm and not r.preprocessing
+}
 _LLM_TO_POST = {  # tensorrt_llm output -> (internal tensor, postprocessing input)
     "detok_window_ids": ("_DETOK_WINDOW_IDS", "TOKENS_BATCH"),
     "detok_window_length": ("_DETOK_WINDOW_LENGTH", "SEQUENCE_LENGTH"),
@@ -202,14 +210,24 @@ ENSEMBLE = ModelIO(
     inputs=TEXT_INPUTS,
     outputs=TEXT_OUTPUTS,
     steps=(
-        Step("preprocessing", ensemble_names("preprocessing"),
-             {out: internal for out, (internal, _) in _PRE_TO_LLM.items()}),
-        Step("tensorrt_llm",
-             {**{inp: internal for internal, inp in _PRE_TO_LLM.values()}, **_LLM_FROM_ENSEMBLE},
-             {**{t.name: t.name for t in LLM_SIDE_OUTPUTS},
-              **{out: internal for out, (internal, _) in _LLM_TO_POST.items()}}),
-        Step("postprocessing", {inp: internal for internal, inp in _LLM_TO_POST.values()},
-             {"OUTPUT": "text_output"}),
+        Step(
+            "preprocessing",
+            ensemble_names("preprocessing"),
+            {out: internal for out, (internal, _) in _PRE_TO_LLM.items()},
+        ),
+        Step(
+            "tensorrt_llm",
+            {**{inp: internal for internal, inp in _PRE_TO_LLM.values()}, **_LLM_FROM_ENSEMBLE},
+            {
+                **{t.name: t.name for t in LLM_SIDE_OUTPUTS},
+                **{out: internal for out, (internal, _) in _LLM_TO_POST.items()},
+            },
+        ),
+        Step(
+            "postprocessing",
+            {inp: internal for internal, inp in _LLM_TO_POST.values()},
+            {"OUTPUT": "text_output"},
+        ),
     ),
 )
 

@@ -1,7 +1,8 @@
 """A token-level client of `tensorrt_llm`, the way TensorRT-LLM's inflight_batcher_llm_client talks
 to it: tokenize here, send ids over a gRPC stream, detokenize the ids that come back.
 
-  python -m ensemble.token_client --url localhost:8001 --text "Born in north-east France," --max-tokens 16
+  python -m ensemble.token_client --url localhost:8001 --text "Born in north-east France," \
+      --max-tokens 16
   python -m ensemble.token_client --text "..." --streaming          # ids printed as they arrive
   python -m ensemble.token_client --text "..." --json               # one JSON object
 
@@ -9,6 +10,7 @@ The tokenizer is the served model's (--model as given to `ensemble build`, or --
 the repository's default rules: special tokens added, end/pad ids from the tokenizer. Needs
 tritonclient[grpc] (the `serve` extra).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +31,14 @@ def as_input(name: str, value: np.ndarray) -> grpcclient.InferInput:
     return tensor
 
 
-def request_inputs(ids: list[int], max_tokens: int, end_id: int, pad_id: int,
-                   streaming: bool) -> list[grpcclient.InferInput]:
+def request_inputs(
+    ids: list[int], max_tokens: int, end_id: int, pad_id: int, streaming: bool
+) -> list[grpcclient.InferInput]:
     """One batch row, tensorrt_llm's tensor names and types."""
+
     def scalar(value, dtype):
         return np.array([[value]], dtype=dtype)
+
     return [
         as_input("input_ids", np.array([ids], dtype=np.int32)),
         as_input("input_lengths", scalar(len(ids), np.int32)),
@@ -46,16 +51,23 @@ def request_inputs(ids: list[int], max_tokens: int, end_id: int, pad_id: int,
     ]
 
 
-def generate(url: str, model: str, inputs: list[grpcclient.InferInput], request_id: str = "1",
-             on_ids=None, timeout: float = 600.0) -> list[int]:
+def generate(
+    url: str,
+    model: str,
+    inputs: list[grpcclient.InferInput],
+    request_id: str = "1",
+    on_ids=None,
+    timeout: float = 600.0,
+) -> list[int]:
     """Send one request on a gRPC stream; the generated ids once the final response arrived.
     `on_ids(new_ids)` sees each response's ids as it arrives."""
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        client.async_stream_infer(model, inputs, request_id=request_id,
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(
+            model, inputs, request_id=request_id, enable_empty_final_response=True
+        )
         ids: list[int] = []
         while True:
             result, error = responses.get(timeout=timeout)
@@ -78,10 +90,12 @@ def generate(url: str, model: str, inputs: list[grpcclient.InferInput], request_
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ensemble.token_client",
-                                description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = argparse.ArgumentParser(
+        prog="python -m ensemble.token_client",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("--url", default="localhost:8001", help="tritonserver gRPC address")
     p.add_argument("--model-name", default="tensorrt_llm")
     p.add_argument("--text", default="Born in north-east France, Soyer trained as a")
@@ -94,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.tokenizer_dir is None:
-        from backend.model_paths import resolve_model  # noqa: PLC0415 - only without --tokenizer-dir
+        from backend.model_paths import resolve_model  # only without --tokenizer-dir
+
         args.tokenizer_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(args.tokenizer_dir)
     ids = encode(tokenizer, args.text)

@@ -4,6 +4,7 @@ Triton finds most of these only at load time, one at a time, with terse messages
 rule (a step after a decoupled model may read only tensors that come from that model) bites
 silently in the generate endpoints otherwise.
 """
+
 from __future__ import annotations
 
 from ensemble.tensors import ModelIO, Tensor
@@ -13,8 +14,11 @@ class WiringError(ValueError):
     pass
 
 
-def check_wiring(ensemble: ModelIO, models: dict[str, ModelIO],
-                 decoupled: frozenset[str] = frozenset({"tensorrt_llm"})) -> None:
+def check_wiring(
+    ensemble: ModelIO,
+    models: dict[str, ModelIO],
+    decoupled: frozenset[str] = frozenset({"tensorrt_llm"}),
+) -> None:
     """Raise WiringError listing every problem found, or return None when the wiring is sound."""
     problems: list[str] = []
     # tensor name -> (declaration, origin label); ensemble inputs come from the request ("")
@@ -35,18 +39,23 @@ def check_wiring(ensemble: ModelIO, models: dict[str, ModelIO],
                 continue
             source = available.get(tensor)
             if source is None:
-                problems.append(f"step {step.model!r}: input {name!r} reads {tensor!r}, which is "
-                                "neither an ensemble input nor an output of an earlier step")
+                problems.append(
+                    f"step {step.model!r}: input {name!r} reads {tensor!r}, which is "
+                    "neither an ensemble input nor an output of an earlier step"
+                )
                 continue
-            problems += _compare(f"step {step.model!r} input {name!r} <- {tensor!r}",
-                                 source[0], declared)
+            problems += _compare(
+                f"step {step.model!r} input {name!r} <- {tensor!r}", source[0], declared
+            )
             labels.add(source[1])
         for declared in model.inputs:
             if not declared.optional and declared.name not in step.inputs:
                 problems.append(f"step {step.model!r}: required input {declared.name!r} is not fed")
         if len(labels) > 1:
-            problems.append(f"step {step.model!r} mixes tensors from the request and from a "
-                            "decoupled step; after a decoupled step read only its outputs")
+            problems.append(
+                f"step {step.model!r} mixes tensors from the request and from a "
+                "decoupled step; after a decoupled step read only its outputs"
+            )
         label = step.model if step.model in decoupled else (labels.pop() if labels else "")
         for name, tensor in step.outputs.items():
             declared = model_outputs.get(name)
@@ -54,8 +63,10 @@ def check_wiring(ensemble: ModelIO, models: dict[str, ModelIO],
                 problems.append(f"step {step.model!r}: {name!r} is not an output of the model")
                 continue
             if tensor in available:
-                problems.append(f"step {step.model!r}: {tensor!r} is already produced by "
-                                f"{produced_by.get(tensor, 'the ensemble inputs')!r}")
+                problems.append(
+                    f"step {step.model!r}: {tensor!r} is already produced by "
+                    f"{produced_by.get(tensor, 'the ensemble inputs')!r}"
+                )
                 continue
             available[tensor] = (declared, label)
             produced_by[tensor] = step.model
@@ -64,8 +75,9 @@ def check_wiring(ensemble: ModelIO, models: dict[str, ModelIO],
         if source is None or out.name not in produced_by:
             problems.append(f"ensemble output {out.name!r} is not produced by any step")
             continue
-        problems += _compare(f"ensemble output {out.name!r} <- {produced_by[out.name]!r}",
-                             source[0], out)
+        problems += _compare(
+            f"ensemble output {out.name!r} <- {produced_by[out.name]!r}", source[0], out
+        )
     if problems:
         raise WiringError("ensemble wiring is broken:\n  " + "\n  ".join(problems))
 

@@ -39,8 +39,9 @@ Skipped special tokens carry no text, so the window holds DETOKENIZE_CONTEXT = 1
 deltas are exact while at most 8 of the 16 ids before each response's new ones are skipped
 special tokens (or the window starts at the first id). This holds for byte-level BPE for any id
 stream, and for byte fallback for streams whose byte runs are valid UTF-8 (anything a tokenizer
-produces from text, U+FFFD included). A byte fallback run that is not valid UTF-8 decodes to U+FFFD as a whole, so text that was already
-streamed changes afterwards; no streaming detokenizer can be exact there.
+produces from text, U+FFFD included). A byte fallback run that is not valid UTF-8 decodes to
+U+FFFD as a whole, so text that was already streamed changes afterwards; no streaming detokenizer
+can be exact there.
 
 Fallback. Cleanup rules (``clean_up_tokenization_spaces``: " ." -> ".") can make the previous
 text not a prefix of the current one. Then the delta is the current text after the longest common
@@ -56,7 +57,7 @@ from typing import Callable, Optional, Sequence
 DETOKENIZE_CONTEXT = 16
 MAX_HELD_TOKENS = 3
 _MAX_SKIPPED_TOKENS = 3
-_TEXT_CONTEXT = 8           # context tokens that carry text the argument below needs
+_TEXT_CONTEXT = 8  # context tokens that carry text the argument below needs
 _TAIL_TOKENS = _TEXT_CONTEXT - _MAX_SKIPPED_TOKENS
 _REPLACEMENT = "\ufffd"
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-F]{2})>")
@@ -134,9 +135,9 @@ class _TailFinder:
         if held is not None:
             return self.decode(ids[start : end - held])
         boundary = end
-        for _ in range(MAX_HELD_TOKENS + 1):     # token boundaries, skipped special tokens apart
+        for _ in range(MAX_HELD_TOKENS + 1):  # token boundaries, skipped special tokens apart
             while boundary > start and ids[boundary - 1] in self.silent_ids:
-                boundary -= 1                     # the same text as one token later
+                boundary -= 1  # the same text as one token later
             text = self.decode(ids[start:boundary])
             if not text.endswith(_REPLACEMENT) or boundary == start:
                 return text

@@ -31,8 +31,15 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 Messages = Sequence[dict]
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                       "cls_token", "mask_token")
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 EXTRA_SPECIAL_KEYS = ("additional_special_tokens", "extra_special_tokens")
 
 
@@ -43,16 +50,22 @@ class Tokenizer:
         self.backend_tokenizer = backend
         self.chat_template = chat_template
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
-        self.special_tokens = {name: _content(config[name]) for name in SPECIAL_TOKEN_NAMES
-                               if config.get(name) is not None}
+        self.special_tokens = {
+            name: _content(config[name])
+            for name in SPECIAL_TOKEN_NAMES
+            if config.get(name) is not None
+        }
         extra = []
         for key in EXTRA_SPECIAL_KEYS:
             values = config.get(key) or []
-            extra += [_content(v) for v in (values.values() if isinstance(values, dict) else values)]
+            extra += [
+                _content(v) for v in (values.values() if isinstance(values, dict) else values)
+            ]
         self.extra_special_tokens = list(dict.fromkeys(extra))
         known = {str(t.content) for t in backend.get_added_tokens_decoder().values()}
-        missing = [t for t in [*self.special_tokens.values(), *self.extra_special_tokens]
-                   if t not in known]
+        missing = [
+            t for t in [*self.special_tokens.values(), *self.extra_special_tokens] if t not in known
+        ]
         if missing:
             backend.add_special_tokens([AddedToken(t, special=True) for t in missing])
 
@@ -62,15 +75,16 @@ class Tokenizer:
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"no tokenizer.json in {directory}: save the tokenizer in the fast format, e.g. "
-                "AutoTokenizer.from_pretrained(d).save_pretrained(d) with transformers")
+                "AutoTokenizer.from_pretrained(d).save_pretrained(d) with transformers"
+            )
         config = {}
-        for name in ("special_tokens_map.json", "tokenizer_config.json"):   # the config wins
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins
             file = os.path.join(directory, name)
             if os.path.isfile(file):
                 with open(file, encoding="utf-8") as f:
                     config.update(json.load(f))
         template = config.get("chat_template")
-        if isinstance(template, list):                  # named templates: take the default one
+        if isinstance(template, list):  # named templates: take the default one
             template = {t["name"]: t["template"] for t in template}.get("default")
         jinja = os.path.join(directory, "chat_template.jinja")
         if template is None and os.path.isfile(jinja):
@@ -106,8 +120,9 @@ class Tokenizer:
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        text = self.backend_tokenizer.decode([int(i) for i in ids],
-                                             skip_special_tokens=skip_special_tokens)
+        text = self.backend_tokenizer.decode(
+            [int(i) for i in ids], skip_special_tokens=skip_special_tokens
+        )
         if self.clean_up_tokenization_spaces and not self._is_bpe:
             text = _clean_up_tokenization(text)
         return text
@@ -130,12 +145,18 @@ class Tokenizer:
         ids = (self.convert_tokens_to_ids(t) for t in tokens if t is not None)
         return [i for i in ids if i is not None]
 
-    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: Messages, add_generation_prompt: bool = True
+    ) -> list[int]:
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template; send the prompt as plain text instead")
+            raise ValueError(
+                "this tokenizer has no chat template; send the prompt as plain text instead"
+            )
         text = _compiled_template(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
-            **{name: value for name, value in self.special_tokens.items() if value is not None})
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            **{name: value for name, value in self.special_tokens.items() if value is not None},
+        )
         return self.encode(text, add_special_tokens=False)
 
     # ---- internals ----
@@ -150,9 +171,18 @@ def _content(value) -> str:
 
 
 def _clean_up_tokenization(text: str) -> str:
-    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
-                          (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"),
-                          (" 're", "'re")):
+    for before, after in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(before, after)
     return text
 
@@ -181,11 +211,17 @@ def _compiled_template(source: str):
             raise jinja2.exceptions.TemplateError(message)
 
         def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                              separators=separators, sort_keys=sort_keys)
+            return json.dumps(
+                value,
+                ensure_ascii=ensure_ascii,
+                indent=indent,
+                separators=separators,
+                sort_keys=sort_keys,
+            )
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[Generation, jinja2.ext.loopcontrols])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+        )
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -237,4 +273,3 @@ def _first_id(tokenizer, token_text, name: str, field: str) -> int:
     if not ids:
         raise ValueError(f"the tokenizer's {name} token {token_text!r} encodes to no ids")
     return ids[0]
-

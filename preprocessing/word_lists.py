@@ -46,8 +46,9 @@ def parse_words(strings, field: str = "words") -> list[str]:
         raise ValueError(f"{field} has {len(words)} words; at most {MAX_WORDS} are allowed")
     for word in words:
         if len(word) > MAX_WORD_CHARS:
-            raise ValueError(f"{field}: a word of {len(word)} characters; at most "
-                             f"{MAX_WORD_CHARS} are allowed")
+            raise ValueError(
+                f"{field}: a word of {len(word)} characters; at most {MAX_WORD_CHARS} are allowed"
+            )
     return words
 
 
@@ -194,4 +195,3 @@ def _quoted(text: str, position: int, field: str) -> tuple[str, int]:
             return "".join(parts), quote + 1
         parts.append('"')
         start = quote + 2
-

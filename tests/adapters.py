@@ -6,6 +6,7 @@ name of its own instead (`adapters.<model>.<module>`), leaving sys.path alone. A
 imports a sibling by its plain name (as the stub allows) cannot be loaded this way; the
 conversions under test import only our packages.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,7 +25,9 @@ REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 def load_adapter(model: str, module: str = "model") -> ModuleType:
     name = f"adapters.{model}.{module}"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPOSITORY / model / "1" / f"{module}.py")
+        spec = importlib.util.spec_from_file_location(
+            name, REPOSITORY / model / "1" / f"{module}.py"
+        )
         loaded = importlib.util.module_from_spec(spec)
         sys.modules[name] = loaded  # before running it: dataclasses look their module up
         try:

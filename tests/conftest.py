@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random-weight Hugging Face model directories (see tests/tiny_models.py)
 and real tokenizers (see tests/tokenizer_fixtures.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,9 @@ from tests.tokenizer_fixtures import sentencepiece, smollm2  # noqa: F401 - fixt
 @pytest.fixture
 def tiny_hf_model(tmp_path):
     """Factory: tiny_hf_model(model_type, **config overrides) -> (transformers model, dir)."""
+
     def make(model_type: str = "llama", **overrides):
         path = tmp_path / f"{model_type}-{len(list(tmp_path.iterdir()))}"
         return save_tiny_hf_model(path, model_type, **overrides), path
+
     return make

@@ -1,4 +1,5 @@
 """Tiny random-weight Llama-family checkpoints saved as Hugging Face directories."""
+
 from __future__ import annotations
 
 import random
@@ -6,20 +7,42 @@ import random
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 TINY_CONFIGS = {
     "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
-    "llama3-rope": lambda: LlamaConfig(**TINY, tie_word_embeddings=True, rope_theta=500000.0,
-                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                     "high_freq_factor": 4.0,
-                                                     "original_max_position_embeddings": 64}),
+    "llama3-rope": lambda: LlamaConfig(
+        **TINY,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
     # SmolLM2-135M's attention shape (9 query heads on 3 kv heads, head_dim 64), two layers.
-    "smollm-shape": lambda: LlamaConfig(**{**TINY, "hidden_size": 576, "intermediate_size": 256,
-                                           "num_attention_heads": 9, "num_key_value_heads": 3},
-                                        tie_word_embeddings=True),
+    "smollm-shape": lambda: LlamaConfig(
+        **{
+            **TINY,
+            "hidden_size": 576,
+            "intermediate_size": 256,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+        },
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -34,11 +57,23 @@ def make_tiny_model(kind: str, path) -> AutoModelForCausalLM:
     return model.eval()
 
 
-TINY_SHAPE = dict(vocab_size=640, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+TINY_SHAPE = dict(
+    vocab_size=640,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 CONFIG_CLASSES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
 
 
@@ -58,8 +93,8 @@ def save_tiny_hf_model(path, model_type: str = "llama", seed: int = 0, **overrid
     return model.eval()
 
 
-def random_prompts(n: int, vocab: int, seed: int = 0, low: int = 1, high: int = 90) -> list[list[int]]:
+def random_prompts(
+    n: int, vocab: int, seed: int = 0, low: int = 1, high: int = 90
+) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
-
-

@@ -9,6 +9,7 @@ and optionally, for decode-only steps whose consumer merges split-K attention it
 - 'triton': backend.attention.triton_backend (Triton-language kernels; imported lazily)
 - 'auto':   'triton' on CUDA when it imports, 'torch' otherwise
 """
+
 from __future__ import annotations
 
 import importlib
@@ -34,7 +35,9 @@ class AttentionBackend:
     decode_partials: Callable | None = None
 
 
-def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
+def get_attention_backend(
+    name: str = "auto", device: str | torch.device = "cpu"
+) -> AttentionBackend:
     device = torch.device(device)
     if name == "auto":
         if device.type == "cuda":
@@ -46,8 +49,9 @@ def get_attention_backend(name: str = "auto", device: str | torch.device = "cpu"
     if name not in _MODULES:
         raise ValueError(f"attention_backend must be one of {('auto', *_MODULES)}, got {name!r}")
     module = importlib.import_module(_MODULES[name])
-    return AttentionBackend(name, module.write_kv, module.paged_attention,
-                            getattr(module, "decode_partials", None))
+    return AttentionBackend(
+        name, module.write_kv, module.paged_attention, getattr(module, "decode_partials", None)
+    )
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "SplitPartials", "get_attention_backend"]

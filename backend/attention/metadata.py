@@ -8,6 +8,7 @@ The new tokens of all scheduled requests are packed along one axis (T tokens). R
 query rows `query_start_loc[b] : query_start_loc[b + 1]`; they sit at the last positions of its
 context, whose full length after this step is `seq_lens[b]`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,13 +18,13 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor     # [T] int64, cache slot of each new token
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
     query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths
-    seq_lens: torch.Tensor         # [B] int32, context length including the new tokens
-    block_tables: torch.Tensor     # [B, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [B] int32, context length including the new tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     max_query_len: int
     max_seq_len: int
-    query_lens_cpu: list[int]      # host copies, used by the torch reference
+    query_lens_cpu: list[int]  # host copies, used by the torch reference
     seq_lens_cpu: list[int]
 
     @property

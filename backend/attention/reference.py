@@ -2,6 +2,7 @@
 
 Causal attention with grouped-query heads, reading every key and value from the paged cache.
 """
+
 from __future__ import annotations
 
 import torch
@@ -9,16 +10,30 @@ import torch
 from backend.attention.metadata import AttentionMetadata
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their cache slots."""
     num_blocks, tokens_per_block = k_cache.shape[:2]
-    k_cache.view(num_blocks * tokens_per_block, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
-    v_cache.view(num_blocks * tokens_per_block, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+    k_cache.view(num_blocks * tokens_per_block, *k_cache.shape[2:])[slot_mapping] = key.to(
+        k_cache.dtype
+    )
+    v_cache.view(num_blocks * tokens_per_block, *v_cache.shape[2:])[slot_mapping] = value.to(
+        v_cache.dtype
+    )
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """query [T, heads, head_dim] -> output [T, heads, head_dim]."""
     if meta.is_decode_only and meta.num_seqs > 1:
         return _decode_batched(query, k_cache, v_cache, meta, scale)
@@ -33,21 +48,26 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         blocks = meta.block_tables[b, :num_blocks].long()
         keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
         values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
-        q = query[start:start + q_len].float()                        # [q, H, D]
-        k = keys.float().repeat_interleave(group, dim=1)              # [ctx, H, D]
+        q = query[start : start + q_len].float()  # [q, H, D]
+        k = keys.float().repeat_interleave(group, dim=1)  # [ctx, H, D]
         v = values.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
         k_pos = torch.arange(ctx_len, device=query.device)
         scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
         start += q_len
     return out
 
 
-def _decode_batched(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_batched(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """Decode-only batches (one query row per request, in request order) in a few batched ops
     instead of a loop over requests: gather every context, padded to the longest, and mask.
     The same arithmetic as the loop above, so the two agree to float rounding."""
@@ -56,11 +76,13 @@ def _decode_batched(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_kv_heads, tokens_per_block = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     longest = meta.max_seq_len
-    tables = meta.block_tables[:, :(longest + tokens_per_block - 1) // tokens_per_block].long()
+    tables = meta.block_tables[:, : (longest + tokens_per_block - 1) // tokens_per_block].long()
     keys = k_cache[tables].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :longest].float()
     values = v_cache[tables].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :longest].float()
-    padding = torch.arange(longest, device=query.device)[None, :] >= meta.seq_lens[:, None]   # [B, L]
-    values = values.masked_fill(padding[:, :, None, None], 0.0)   # unwritten slots may hold NaN
+    padding = (
+        torch.arange(longest, device=query.device)[None, :] >= meta.seq_lens[:, None]
+    )  # [B, L]
+    values = values.masked_fill(padding[:, :, None, None], 0.0)  # unwritten slots may hold NaN
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale
     scores.masked_fill_(padding[:, None, None, :], float("-inf"))

@@ -4,6 +4,7 @@ Each split of a head's context yields its normalised output and the base-2 log-s
 scores; `backend.kernels.split_merge.merge_splits` is the formula that merges them. A consumer
 reads the tensors through their strides, so the layout is the attention kernel's to choose.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,8 +14,8 @@ import torch
 
 @dataclass(frozen=True)
 class SplitPartials:
-    outputs: torch.Tensor   # [requests, heads, splits, head_dim] float32; unset where lse is -inf
-    lse: torch.Tensor       # [requests, heads, splits] float32; -inf: the split had no keys
+    outputs: torch.Tensor  # [requests, heads, splits, head_dim] float32; unset where lse is -inf
+    lse: torch.Tensor  # [requests, heads, splits] float32; -inf: the split had no keys
 
     @property
     def num_heads(self) -> int:

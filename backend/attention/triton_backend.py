@@ -9,6 +9,7 @@ decode kernel and every other batch (prefill chunks, possibly mixed with decodes
 kernel. Only the ints meta.max_query_len / meta.max_seq_len are read on the host, to pick the
 kernel and size the grid; everything else stays on the device.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,20 +23,47 @@ from backend.attention.split_partials import SplitPartials
 __all__ = ["write_kv", "paged_attention", "decode_partials"]
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """query [T, heads, head_dim] -> output [T, heads, head_dim] (causal, GQA, paged K/V)."""
     if meta.max_query_len == 1:
-        return decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                meta.query_start_loc, meta.max_seq_len, scale)
-    return prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                             meta.query_start_loc, scale)
+        return decode_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_seq_len,
+            scale,
+        )
+    return prefill_attention(
+        query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+    )
 
 
-def decode_partials(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> SplitPartials:
+def decode_partials(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> SplitPartials:
     """Decode-only steps: query [T, heads, head_dim] -> each split's output and log-sum-exp,
     unmerged (the one-token o projection merges them as it reads them)."""
-    outputs, lse = decode_attention_partials(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                             meta.query_start_loc, meta.max_seq_len, scale)
+    outputs, lse = decode_attention_partials(
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.max_seq_len,
+        scale,
+    )
     return SplitPartials(outputs, lse)

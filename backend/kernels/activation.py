@@ -4,6 +4,7 @@ In torch this is two elementwise kernels and a temporary the size of the interme
 program per (token, column tile) reads gate and up once and writes the product. silu is computed
 in float32 and rounded once, like torch's bf16 silu followed by the multiply up to the last bit.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,5 +32,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         block = 1024
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(size, block))](
-            gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=block, num_warps=4)
+            gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=block, num_warps=4
+        )
     return out

@@ -13,6 +13,7 @@ advances the graph's replay counter (`backend.kernels.step_inputs`). There each 
 exclude a few ids (`banned`, -1 = none): the end ids of a request short of its min_tokens, so
 that greedy rows with that ban take the graph's argmax too.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,18 @@ ROW_ORDERING = Ordering("argmax_rows", releases="after_wait")
 
 
 @triton.jit
-def _chunk_max_kernel(x_ptr, max_ptr, index_ptr, banned_ptr, V, stride_row, num_chunks,
-                      CHUNK: tl.constexpr, BANNED: tl.constexpr, PDL: tl.constexpr):
+def _chunk_max_kernel(
+    x_ptr,
+    max_ptr,
+    index_ptr,
+    banned_ptr,
+    V,
+    stride_row,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    BANNED: tl.constexpr,
+    PDL: tl.constexpr,
+):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -45,8 +56,19 @@ def _chunk_max_kernel(x_ptr, max_ptr, index_ptr, banned_ptr, V, stride_row, num_
 
 
 @triton.jit
-def _row_max_kernel(max_ptr, index_ptr, out_ptr, host_out_ptr, host_stride, slot_ptr, replays_ptr, num_chunks,
-                    CHUNKS_PAD: tl.constexpr, TO_HOST: tl.constexpr, PDL: tl.constexpr):
+def _row_max_kernel(
+    max_ptr,
+    index_ptr,
+    out_ptr,
+    host_out_ptr,
+    host_stride,
+    slot_ptr,
+    replays_ptr,
+    num_chunks,
+    CHUNKS_PAD: tl.constexpr,
+    TO_HOST: tl.constexpr,
+    PDL: tl.constexpr,
+):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -61,19 +83,22 @@ def _row_max_kernel(max_ptr, index_ptr, out_ptr, host_out_ptr, host_stride, slot
     tl.store(out_ptr + row, first.to(tl.int64))
     if TO_HOST:
         tl.store(host_out_ptr + tl.load(slot_ptr) * host_stride + row, first.to(tl.int64))
-        if row == 0:    # the only program that reads or writes the counter
+        if row == 0:  # the only program that reads or writes the counter
             tl.store(replays_ptr, tl.load(replays_ptr) + 1)
 
 
-def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None,
-                to_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                banned: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_rows(
+    x: torch.Tensor,
+    out: torch.Tensor | None = None,
+    to_host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    banned: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [B, V] (float, last dimension contiguous) -> int64 [B] (into `out` when given).
 
     `to_host` = (ring int64 [2, >= B], slot int64 [1], replays int64 [1]): also write the ids to
     ring[slot], and add one to replays. `banned` int64 [B, K] (contiguous): ids row b must not
     take (-1: none); a row needs at least one id left."""
-    assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] < 2 ** 31
+    assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] < 2**31
     rows, vocab = x.shape
     num_chunks = triton.cdiv(vocab, CHUNK)
     maxima = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
@@ -86,13 +111,33 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None,
     chunk_options = launch_options(CHUNK_ORDERING)
     if banned is not None:
         assert banned.shape[0] == rows and banned.dtype == torch.int64 and banned.is_contiguous()
-    _chunk_max_kernel[(rows, num_chunks)](x, maxima, index, banned if banned is not None else out, vocab,
-                                          x.stride(0), num_chunks, CHUNK=CHUNK,
-                                          BANNED=banned.shape[1] if banned is not None else 0,
-                                          num_warps=8, **chunk_options)
+    _chunk_max_kernel[(rows, num_chunks)](
+        x,
+        maxima,
+        index,
+        banned if banned is not None else out,
+        vocab,
+        x.stride(0),
+        num_chunks,
+        CHUNK=CHUNK,
+        BANNED=banned.shape[1] if banned is not None else 0,
+        num_warps=8,
+        **chunk_options,
+    )
     ring, slot, replays = to_host if to_host is not None else (out[None], out, out)
     assert ring.dtype == torch.int64 and ring.stride(1) == 1 and ring.shape[1] >= rows
-    _row_max_kernel[(rows,)](maxima, index, out, ring, ring.stride(0) if to_host else 0, slot, replays,
-                             num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks),
-                             TO_HOST=to_host is not None, num_warps=1, **launch_options(ROW_ORDERING))
+    _row_max_kernel[(rows,)](
+        maxima,
+        index,
+        out,
+        ring,
+        ring.stride(0) if to_host else 0,
+        slot,
+        replays,
+        num_chunks,
+        CHUNKS_PAD=triton.next_power_of_2(num_chunks),
+        TO_HOST=to_host is not None,
+        num_warps=1,
+        **launch_options(ROW_ORDERING),
+    )
     return out

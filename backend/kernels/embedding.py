@@ -7,6 +7,7 @@ its weights while the rows are gathered. Not earlier: the kernels after it read 
 they wait, and in a decode CUDA graph those were written by the kernel before this one
 (`backend.kernels.step_inputs`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,17 @@ ORDERING = Ordering("embedding", releases="after_wait")
 
 
 @triton.jit
-def _embedding_kernel(ids_ptr, weight_ptr, out_ptr, vocab, hidden, stride_w, stride_out,
-                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _embedding_kernel(
+    ids_ptr,
+    weight_ptr,
+    out_ptr,
+    vocab,
+    hidden,
+    stride_w,
+    stride_out,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -42,6 +52,15 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(ids.numel(), weight.shape[1], dtype=weight.dtype, device=weight.device)
     if ids.numel():
         _embedding_kernel[(ids.numel(), triton.cdiv(weight.shape[1], BLOCK))](
-            ids, weight, out, weight.shape[0], weight.shape[1], weight.stride(0), out.stride(0), BLOCK=BLOCK,
-            num_warps=4, **launch_options(ORDERING))
+            ids,
+            weight,
+            out,
+            weight.shape[0],
+            weight.shape[1],
+            weight.stride(0),
+            out.stride(0),
+            BLOCK=BLOCK,
+            num_warps=4,
+            **launch_options(ORDERING),
+        )
     return out

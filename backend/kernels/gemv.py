@@ -31,6 +31,7 @@ are never written by a kernel), so a kernel's weights stream while its predecess
 Steps of several tokens keep the general layers: a 16-row tensor-core dot with these fusions lost
 to cuBLAS (benchmarks/README.md). Launch configs are per device (`backend.kernels.tuning`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,7 +49,10 @@ from backend.kernels.split_merge import merge_splits
 
 NO_PROLOGUE, NORM, SILU_MUL, MERGE = 0, 1, 2, 3
 # Before its wait a program reads only weights, which no kernel writes; EARLY_LAUNCH releases then.
-ORDERING = {early: Ordering("gemv", releases="before_wait" if early else "after_wait") for early in (True, False)}
+ORDERING = {
+    early: Ordering("gemv", releases="before_wait" if early else "after_wait")
+    for early in (True, False)
+}
 
 
 @triton.jit
@@ -68,29 +72,65 @@ def _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE: tl.constexpr):
 
 
 @triton.jit
-def _merged_operand(parts_ptr, lse_ptr, k0, num_splits, parts_head, parts_split, lse_head, lse_split,
-                    WIDTH: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+def _merged_operand(
+    parts_ptr,
+    lse_ptr,
+    k0,
+    num_splits,
+    parts_head,
+    parts_split,
+    lse_head,
+    lse_split,
+    WIDTH: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    dtype: tl.constexpr,
+):
     """The float32 operand at columns k0..k0+WIDTH (whole heads) merged from the split partials
     parts [heads, num_splits, HEAD_DIM] and lse [heads, num_splits] (at their head and split
     strides), rounded to `dtype`."""
     HEADS: tl.constexpr = WIDTH // HEAD_DIM
     heads = k0 // HEAD_DIM + tl.arange(0, HEADS)
     splits = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(lse_ptr + heads[:, None] * lse_head + splits[None, :] * lse_split,
-                  mask=splits[None, :] < num_splits, other=float("-inf"))          # [H, S]
-    part = heads[:, None] * parts_head + splits[None, :] * parts_split             # [H, S]
-    parts = tl.load(parts_ptr + part[:, :, None] + tl.arange(0, HEAD_DIM)[None, None, :],
-                    mask=(splits < num_splits)[None, :, None], other=0.0)          # [H, S, D]
+    lse = tl.load(
+        lse_ptr + heads[:, None] * lse_head + splits[None, :] * lse_split,
+        mask=splits[None, :] < num_splits,
+        other=float("-inf"),
+    )  # [H, S]
+    part = heads[:, None] * parts_head + splits[None, :] * parts_split  # [H, S]
+    parts = tl.load(
+        parts_ptr + part[:, :, None] + tl.arange(0, HEAD_DIM)[None, None, :],
+        mask=(splits < num_splits)[None, :, None],
+        other=0.0,
+    )  # [H, S, D]
     merged = merge_splits(parts, lse)
     return tl.reshape(merged.to(dtype).to(tl.float32), (WIDTH,))
 
 
 @triton.jit
-def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps,
-                    PROLOGUE: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
-                    SKIP_WAIT: tl.constexpr = False, num_splits=1, SPLITS_PAD: tl.constexpr = 1,
-                    HEAD_DIM: tl.constexpr = 1, parts_head=0, parts_split=0, lse_head=0, lse_split=0):
+def stream_rows_dot(
+    x_ptr,
+    w_ptr,
+    norm_w_ptr,
+    rows,
+    K,
+    stride_wn,
+    eps,
+    PROLOGUE: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
+    EARLY_LAUNCH: tl.constexpr,
+    SKIP_WAIT: tl.constexpr = False,
+    num_splits=1,
+    SPLITS_PAD: tl.constexpr = 1,
+    HEAD_DIM: tl.constexpr = 1,
+    parts_head=0,
+    parts_split=0,
+    lse_head=0,
+    lse_split=0,
+):
     """float32 [BLOCK_N]: weight rows `rows` (int64) dotted with the operand over all of K, the
     norm's scale applied. Waits for the previous kernel (PDL) after reading the first PREFETCH_K
     weight columns, and lets the next one launch early (EARLY_LAUNCH) or after the loop.
@@ -101,7 +141,7 @@ def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps,
     w_rows = w_ptr + rows[:, None] * stride_wn
     if PDL and EARLY_LAUNCH:
         gdc_launch_dependents()
-    if PREFETCH_K > 0:      # the weights are never written by a kernel: read them before waiting
+    if PREFETCH_K > 0:  # the weights are never written by a kernel: read them before waiting
         w_first = tl.load(w_rows + tl.arange(0, PREFETCH_K)[None, :])
     if PDL and not SKIP_WAIT:
         gdc_wait()
@@ -109,11 +149,24 @@ def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps,
     acc = tl.zeros([BLOCK_N], tl.float32)
     if PREFETCH_K > 0:
         if PROLOGUE == 3:
-            a_first = _merged_operand(x_ptr, norm_w_ptr, 0, num_splits, parts_head, parts_split, lse_head,
-                                      lse_split, PREFETCH_K, SPLITS_PAD,
-                                      HEAD_DIM, w_ptr.dtype.element_ty)
+            a_first = _merged_operand(
+                x_ptr,
+                norm_w_ptr,
+                0,
+                num_splits,
+                parts_head,
+                parts_split,
+                lse_head,
+                lse_split,
+                PREFETCH_K,
+                SPLITS_PAD,
+                HEAD_DIM,
+                w_ptr.dtype.element_ty,
+            )
         else:
-            a_first, first_squares = _operand_tile(x_ptr, norm_w_ptr, tl.arange(0, PREFETCH_K), K, PROLOGUE)
+            a_first, first_squares = _operand_tile(
+                x_ptr, norm_w_ptr, tl.arange(0, PREFETCH_K), K, PROLOGUE
+            )
             square_sum += first_squares
         acc += tl.sum(w_first.to(tl.float32) * a_first[None, :], 1)
     ks = tl.arange(0, BLOCK_K)
@@ -121,9 +174,20 @@ def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps,
     for k0 in range(PREFETCH_K, K, BLOCK_K):
         k = k0 + ks
         if PROLOGUE == 3:
-            a = _merged_operand(x_ptr, norm_w_ptr, k0, num_splits, parts_head, parts_split, lse_head,
-                                lse_split, BLOCK_K, SPLITS_PAD,
-                                HEAD_DIM, w_ptr.dtype.element_ty)
+            a = _merged_operand(
+                x_ptr,
+                norm_w_ptr,
+                k0,
+                num_splits,
+                parts_head,
+                parts_split,
+                lse_head,
+                lse_split,
+                BLOCK_K,
+                SPLITS_PAD,
+                HEAD_DIM,
+                w_ptr.dtype.element_ty,
+            )
         else:
             a, tile_squares = _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE)
             square_sum += tile_squares
@@ -139,22 +203,63 @@ def stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps,
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, norm_w_ptr, residual_ptr, out_ptr, N, K, stride_wn, eps,
-    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
-    SKIP_WAIT: tl.constexpr = False, num_splits=1, SPLITS_PAD: tl.constexpr = 1, HEAD_DIM: tl.constexpr = 1,
-    parts_head=0, parts_split=0, lse_head=0, lse_split=0,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    norm_w_ptr,
+    residual_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_wn,
+    eps,
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
+    EARLY_LAUNCH: tl.constexpr,
+    SKIP_WAIT: tl.constexpr = False,
+    num_splits=1,
+    SPLITS_PAD: tl.constexpr = 1,
+    HEAD_DIM: tl.constexpr = 1,
+    parts_head=0,
+    parts_split=0,
+    lse_head=0,
+    lse_split=0,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    cols_in = tl.where(col_ok, cols, 0).to(tl.int64)          # masked columns read row 0
-    acc = stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, cols_in, K, stride_wn, eps, PROLOGUE, PDL,
-                          BLOCK_N, BLOCK_K, PREFETCH_K, EARLY_LAUNCH, SKIP_WAIT, num_splits, SPLITS_PAD,
-                          HEAD_DIM, parts_head, parts_split, lse_head, lse_split)
+    cols_in = tl.where(col_ok, cols, 0).to(tl.int64)  # masked columns read row 0
+    acc = stream_rows_dot(
+        x_ptr,
+        w_ptr,
+        norm_w_ptr,
+        cols_in,
+        K,
+        stride_wn,
+        eps,
+        PROLOGUE,
+        PDL,
+        BLOCK_N,
+        BLOCK_K,
+        PREFETCH_K,
+        EARLY_LAUNCH,
+        SKIP_WAIT,
+        num_splits,
+        SPLITS_PAD,
+        HEAD_DIM,
+        parts_head,
+        parts_split,
+        lse_head,
+        lse_split,
+    )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)
-    dtype = w_ptr.dtype.element_ty                  # the activations' (x's, except merged partials)
-    y = acc.to(dtype)                               # rounded as the activations are
+    dtype = w_ptr.dtype.element_ty  # the activations' (x's, except merged partials)
+    y = acc.to(dtype)  # rounded as the activations are
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + cols, mask=col_ok)
         y = (y.to(tl.float32) + residual.to(tl.float32)).to(dtype)
@@ -163,8 +268,12 @@ def _gemv_kernel(
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `gemv` takes this product: one contiguous row, half precision, K in 64-wide tiles."""
-    return (x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and weight.shape[1] % 64 == 0)
+    return (
+        x.shape[0] == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.shape[1] % 64 == 0
+    )
 
 
 def takes_partials(weight: torch.Tensor, head_dim: int) -> bool:
@@ -179,16 +288,34 @@ def takes_partials(weight: torch.Tensor, head_dim: int) -> bool:
 def default_launch_config(n: int, k: int, merge: bool = False) -> dict:
     """Tile and launch shape for devices without a table entry: the rule tuned on the H100 and
     H200 over one decode step's chain of products (benchmarks/README.md, "Kernel choices")."""
+
     def widest_k(*choices):
         return next((b for b in choices if k % b == 0), 64)
-    if n > 32768:       # the vocabulary-wide lm_head: wider tiles
-        config = dict(BLOCK_N=16, BLOCK_K=widest_k(256, 128), num_warps=8, num_stages=2, EARLY_LAUNCH=True)
-    elif merge:         # every program reads all split partials: fewer, wider programs
-        config = dict(BLOCK_N=16, BLOCK_K=widest_k(512, 256, 128), num_warps=8, num_stages=4, EARLY_LAUNCH=True)
+
+    if n > 32768:  # the vocabulary-wide lm_head: wider tiles
+        config = dict(
+            BLOCK_N=16, BLOCK_K=widest_k(256, 128), num_warps=8, num_stages=2, EARLY_LAUNCH=True
+        )
+    elif merge:  # every program reads all split partials: fewer, wider programs
+        config = dict(
+            BLOCK_N=16,
+            BLOCK_K=widest_k(512, 256, 128),
+            num_warps=8,
+            num_stages=4,
+            EARLY_LAUNCH=True,
+        )
     elif k <= 2048:
-        config = dict(BLOCK_N=4, BLOCK_K=widest_k(512, 256, 128), num_warps=4, num_stages=4, EARLY_LAUNCH=True)
-    else:               # long rows (the down projection): more warps per program
-        config = dict(BLOCK_N=4, BLOCK_K=widest_k(512, 256, 128), num_warps=16, num_stages=2, EARLY_LAUNCH=True)
+        config = dict(
+            BLOCK_N=4, BLOCK_K=widest_k(512, 256, 128), num_warps=4, num_stages=4, EARLY_LAUNCH=True
+        )
+    else:  # long rows (the down projection): more warps per program
+        config = dict(
+            BLOCK_N=4,
+            BLOCK_K=widest_k(512, 256, 128),
+            num_warps=16,
+            num_stages=2,
+            EARLY_LAUNCH=True,
+        )
     # Prefetch whole rows before the PDL wait, at most 128 values a thread, in whole tiles.
     held = 128 * 32 * config["num_warps"] // config["BLOCK_N"]
     prefetch = 1 << (min(k, held).bit_length() - 1)
@@ -203,35 +330,50 @@ def tuning_key(n: int, k: int, merge: bool = False) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _tuned_config(n: int, k: int, merge: bool, device_name: str | None) -> Mapping:
-    config = tuning.lookup("gemv", tuning_key(n, k, merge), device_name) or default_launch_config(n, k, merge)
+    config = tuning.lookup("gemv", tuning_key(n, k, merge), device_name) or default_launch_config(
+        n, k, merge
+    )
     return MappingProxyType(_checked(k, config))
 
 
 def launch_config(n: int, k: int, merge: bool = False, device_name: str | None = None) -> dict:
-    """Tile and launch shape for weight [n, k]: the table's on the named device, else the default."""
+    """Tile and launch shape for weight [n, k]: the table's on the named device, else the
+    default."""
     return dict(_tuned_config(n, k, merge, device_name))
 
 
 def _checked(k: int, config: dict) -> dict:
     prefetch = config["PREFETCH_K"]
-    assert k % config["BLOCK_K"] == 0 and prefetch <= k and prefetch % config["BLOCK_K"] == 0, (k, config)
+    assert k % config["BLOCK_K"] == 0 and prefetch <= k and prefetch % config["BLOCK_K"] == 0, (
+        k,
+        config,
+    )
     assert prefetch & (prefetch - 1) == 0, "PREFETCH_K must be 0 or a power of two"
     return config
 
 
-def checked_config(n: int, k: int, overrides: dict | None, merge: bool = False,
-                   device: torch.device | None = None) -> Mapping:
+def checked_config(
+    n: int, k: int, overrides: dict | None, merge: bool = False, device: torch.device | None = None
+) -> Mapping:
     """The config for this shape on `device` with `overrides` applied, checked against K
     (without overrides, the one cached for the shape: no work per call)."""
     tuned = _tuned_config(n, k, merge, tuning.device_name(device) if device is not None else None)
     return _checked(k, {**tuned, **overrides}) if overrides else tuned
 
 
-def gemv(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
-         partials: SplitPartials | None = None,
-         residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         config: dict | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    silu_mul: bool = False,
+    partials: SplitPartials | None = None,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
     """x [1, K] (or [1, 2K] with `silu_mul`), weight [N, K] -> [1, N].
 
     `norm_weight`/`eps`: RMSNorm x first. `silu_mul`: x is gate | up, use silu(gate) * up.
@@ -251,9 +393,15 @@ def gemv(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None
         assert x.stride(-1) == 1 and not silu_mul and norm_weight is None
         assert config["BLOCK_K"] % head_dim == 0 and config["PREFETCH_K"] % head_dim == 0
         norm_weight, prologue = lse, MERGE
-        merge = dict(num_splits=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
-                     parts_head=x.stride(1), parts_split=x.stride(2), lse_head=lse.stride(1),
-                     lse_split=lse.stride(2))
+        merge = dict(
+            num_splits=splits,
+            SPLITS_PAD=triton.next_power_of_2(splits),
+            HEAD_DIM=head_dim,
+            parts_head=x.stride(1),
+            parts_split=x.stride(2),
+            lse_head=lse.stride(1),
+            lse_split=lse.stride(2),
+        )
     else:
         assert x.shape[0] == 1 and not (silu_mul and norm_weight is not None)
         assert x.shape[1] == (2 * k if silu_mul else k), (tuple(x.shape), tuple(weight.shape))
@@ -264,10 +412,21 @@ def gemv(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None
         out = torch.empty((1, n), dtype=weight.dtype, device=weight.device)
     assert residual is None or residual.is_contiguous() and out.is_contiguous()
     _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else weight,
+        x,
+        weight,
+        bias if bias is not None else weight,
         norm_weight if norm_weight is not None else weight,
-        residual if residual is not None else out, out, n, k, weight.stride(0), eps,
-        PROLOGUE=prologue, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        **merge, **config, **launch_options(ORDERING[config["EARLY_LAUNCH"]]),
+        residual if residual is not None else out,
+        out,
+        n,
+        k,
+        weight.stride(0),
+        eps,
+        PROLOGUE=prologue,
+        HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None,
+        **merge,
+        **config,
+        **launch_options(ORDERING[config["EARLY_LAUNCH"]]),
     )
     return out

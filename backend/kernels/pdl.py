@@ -17,6 +17,7 @@ launch declares its `Ordering`, and `check_step_input_reads` proves, for a recor
 launches (`recorded_launches`), that no kernel reading step inputs before its wait can start before
 the last step-input writer has finished.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,11 +35,12 @@ RELEASES = ("before_wait", "after_wait", "at_end")
 @dataclass(frozen=True)
 class Ordering:
     """How one kernel orders itself against the kernels around it."""
+
     kernel: str
-    releases: str                          # when its dependents may launch: one of RELEASES
+    releases: str  # when its dependents may launch: one of RELEASES
     reads_step_inputs_before_wait: bool = False
     writes_step_inputs: bool = False
-    pdl: bool = True                       # launched with PDL: may start before its predecessor ends
+    pdl: bool = True  # launched with PDL: may start before its predecessor ends
 
     def __post_init__(self):
         assert self.releases in RELEASES, self.releases
@@ -92,7 +94,7 @@ def check_step_input_reads(launches: list[Ordering]) -> None:
     its wait, as early as i-1 itself could start. Launches not recorded (torch's) start only
     after their predecessor ends and end before their successor starts, so leaving them out
     only makes the check stricter."""
-    finished: list[int] = []     # [i]: launches 0..finished[i] have finished when launch i starts
+    finished: list[int] = []  # [i]: launches 0..finished[i] have finished when launch i starts
     writer = -1
     for i, kernel in enumerate(launches):
         previous = launches[i - 1] if i else None
@@ -105,12 +107,22 @@ def check_step_input_reads(launches: list[Ordering]) -> None:
         finished.append(done)
         if kernel.reads_step_inputs_before_wait and writer > done:
             raise StepInputRace(
-                f"launch {i} ({kernel.kernel}) reads step inputs before its wait but may start before "
-                f"launch {writer} ({launches[writer].kernel}) has written them: a kernel between them "
-                f"releases its dependents before it has waited")
+                f"launch {i} ({kernel.kernel}) reads step inputs before its wait but may start "
+                f"before launch {writer} ({launches[writer].kernel}) has written them: a kernel "
+                f"between them releases its dependents before it has waited"
+            )
         if kernel.writes_step_inputs:
             writer = i
 
 
-__all__ = ["Ordering", "StepInputRace", "check_step_input_reads", "enabled", "gdc_launch_dependents",
-           "gdc_wait", "launch_options", "record", "recorded_launches"]
+__all__ = [
+    "Ordering",
+    "StepInputRace",
+    "check_step_input_reads",
+    "enabled",
+    "gdc_launch_dependents",
+    "gdc_wait",
+    "launch_options",
+    "record",
+    "recorded_launches",
+]

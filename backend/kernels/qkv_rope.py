@@ -15,6 +15,7 @@ rotated in float32 and rounded again.
 Tiles are the GEMV's for the shape and device (`gemv.checked_config`) except for 8 features a
 program (`QKV_BLOCK_N`, where the head size allows), faster than 4 (benchmarks/README.md).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,18 +26,47 @@ from backend.kernels.gemv import checked_config, stream_rows_dot
 from backend.kernels.pdl import Ordering, launch_options
 
 QKV_BLOCK_N = 8
-ORDERING = {early: Ordering("qkv_rope_gemv", releases="before_wait" if early else "after_wait",
-                            reads_step_inputs_before_wait=True) for early in (True, False)}
+ORDERING = {
+    early: Ordering(
+        "qkv_rope_gemv",
+        releases="before_wait" if early else "after_wait",
+        reads_step_inputs_before_wait=True,
+    )
+    for early in (True, False)
+}
 
 
 @triton.jit
 def _qkv_rope_kernel(
-    x_ptr, w_ptr, bias_ptr, norm_w_ptr, out_ptr, cos_sin_ptr, positions_ptr, slot_ptr,
-    k_cache_ptr, v_cache_ptr, K, stride_wn, eps, stride_cs_pos, stride_cs_kind,
-    stride_c_block, stride_c_offset, stride_c_head,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CACHE_BLOCK: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    norm_w_ptr,
+    out_ptr,
+    cos_sin_ptr,
+    positions_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    K,
+    stride_wn,
+    eps,
+    stride_cs_pos,
+    stride_cs_kind,
+    stride_c_block,
+    stride_c_offset,
+    stride_c_head,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
+    EARLY_LAUNCH: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
@@ -45,7 +75,9 @@ def _qkv_rope_kernel(
     rotated = head < NUM_HEADS + NUM_KV_HEADS
     lane = tl.arange(0, BLOCK_N)
     # Feature of the head: rotated heads take dims part*PAIRS.. of both halves, values a plain run.
-    dim = tl.where(rotated, (lane // PAIRS) * HALF + part * PAIRS + lane % PAIRS, part * BLOCK_N + lane)
+    dim = tl.where(
+        rotated, (lane // PAIRS) * HALF + part * PAIRS + lane % PAIRS, part * BLOCK_N + lane
+    )
     rows = head.to(tl.int64) * HEAD_DIM + dim
     # Position, cos/sin and slot are step inputs, written before the layers' kernels launch
     # (`backend.kernels.step_inputs`): read them before the wait too.
@@ -54,16 +86,29 @@ def _qkv_rope_kernel(
     cos = tl.load(cos_sin_ptr + position * stride_cs_pos + half_dim)
     sin = tl.load(cos_sin_ptr + position * stride_cs_pos + stride_cs_kind + half_dim)
     slot = tl.load(slot_ptr).to(tl.int64)
-    acc = stream_rows_dot(x_ptr, w_ptr, norm_w_ptr, rows, K, stride_wn, eps, PROLOGUE, PDL,
-                          BLOCK_N, BLOCK_K, PREFETCH_K, EARLY_LAUNCH)
+    acc = stream_rows_dot(
+        x_ptr,
+        w_ptr,
+        norm_w_ptr,
+        rows,
+        K,
+        stride_wn,
+        eps,
+        PROLOGUE,
+        PDL,
+        BLOCK_N,
+        BLOCK_K,
+        PREFETCH_K,
+        EARLY_LAUNCH,
+    )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)
     y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
     if rotated:
         pairs = tl.reshape(y, (2, PAIRS))
         second = tl.arange(0, 2)[:, None] == 1
-        x1 = tl.sum(tl.where(second, 0.0, pairs), 0)           # [PAIRS], first-half dims
-        x2 = tl.sum(tl.where(second, pairs, 0.0), 0)           # the same dims of the second half
+        x1 = tl.sum(tl.where(second, 0.0, pairs), 0)  # [PAIRS], first-half dims
+        x2 = tl.sum(tl.where(second, pairs, 0.0), 0)  # the same dims of the second half
         is_second = lane >= PAIRS
         partner = tl.reshape(tl.where(second, x1[None, :], x2[None, :]), (BLOCK_N,))
         y = tl.where(is_second, y * cos + partner * sin, y * cos - partner * sin)
@@ -73,17 +118,34 @@ def _qkv_rope_kernel(
         in_cache = (slot // CACHE_BLOCK) * stride_c_block + (slot % CACHE_BLOCK) * stride_c_offset
         if rotated:
             kv_head = head - NUM_HEADS
-            tl.store(k_cache_ptr + in_cache + kv_head * stride_c_head + dim, y.to(k_cache_ptr.dtype.element_ty))
+            tl.store(
+                k_cache_ptr + in_cache + kv_head * stride_c_head + dim,
+                y.to(k_cache_ptr.dtype.element_ty),
+            )
         else:
             kv_head = head - NUM_HEADS - NUM_KV_HEADS
-            tl.store(v_cache_ptr + in_cache + kv_head * stride_c_head + dim, y.to(v_cache_ptr.dtype.element_ty))
+            tl.store(
+                v_cache_ptr + in_cache + kv_head * stride_c_head + dim,
+                y.to(v_cache_ptr.dtype.element_ty),
+            )
 
 
-def qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                  num_heads: int, num_kv_heads: int, cos_sin: torch.Tensor, positions: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                  config: dict | None = None) -> torch.Tensor:
+def qkv_rope_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    config: dict | None = None,
+) -> torch.Tensor:
     """x [1, hidden], weight [(heads + 2 kv_heads) * D, hidden] -> qkv [1, (heads + 2 kv_heads) * D]
     with q and k rotated for `positions` [1]; the rotated keys and the values are also stored at
     `slot_mapping` [1] in k_cache / v_cache ([blocks, block_size, kv_heads, D]).
@@ -97,15 +159,34 @@ def qkv_rope_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(-1) == 1
     tile = {"BLOCK_N": QKV_BLOCK_N} if (head_dim // 2) % (QKV_BLOCK_N // 2) == 0 else {}
     config = checked_config(n, k, {**tile, **(config or {})}, device=weight.device)
-    assert config["BLOCK_N"] >= 2 and (head_dim // 2) % (config["BLOCK_N"] // 2) == 0, \
+    assert config["BLOCK_N"] >= 2 and (head_dim // 2) % (config["BLOCK_N"] // 2) == 0, (
         "a program's features must be whole rotary pairs within one head"
+    )
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _qkv_rope_kernel[(n // config["BLOCK_N"],)](
-        x, weight, bias if bias is not None else weight, norm_weight if norm_weight is not None else weight,
-        out, cos_sin, positions, slot_mapping, k_cache, v_cache, k, weight.stride(0), eps,
-        cos_sin.stride(0), cos_sin.stride(1), *k_cache.stride()[:3],
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, CACHE_BLOCK=k_cache.shape[1],
-        PROLOGUE=1 if norm_weight is not None else 0, HAS_BIAS=bias is not None,
-        **config, **launch_options(ORDERING[config["EARLY_LAUNCH"]]),
+        x,
+        weight,
+        bias if bias is not None else weight,
+        norm_weight if norm_weight is not None else weight,
+        out,
+        cos_sin,
+        positions,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        k,
+        weight.stride(0),
+        eps,
+        cos_sin.stride(0),
+        cos_sin.stride(1),
+        *k_cache.stride()[:3],
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        CACHE_BLOCK=k_cache.shape[1],
+        PROLOGUE=1 if norm_weight is not None else 0,
+        HAS_BIAS=bias is not None,
+        **config,
+        **launch_options(ORDERING[config["EARLY_LAUNCH"]]),
     )
     return out

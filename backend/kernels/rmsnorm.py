@@ -1,13 +1,14 @@
 """RMSNorm, optionally fused with the residual add that precedes it, in one pass over each row.
 
 One program per token row (the row fits in registers: BLOCK = next power of two >= hidden):
-    x = x + residual                      (rounded to the activation dtype; this is the new residual)
+    x = x + residual                     (rounded to the activation dtype; this is the new residual)
     out = weight * (x * rsqrt(mean(x^2) + eps))
 The mean and the scaling run in float32; the normalised row is rounded to the activation dtype
 before the weight multiply, the order of operations of `backend.layers.norm.RMSNorm` (and
 transformers), so bf16/fp16 results agree with it up to rare last-bit differences from the order
 of the float32 sum.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,9 +18,19 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -37,22 +48,32 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+):
     """x [T, hidden] -> out, or (out, x + residual) when `residual` is given."""
     num_rows, hidden = x.shape
     assert x.stride(-1) == 1 and weight.shape == (hidden,)
-    out = torch.empty((num_rows, hidden), dtype=torch.promote_types(weight.dtype, x.dtype),
-                      device=x.device)
+    out = torch.empty(
+        (num_rows, hidden), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device
+    )
     new_residual = torch.empty_like(x) if residual is not None else None
     if num_rows:
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(num_rows,)](
-            x, residual if residual is not None else x, weight, out,
+            x,
+            residual if residual is not None else x,
+            weight,
+            out,
             new_residual if residual is not None else out,
-            x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-            new_residual.stride(0) if residual is not None else 0, hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            out.stride(0),
+            new_residual.stride(0) if residual is not None else 0,
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
             num_warps=min(16, max(1, block // 512)),
         )
     return out if residual is None else (out, new_residual)

@@ -12,6 +12,7 @@ With `kv_write`, the same program also stores the token's rotated keys and its v
 paged-cache slot (the layout of `backend.attention.metadata`; slot -1, a padded row, is skipped),
 which saves the separate KV-write kernel per layer.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,9 +25,21 @@ ORDERING = Ordering("apply_rotary_", releases="after_wait")
 
 
 @triton.jit
-def _rotate_heads(ptr, token, stride_t, stride_h, cos, sin, cache_ptr, stride_c_h, slot,
-                  NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
-                  TO_CACHE: tl.constexpr):
+def _rotate_heads(
+    ptr,
+    token,
+    stride_t,
+    stride_h,
+    cos,
+    sin,
+    cache_ptr,
+    stride_c_h,
+    slot,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    TO_CACHE: tl.constexpr,
+):
     """Rotate one token's heads in place; with TO_CACHE also store them at `cache_ptr` (unless
     `slot` < 0, a padded row)."""
     heads = tl.arange(0, HEADS_PAD)[:, None]
@@ -48,13 +61,33 @@ def _rotate_heads(ptr, token, stride_t, stride_h, cos, sin, cache_ptr, stride_c_
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, cos_sin_ptr, positions_ptr,
-    v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_cs_pos, stride_cs_kind,
-    stride_v_t, stride_v_h, stride_c_block, stride_c_offset, stride_c_head,
-    NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
-    WRITE_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    cos_sin_ptr,
+    positions_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    stride_cs_pos,
+    stride_cs_kind,
+    stride_v_t,
+    stride_v_h,
+    stride_c_block,
+    stride_c_offset,
+    stride_c_head,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PDL:
         gdc_wait()
@@ -64,26 +97,61 @@ def _rope_kernel(
     dims = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_sin_ptr + position * stride_cs_pos + dims)
     sin = tl.load(cos_sin_ptr + position * stride_cs_pos + stride_cs_kind + dims)
-    _rotate_heads(q_ptr, token, stride_q_t, stride_q_h, cos, sin, q_ptr, 0, -1,
-                  NUM_HEADS, HEADS_PAD, HALF, False)
+    _rotate_heads(
+        q_ptr,
+        token,
+        stride_q_t,
+        stride_q_h,
+        cos,
+        sin,
+        q_ptr,
+        0,
+        -1,
+        NUM_HEADS,
+        HEADS_PAD,
+        HALF,
+        False,
+    )
     slot = tl.load(slot_ptr + token).to(tl.int64)
     in_cache = tl.where(slot >= 0, slot, 0)
-    cache_offset = (in_cache // BLOCK_SIZE) * stride_c_block + (in_cache % BLOCK_SIZE) * stride_c_offset
-    _rotate_heads(k_ptr, token, stride_k_t, stride_k_h, cos, sin, k_cache_ptr + cache_offset,
-                  stride_c_head, slot, NUM_KV_HEADS, KV_HEADS_PAD, HALF, WRITE_KV)
+    cache_offset = (in_cache // BLOCK_SIZE) * stride_c_block + (
+        in_cache % BLOCK_SIZE
+    ) * stride_c_offset
+    _rotate_heads(
+        k_ptr,
+        token,
+        stride_k_t,
+        stride_k_h,
+        cos,
+        sin,
+        k_cache_ptr + cache_offset,
+        stride_c_head,
+        slot,
+        NUM_KV_HEADS,
+        KV_HEADS_PAD,
+        HALF,
+        WRITE_KV,
+    )
     if WRITE_KV:
         if slot >= 0:
             heads = tl.arange(0, KV_HEADS_PAD)[:, None]
             full_dims = tl.arange(0, 2 * HALF)[None, :]
             mask = heads < NUM_KV_HEADS
             value = tl.load(v_ptr + token * stride_v_t + heads * stride_v_h + full_dims, mask=mask)
-            tl.store(v_cache_ptr + cache_offset + heads * stride_c_head + full_dims,
-                     value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(
+                v_cache_ptr + cache_offset + heads * stride_c_head + full_dims,
+                value.to(v_cache_ptr.dtype.element_ty),
+                mask=mask,
+            )
 
 
-def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
-                  positions: torch.Tensor, kv_write: tuple | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    kv_write: tuple | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, heads, D] and k [T, kv_heads, D] in place; cos_sin [P, 2, D] float32.
 
     kv_write = (v [T, kv_heads, D], k_cache, v_cache, slot_mapping [T]): also store the rotated
@@ -100,16 +168,34 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
         assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
         assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(-1) == 1
     else:
-        v, k_cache, v_cache, slot_mapping = k, k, k, positions       # unused
+        v, k_cache, v_cache, slot_mapping = k, k, k, positions  # unused
     if num_tokens:
         _rope_kernel[(num_tokens,)](
-            q, k, cos_sin, positions, v, k_cache, v_cache, slot_mapping,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0), cos_sin.stride(1),
-            v.stride(0), v.stride(1), *(k_cache.stride()[:3] if kv_write is not None else (0, 0, 0)),
-            NUM_HEADS=num_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
-            NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-            HALF=head_dim // 2, WRITE_KV=kv_write is not None,
-            BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1, num_warps=4,
+            q,
+            k,
+            cos_sin,
+            positions,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos_sin.stride(0),
+            cos_sin.stride(1),
+            v.stride(0),
+            v.stride(1),
+            *(k_cache.stride()[:3] if kv_write is not None else (0, 0, 0)),
+            NUM_HEADS=num_heads,
+            HEADS_PAD=triton.next_power_of_2(num_heads),
+            NUM_KV_HEADS=num_kv_heads,
+            KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+            HALF=head_dim // 2,
+            WRITE_KV=kv_write is not None,
+            BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1,
+            num_warps=4,
             **launch_options(ORDERING),
         )
     return q, k

@@ -10,6 +10,7 @@ never written (a fresh buffer may hold NaN there). Used by the decode kernel's l
 (`backend.attention.kernels.decode`) and by the o projection's merge prologue
 (`backend.kernels.gemv`).
 """
+
 from __future__ import annotations
 
 import triton

@@ -25,6 +25,7 @@ its dependents launch early, and the embedding lookup after it lets its own depe
 once it has waited for it (`backend.kernels.embedding`). Each kernel declares this as its
 `ORDERING`; `backend.kernels.pdl.check_step_input_reads` checks a recorded launch sequence.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,9 +39,23 @@ ORDERING = Ordering("load_step_inputs", releases="at_end", writes_step_inputs=Tr
 
 
 @triton.jit
-def _load_step_kernel(dev_words, host_words, dev_ids, host_ids, in_flight_rows, sampled, replays, slot_out,
-                      n, slot_words, slot_ids, copy_from, copy_to,
-                      ROWS: tl.constexpr, CHUNK: tl.constexpr):
+def _load_step_kernel(
+    dev_words,
+    host_words,
+    dev_ids,
+    host_ids,
+    in_flight_rows,
+    sampled,
+    replays,
+    slot_out,
+    n,
+    slot_words,
+    slot_ids,
+    copy_from,
+    copy_to,
+    ROWS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     slot = tl.load(replays) % 2
     pid = tl.program_id(0)
     if pid == 0:
@@ -55,12 +70,25 @@ def _load_step_kernel(dev_words, host_words, dev_ids, host_ids, in_flight_rows, 
     else:
         words = copy_from + (pid - 1) * CHUNK + tl.arange(0, CHUNK)
         inside = words < copy_to
-        tl.store(dev_words + words, tl.load(host_words + slot * slot_words + words, mask=inside), mask=inside)
+        tl.store(
+            dev_words + words,
+            tl.load(host_words + slot * slot_words + words, mask=inside),
+            mask=inside,
+        )
 
 
-def load_step_inputs(device_buffer: torch.Tensor, host_ring: torch.Tensor, ids_offset: int,
-                     in_flight_offset: int, copy_from: int, copy_to: int, n: int, sampled: torch.Tensor,
-                     replays: torch.Tensor, slot: torch.Tensor) -> None:
+def load_step_inputs(
+    device_buffer: torch.Tensor,
+    host_ring: torch.Tensor,
+    ids_offset: int,
+    in_flight_offset: int,
+    copy_from: int,
+    copy_to: int,
+    n: int,
+    sampled: torch.Tensor,
+    replays: torch.Tensor,
+    slot: torch.Tensor,
+) -> None:
     """Copy bytes [copy_from, copy_to) of host slot `replays % 2` into `device_buffer`, and the
     n input ids at byte `ids_offset` with the in-flight ones (rows at `in_flight_offset`)
     resolved from `sampled`; write the slot to `slot`.
@@ -70,15 +98,34 @@ def load_step_inputs(device_buffer: torch.Tensor, host_ring: torch.Tensor, ids_o
     copied range does not hold the ids; sampled: int64; replays, slot: int64 [1]."""
     width = host_ring.shape[1]
     assert host_ring.shape == (2, device_buffer.numel()) and width % 8 == 0
-    assert ids_offset % 8 == 0 and in_flight_offset % 8 == 0 and copy_from % 4 == 0 and copy_to % 4 == 0
+    assert (
+        ids_offset % 8 == 0
+        and in_flight_offset % 8 == 0
+        and copy_from % 4 == 0
+        and copy_to % 4 == 0
+    )
     assert not (copy_from < ids_offset + 8 * n and ids_offset < copy_to)
     dev_words, host_words = device_buffer.view(torch.int32), host_ring.view(torch.int32)
-    dev_ids = device_buffer[ids_offset:ids_offset + 8 * n].view(torch.int64)
+    dev_ids = device_buffer[ids_offset : ids_offset + 8 * n].view(torch.int64)
     host_longs = host_ring.view(torch.int64)
-    host_ids = host_longs[:, ids_offset // 8:]
-    in_flight_rows = host_longs[:, in_flight_offset // 8:]
+    host_ids = host_longs[:, ids_offset // 8 :]
+    in_flight_rows = host_longs[:, in_flight_offset // 8 :]
     grid = (1 + triton.cdiv(copy_to - copy_from, 4 * CHUNK),)
     record(ORDERING)
-    _load_step_kernel[grid](dev_words, host_words, dev_ids, host_ids, in_flight_rows, sampled, replays, slot,
-                            n, width // 4, width // 8, copy_from // 4, copy_to // 4,
-                            ROWS=triton.next_power_of_2(n), CHUNK=CHUNK)
+    _load_step_kernel[grid](
+        dev_words,
+        host_words,
+        dev_ids,
+        host_ids,
+        in_flight_rows,
+        sampled,
+        replays,
+        slot,
+        n,
+        width // 4,
+        width // 8,
+        copy_from // 4,
+        copy_to // 4,
+        ROWS=triton.next_power_of_2(n),
+        CHUNK=CHUNK,
+    )

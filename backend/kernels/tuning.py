@@ -9,6 +9,7 @@ A kernel asks `lookup` once per shape and device and caches the answer; a device
 table does not name gets the kernel's own default rule (CPU and the Triton interpreter always do).
 The measurements behind the entries: benchmarks/README.md, "Kernel choices".
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,8 +24,10 @@ TABLES = Path(__file__).with_name("tuning")
 
 def shape_key(**fields) -> str:
     """'name=value,...' in the given order; booleans as 0/1 (JSON object keys are strings)."""
-    return ",".join(f"{name}={int(value) if isinstance(value, bool) else value}"
-                    for name, value in fields.items())
+    return ",".join(
+        f"{name}={int(value) if isinstance(value, bool) else value}"
+        for name, value in fields.items()
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,7 +40,8 @@ def device_name(device: torch.device) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def table(kernel: str) -> dict:
-    """device name -> {"source": ..., "configs": {shape key: config}} for `kernel`; {} without a file."""
+    """device name -> {"source": ..., "configs": {shape key: config}} for `kernel`; {} without a
+    file."""
     path = TABLES / f"{kernel}.json"
     return json.loads(path.read_text()) if path.exists() else {}
 

@@ -15,6 +15,7 @@
 block(norm(residual)) for one token, in fused kernels, which a pre-norm decoder layer calls for
 one-token steps on GPU (see `backend.models.llama.LlamaDecoderLayer.forward_one_token`).
 """
+
 from backend.layers.activation import silu_and_mul
 from backend.layers.attention import AttentionStep, SelfAttention
 from backend.layers.embedding import Embedding
@@ -24,5 +25,15 @@ from backend.layers.mlp import GatedMLP
 from backend.layers.norm import RMSNorm
 from backend.layers.rotary import RotaryEmbedding, Rotation
 
-__all__ = ["AttentionStep", "Embedding", "GatedMLP", "LMHead", "Linear", "RMSNorm", "RotaryEmbedding",
-           "Rotation", "SelfAttention", "silu_and_mul"]
+__all__ = [
+    "AttentionStep",
+    "Embedding",
+    "GatedMLP",
+    "LMHead",
+    "Linear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "Rotation",
+    "SelfAttention",
+    "silu_and_mul",
+]

@@ -2,6 +2,7 @@
 
 On CUDA one Triton kernel (`backend.kernels.activation`); elsewhere torch.
 """
+
 from __future__ import annotations
 
 import torch

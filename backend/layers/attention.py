@@ -6,6 +6,7 @@ kernels: the qkv projection with the norm before it, rotary and the KV write fus
 the o projection with the residual add fused in. Where the backend has split decode partials
 and the o projection can merge them, attention leaves its splits unmerged for it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,9 +24,10 @@ from backend.model_config import ModelConfig
 @dataclass(slots=True)
 class AttentionStep:
     """One step's attention inputs, shared by every layer."""
+
     rotation: Rotation
     meta: AttentionMetadata
-    kv_cache: torch.Tensor      # [layers, K | V, blocks, tokens_per_block, kv_heads, head_dim]
+    kv_cache: torch.Tensor  # [layers, K | V, blocks, tokens_per_block, kv_heads, head_dim]
 
 
 class SelfAttention(nn.Module):
@@ -36,10 +38,12 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.qkv_proj = Linear.merged(
-            config.hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
-            bias=config.qkv_bias)
+            config.hidden_size,
+            {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            bias=config.qkv_bias,
+        )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.backend = backend
 
@@ -51,25 +55,36 @@ class SelfAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = step.kv_cache[self.layer_index]
-        q = step.rotation.rotate_and_write_kv(q, k, v, k_cache, v_cache, step.meta.slot_mapping,
-                                              self.backend.write_kv)
+        q = step.rotation.rotate_and_write_kv(
+            q, k, v, k_cache, v_cache, step.meta.slot_mapping, self.backend.write_kv
+        )
         out = self.backend.paged_attention(q, k_cache, v_cache, step.meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def takes_one_token(self, hidden: torch.Tensor) -> bool:
         """Whether `add_one_token` runs for hidden: a hidden size where the GEMV pays, projections
         it takes, a power-of-two head size (the fused rotary's)."""
-        return (hidden.shape[-1] <= ONE_TOKEN_MAX_HIDDEN and self.head_dim & (self.head_dim - 1) == 0
-                and self.qkv_proj.takes_one_token(hidden) and self.o_proj.takes_one_token(hidden))
+        return (
+            hidden.shape[-1] <= ONE_TOKEN_MAX_HIDDEN
+            and self.head_dim & (self.head_dim - 1) == 0
+            and self.qkv_proj.takes_one_token(hidden)
+            and self.o_proj.takes_one_token(hidden)
+        )
 
     def add_one_token(self, residual: torch.Tensor, norm: RMSNorm, step: AttentionStep) -> None:
         """residual [1, hidden_size] += self(norm(residual)), in place, in one-token kernels."""
         k_cache, v_cache = step.kv_cache[self.layer_index]
-        qkv = self.qkv_proj.one_token_qkv(residual, norm, num_heads=self.num_heads,
-                                          num_kv_heads=self.num_kv_heads, rotation=step.rotation,
-                                          k_cache=k_cache, v_cache=v_cache,
-                                          slot_mapping=step.meta.slot_mapping)
-        q = qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)
+        qkv = self.qkv_proj.one_token_qkv(
+            residual,
+            norm,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            rotation=step.rotation,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            slot_mapping=step.meta.slot_mapping,
+        )
+        q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
         if self.backend.decode_partials is not None and self.o_proj.merges_splits(self.head_dim):
             out = self.backend.decode_partials(q, k_cache, v_cache, step.meta, self.scale)
         else:

@@ -3,6 +3,7 @@
 On CUDA the Triton kernel (`backend.kernels.embedding`), which lets the first layer's projection
 start streaming its weights under programmatic dependent launch; elsewhere torch.
 """
+
 from __future__ import annotations
 
 import torch

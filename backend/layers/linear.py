@@ -6,6 +6,7 @@ Steps of several tokens run torch's GEMM. One-token steps on GPU run the weight-
 residual-add epilogue, split attention merged as it is read, or (the qkv projection) rotary and
 the KV-cache write (`backend.kernels.qkv_rope`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,13 @@ class Linear(nn.Module):
     """y = x @ weight^T (+ bias). `shards`, for several projections of one input fused in one
     weight (q|k|v, gate|up): each Hugging Face projection name -> (first row, rows)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 shards: dict[str, tuple[int, int]] | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        shards: dict[str, tuple[int, int]] | None = None,
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
@@ -57,25 +63,58 @@ class Linear(nn.Module):
         """Whether `one_token` can take split attention partials with heads of `head_dim`."""
         return gemv.takes_partials(self.weight, head_dim)
 
-    def one_token(self, x: torch.Tensor | SplitPartials, *, norm: RMSNorm | None = None,
-                  silu_mul: bool = False, residual: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+    def one_token(
+        self,
+        x: torch.Tensor | SplitPartials,
+        *,
+        norm: RMSNorm | None = None,
+        silu_mul: bool = False,
+        residual: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """This layer for one row in one kernel. x [1, K], or [1, 2K] gate | up with `silu_mul`
         (the operand is silu(gate) * up), or split attention partials (merged as read).
         `norm` (an RMSNorm): the operand is norm(x). `residual` [1, N]: added to the result;
         `out=residual` updates it in place. `out` may be float32 (logits)."""
         if isinstance(x, SplitPartials):
             return gemv.gemv(None, self.weight, self.bias, partials=x, residual=residual, out=out)
-        return gemv.gemv(x, self.weight, self.bias, norm_weight=None if norm is None else norm.weight,
-                         eps=0.0 if norm is None else norm.eps, silu_mul=silu_mul, residual=residual, out=out)
+        return gemv.gemv(
+            x,
+            self.weight,
+            self.bias,
+            norm_weight=None if norm is None else norm.weight,
+            eps=0.0 if norm is None else norm.eps,
+            silu_mul=silu_mul,
+            residual=residual,
+            out=out,
+        )
 
-    def one_token_qkv(self, x: torch.Tensor, norm: RMSNorm, *, num_heads: int, num_kv_heads: int,
-                      rotation, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> torch.Tensor:
+    def one_token_qkv(
+        self,
+        x: torch.Tensor,
+        norm: RMSNorm,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        rotation,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
         """The qkv projection of norm(x) for one row, q and k rotated (`rotation`, this step's
         positions and cos/sin cache), the new keys and values stored at `slot_mapping`, in one
         kernel -> qkv [1, (heads + 2 kv_heads) * head_dim]."""
-        return qkv_rope_gemv(x, self.weight, self.bias, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                             cos_sin=rotation.cos_sin, positions=rotation.positions, k_cache=k_cache,
-                             v_cache=v_cache, slot_mapping=slot_mapping, norm_weight=norm.weight,
-                             eps=norm.eps)
+        return qkv_rope_gemv(
+            x,
+            self.weight,
+            self.bias,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            cos_sin=rotation.cos_sin,
+            positions=rotation.positions,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            slot_mapping=slot_mapping,
+            norm_weight=norm.weight,
+            eps=norm.eps,
+        )

@@ -3,6 +3,7 @@
 At one row on GPU it is one GEMV with the norm as its prologue and float32 out (one kernel
 instead of a norm, a GEMM and a cast).
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,6 +19,8 @@ class LMHead(Linear):
     def forward(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """hidden [N, hidden_size] (the residual after the last layer) -> logits [N, vocab_size]."""
         if self.takes_one_token(hidden):
-            logits = torch.empty((1, self.weight.shape[0]), dtype=torch.float32, device=hidden.device)
+            logits = torch.empty(
+                (1, self.weight.shape[0]), dtype=torch.float32, device=hidden.device
+            )
             return self.one_token(hidden, norm=norm, out=logits)
         return super().forward(norm(hidden)).float()

@@ -3,6 +3,7 @@
 At one token on GPU (`add_one_token`) that is two kernels: gate|up with the norm before it as
 its prologue, down with silu·mul as its prologue and the residual add as its epilogue.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = Linear.merged(
-            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size})
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}
+        )
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -26,8 +28,11 @@ class GatedMLP(nn.Module):
     def takes_one_token(self, hidden: torch.Tensor) -> bool:
         """Whether `add_one_token` runs for hidden: a hidden size where the GEMV pays, projections
         it takes."""
-        return (hidden.shape[-1] <= ONE_TOKEN_MAX_HIDDEN and self.gate_up_proj.takes_one_token(hidden)
-                and self.down_proj.takes_one_token(hidden))
+        return (
+            hidden.shape[-1] <= ONE_TOKEN_MAX_HIDDEN
+            and self.gate_up_proj.takes_one_token(hidden)
+            and self.down_proj.takes_one_token(hidden)
+        )
 
     def add_one_token(self, residual: torch.Tensor, norm: RMSNorm) -> None:
         """residual [1, hidden_size] += self(norm(residual)), in place, in one-token kernels."""

@@ -3,6 +3,7 @@
 On CUDA one Triton kernel (`backend.kernels.rmsnorm`); elsewhere torch, in float32 and cast back
 as transformers does.
 """
+
 from __future__ import annotations
 
 import torch

@@ -9,6 +9,7 @@ The frequencies follow transformers' `modeling_rope_utils` so that results match
   `max_positions <= max_position_embeddings` (no rescaling at all) and a fixed-base approximation
   beyond it (the same choice vLLM makes; cached keys then stay consistent).
 """
+
 from __future__ import annotations
 
 import math
@@ -24,15 +25,17 @@ except ImportError:
 from backend.model_config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int,
-                        max_positions: int, device=None) -> torch.Tensor:
+def inverse_frequencies(
+    rope: RopeConfig, head_dim: int, max_position_embeddings: int, max_positions: int, device=None
+) -> torch.Tensor:
     base = rope.theta
     if rope.type == "dynamic":
         seq_len = max(max_positions, max_position_embeddings)
-        base = base * ((rope.factor * seq_len / max_position_embeddings)
-                       - (rope.factor - 1)) ** (head_dim / (head_dim - 2))
+        base = base * ((rope.factor * seq_len / max_position_embeddings) - (rope.factor - 1)) ** (
+            head_dim / (head_dim - 2)
+        )
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    inv_freq = 1.0 / (base ** exponents)
+    inv_freq = 1.0 / (base**exponents)
     if rope.type == "linear":
         inv_freq = inv_freq / rope.factor
     elif rope.type == "llama3":
@@ -46,8 +49,9 @@ def _llama3_scaling(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     high_freq_wavelen = old_context / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor
-                                                               - rope.low_freq_factor)
+    smooth = (old_context / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
@@ -69,8 +73,9 @@ class RotaryEmbedding(nn.Module):
     The looked-up rows are cast to the activations' dtype, as transformers does.
     """
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int,
-                 max_positions: int):
+    def __init__(
+        self, rope: RopeConfig, head_dim: int, max_position_embeddings: int, max_positions: int
+    ):
         super().__init__()
         self.rope = rope
         self.head_dim = head_dim
@@ -85,12 +90,13 @@ class RotaryEmbedding(nn.Module):
         if device.type == "meta":
             self.cos_sin = torch.empty(self.max_positions, 2, self.head_dim, device=device)
             return
-        inv_freq = inverse_frequencies(self.rope, self.head_dim, self.max_position_embeddings,
-                                       self.max_positions, device)
+        inv_freq = inverse_frequencies(
+            self.rope, self.head_dim, self.max_position_embeddings, self.max_positions, device
+        )
         positions = torch.arange(self.max_positions, device=device, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_sin = torch.stack((emb.cos(), emb.sin()), dim=1)   # [P, 2, head_dim] float32
+        self.cos_sin = torch.stack((emb.cos(), emb.sin()), dim=1)  # [P, 2, head_dim] float32
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions [T] -> cos, sin [T, 1, head_dim] in `dtype` (broadcast over heads)."""
@@ -100,7 +106,11 @@ class RotaryEmbedding(nn.Module):
     def rotator(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rotation":
         """This step's rotation. On GPU it is the fused in-place Triton kernel; elsewhere cos/sin
         are looked up once and applied in torch."""
-        if positions.is_cuda and fused_rope is not None and self.head_dim & (self.head_dim - 1) == 0:
+        if (
+            positions.is_cuda
+            and fused_rope is not None
+            and self.head_dim & (self.head_dim - 1) == 0
+        ):
             return Rotation(positions, self.cos_sin, None, None)
         cos, sin = self(positions, dtype)
         return Rotation(positions, self.cos_sin, cos, sin)
@@ -116,7 +126,9 @@ class Rotation:
     def __init__(self, positions, cos_sin, cos, sin):
         self.positions, self.cos_sin, self.cos, self.sin = positions, cos_sin, cos, sin
 
-    def rotate_and_write_kv(self, q, k, v, k_cache, v_cache, slot_mapping, write_kv) -> torch.Tensor:
+    def rotate_and_write_kv(
+        self, q, k, v, k_cache, v_cache, slot_mapping, write_kv
+    ) -> torch.Tensor:
         """-> rotated q; the rotated k and v are in the cache afterwards."""
         if self.cos is None:
             fused_rope(q, k, self.cos_sin, self.positions, (v, k_cache, v_cache, slot_mapping))

@@ -3,6 +3,7 @@
 A parameter keeps its Hugging Face name, except in fused projections (`Linear.shards`: q|k|v,
 gate|up), whose Hugging Face tensors each fill their rows of the fused weight.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -13,8 +14,9 @@ from torch import nn
 from backend.layers.linear import Linear
 
 
-def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                    ignored: tuple[str, ...] = ()) -> None:
+def load_hf_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], ignored: tuple[str, ...] = ()
+) -> None:
     """Copy (Hugging Face name, tensor) pairs into `model`'s parameters, casting dtype and device.
     Names in `ignored` (and rotary inverse frequencies) are skipped. Raises ValueError on an
     unknown name, a wrong shape or a missing tensor."""
@@ -29,19 +31,22 @@ def load_hf_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         name, rows = targets[hf_name]
         dst = params[name].data if rows is None else params[name].data.narrow(0, *rows)
         if tuple(dst.shape) != tuple(tensor.shape):
-            raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(dst.shape)}")
+            raise ValueError(
+                f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+            )
         dst.copy_(tensor)
         loaded.add(hf_name)
     missing = sorted(set(targets) - loaded)
     if missing:
-        raise ValueError(f"missing weights: {', '.join(missing[:8])}"
-                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        raise ValueError(
+            f"missing weights: {', '.join(missing[:8])}"
+            + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        )
 
 
 def weight_targets(model: nn.Module) -> dict[str, tuple[str, tuple[int, int] | None]]:
     """Hugging Face tensor name -> (our parameter name, (first row, rows) in a fused one)."""
-    params = dict(model.named_parameters())        # a tied parameter appears once, first name
+    params = dict(model.named_parameters())  # a tied parameter appears once, first name
     targets = {}
     for module_name, module in model.named_modules():
         parent = module_name.rpartition(".")[0]

@@ -10,6 +10,7 @@ engine, where TensorRT is available) can stand in for this class:
 `hidden` is the residual after the last layer: compute_logits applies the final norm, to the rows
 that need logits only.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -18,8 +19,15 @@ import torch
 from torch import nn
 
 from backend.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from backend.layers import (AttentionStep, Embedding, GatedMLP, LMHead, RMSNorm, RotaryEmbedding,
-                            SelfAttention)
+from backend.layers import (
+    AttentionStep,
+    Embedding,
+    GatedMLP,
+    LMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    SelfAttention,
+)
 from backend.model_config import ModelConfig
 from backend.models.hf_weights import load_hf_weights
 
@@ -52,11 +60,13 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attention: AttentionBackend, max_positions: int):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, attention)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attention) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim,
-                                      config.max_position_embeddings, max_positions)
+        self.rotary = RotaryEmbedding(
+            config.rope, config.head_dim, config.max_position_embeddings, max_positions
+        )
 
     def forward(self, input_ids, positions, kv_cache, meta):
         """The residual after the last layer, before the final norm (`self.norm`)."""
@@ -85,8 +95,12 @@ class LlamaForCausalLM(nn.Module):
     `max_positions` sizes the RoPE cache (the longest sequence served).
     """
 
-    def __init__(self, config: ModelConfig, attention: AttentionBackend | None = None,
-                 max_positions: int | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention: AttentionBackend | None = None,
+        max_positions: int | None = None,
+    ):
         super().__init__()
         self.config = config
         attention = attention or get_attention_backend("torch")
@@ -102,8 +116,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.model.rotary.build_cache(device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                attn_meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_cache, attn_meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ tokens (`NULL_TOKEN_RANGE`, no special ids), so outputs are deterministic, carry
 end early on an end id. Logits are only as wide as that range's end: the rest of the vocabulary
 would never win the argmax, and full-width rows would cost a real model's lm_head in memory.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -19,8 +20,8 @@ from torch import nn
 
 from backend.model_config import ModelConfig
 
-NULL_TOKEN_RANGE = (1000, 3000)      # [first, end): past every tokenizer's special ids
-_STRIDE = 7919                        # a prime, so consecutive positions pick scattered tokens
+NULL_TOKEN_RANGE = (1000, 3000)  # [first, end): past every tokenizer's special ids
+_STRIDE = 7919  # a prime, so consecutive positions pick scattered tokens
 
 
 class NullModel(nn.Module):
@@ -28,19 +29,23 @@ class NullModel(nn.Module):
         super().__init__()
         first, end = NULL_TOKEN_RANGE
         if config.vocab_size < end:
-            raise ValueError(f"the null model needs a vocabulary of at least {end} ids, "
-                             f"got {config.vocab_size}")
+            raise ValueError(
+                f"the null model needs a vocabulary of at least {end} ids, got {config.vocab_size}"
+            )
         self.first, self.span = first, end - first
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                attn_meta) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta
+    ) -> torch.Tensor:
         """The "hidden state" of a token is its position."""
         return positions
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """One-hot logits [N, first + span]: the token after position p."""
         rows = hidden.shape[0]
-        logits = torch.zeros(rows, self.first + self.span, dtype=torch.float32, device=hidden.device)
+        logits = torch.zeros(
+            rows, self.first + self.span, dtype=torch.float32, device=hidden.device
+        )
         next_ids = self.first + (hidden + 1) * _STRIDE % self.span
         logits.scatter_(1, next_ids.view(rows, 1), 1.0)
         return logits

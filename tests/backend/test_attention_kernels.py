@@ -5,6 +5,7 @@ imported), so shapes stay small; with a GPU the same tests run the compiled kern
 Caches start filled with NaN and only real context tokens are written, so any read of a stale
 slot (past a partial last block, or through a padded block-table entry) shows up as NaN.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,15 +33,16 @@ pytestmark = [
 ]
 
 
-def make_batch(query_lens, seq_lens, *, num_kv_heads, head_dim, block_size, dtype=torch.float32,
-               seed=0):
+def make_batch(
+    query_lens, seq_lens, *, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0
+):
     """A paged cache holding every request's full context, and the step's metadata.
 
     Physical blocks are handed out in shuffled order; slots that hold no token stay NaN.
     """
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3                      # a few blocks nobody owns
+    num_blocks = sum(blocks_per_seq) + 3  # a few blocks nobody owns
     physical = torch.randperm(num_blocks, generator=gen).tolist()
     max_blocks = max(blocks_per_seq + [1])
     block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
@@ -50,13 +52,15 @@ def make_batch(query_lens, seq_lens, *, num_kv_heads, head_dim, block_size, dtyp
     new_slots = []
     for b, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
         table = [physical.pop() for _ in range(blocks_per_seq[b])]
-        block_tables[b, :len(table)] = torch.tensor(table, dtype=torch.int32)
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size
-                              for p in range(s_len)], dtype=torch.int64)
+        block_tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        slots = torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for p in range(s_len)],
+            dtype=torch.int64,
+        )
         keys = torch.randn(s_len, num_kv_heads, head_dim, generator=gen)
         values = torch.randn(s_len, num_kv_heads, head_dim, generator=gen)
         reference.write_kv(keys, values, k_cache, v_cache, slots)
-        new_slots.append(slots[s_len - q_len:])
+        new_slots.append(slots[s_len - q_len :])
     query_start = [0]
     for q_len in query_lens:
         query_start.append(query_start[-1] + q_len)
@@ -65,8 +69,11 @@ def make_batch(query_lens, seq_lens, *, num_kv_heads, head_dim, block_size, dtyp
         query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
         block_tables=block_tables.to(DEVICE),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+    )
     return k_cache.to(DEVICE), v_cache.to(DEVICE), meta
 
 
@@ -76,28 +83,39 @@ def random_query(num_tokens, num_heads, head_dim, dtype=torch.float32, seed=1):
 
 
 def assert_matches_reference(out, query, k_cache, v_cache, meta, scale, atol=ATOL):
-    expected = reference.paged_attention(query.cpu().float(), k_cache.cpu().float(),
-                                         v_cache.cpu().float(), meta_on_cpu(meta), scale)
+    expected = reference.paged_attention(
+        query.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), meta_on_cpu(meta), scale
+    )
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.cpu().float(), expected, atol=atol, rtol=0)
 
 
 def meta_on_cpu(meta):
-    return AttentionMetadata(meta.slot_mapping.cpu(), meta.query_start_loc.cpu(),
-                             meta.seq_lens.cpu(), meta.block_tables.cpu(), meta.max_query_len,
-                             meta.max_seq_len, meta.query_lens_cpu, meta.seq_lens_cpu)
+    return AttentionMetadata(
+        meta.slot_mapping.cpu(),
+        meta.query_start_loc.cpu(),
+        meta.seq_lens.cpu(),
+        meta.block_tables.cpu(),
+        meta.max_query_len,
+        meta.max_seq_len,
+        meta.query_lens_cpu,
+        meta.seq_lens_cpu,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # KV write
 
-@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(2, 32, 16), (3, 64, 32), (8, 32, 16)])
+
+@pytest.mark.parametrize(
+    "num_kv_heads,head_dim,block_size", [(2, 32, 16), (3, 64, 32), (8, 32, 16)]
+)
 def test_write_kv_matches_reference_and_skips_padding(num_kv_heads, head_dim, block_size):
     torch.manual_seed(0)
     num_blocks, num_tokens = 6, 11
     # key/value as strided views of one packed tensor, the way they come out of a fused QKV.
     packed = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, device=DEVICE)
-    key, value = packed[:, :num_kv_heads], packed[:, num_kv_heads:2 * num_kv_heads]
+    key, value = packed[:, :num_kv_heads], packed[:, num_kv_heads : 2 * num_kv_heads]
     slots = torch.randperm(num_blocks * block_size)[:num_tokens].to(DEVICE)
     slots[[2, 7]] = -1
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
@@ -135,19 +153,34 @@ DECODE_SEQ_LENS = [1, 16, 23, 70, 65, 66, 129, 130, 300]
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_splits,min_tiles_per_split", [(1, 2), (3, 1), (3, 2), (8, 1)])
 @pytest.mark.parametrize("sms", [1, 10000], ids=["64-key tiles", "128-key tiles"])
-def test_decode_matches_reference(num_heads, num_kv_heads, block_size, num_splits, min_tiles_per_split,
-                                  sms, monkeypatch):
+def test_decode_matches_reference(
+    num_heads, num_kv_heads, block_size, num_splits, min_tiles_per_split, sms, monkeypatch
+):
     """Grids of few (request, kv head) pairs for the SMs take 128-key tiles, others 64."""
     monkeypatch.setattr(decode, "num_sms", lambda device: sms)
     head_dim = 32
     n = len(DECODE_SEQ_LENS)
-    k_cache, v_cache, meta = make_batch([1] * n, DECODE_SEQ_LENS, num_kv_heads=num_kv_heads,
-                                        head_dim=head_dim, block_size=block_size)
+    k_cache, v_cache, meta = make_batch(
+        [1] * n,
+        DECODE_SEQ_LENS,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
     query = random_query(n, num_heads, head_dim)
-    scale = head_dim ** -0.5
-    out = decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                           meta.query_start_loc, meta.max_seq_len, scale, num_splits=num_splits,
-                           min_tiles_per_split=min_tiles_per_split)
+    scale = head_dim**-0.5
+    out = decode_attention(
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.max_seq_len,
+        scale,
+        num_splits=num_splits,
+        min_tiles_per_split=min_tiles_per_split,
+    )
     assert_matches_reference(out, query, k_cache, v_cache, meta, scale)
 
 
@@ -157,13 +190,27 @@ def test_decode_split_merge_leaves_its_counters_at_zero(most_values, monkeypatch
     once while they are few, else head by head) and resets its arrival counter, so the next
     launch (a CUDA graph replay reuses the same counters) merges again."""
     from backend.attention.kernels.decode import arrival_counters
+
     monkeypatch.setattr(decode, "MERGE_AT_ONCE_MAX_VALUES", most_values)
-    k_cache, v_cache, meta = make_batch([1] * 3, [300, 130, 1], num_kv_heads=2, head_dim=32,
-                                        block_size=16, seed=7)
+    k_cache, v_cache, meta = make_batch(
+        [1] * 3, [300, 130, 1], num_kv_heads=2, head_dim=32, block_size=16, seed=7
+    )
     query = random_query(3, 4, 32, seed=8)
-    runs = [decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                             meta.query_start_loc, meta.max_seq_len, 0.3, num_splits=4,
-                             min_tiles_per_split=1) for _ in range(3)]
+    runs = [
+        decode_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_seq_len,
+            0.3,
+            num_splits=4,
+            min_tiles_per_split=1,
+        )
+        for _ in range(3)
+    ]
     assert not arrival_counters(query.device, 6).any()
     assert_matches_reference(runs[0], query, k_cache, v_cache, meta, 0.3)
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
@@ -171,23 +218,26 @@ def test_decode_split_merge_leaves_its_counters_at_zero(most_values, monkeypatch
 
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 8, 2), (128, 4, 1)])
 def test_decode_head_dims_through_dispatch(head_dim, num_heads, num_kv_heads):
-    k_cache, v_cache, meta = make_batch([1] * 3, [5, 33, 64], num_kv_heads=num_kv_heads,
-                                        head_dim=head_dim, block_size=16, seed=3)
+    k_cache, v_cache, meta = make_batch(
+        [1] * 3, [5, 33, 64], num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16, seed=3
+    )
     query = random_query(3, num_heads, head_dim, seed=4)
-    out = triton_backend.paged_attention(query, k_cache, v_cache, meta, head_dim ** -0.5)
-    assert_matches_reference(out, query, k_cache, v_cache, meta, head_dim ** -0.5)
+    out = triton_backend.paged_attention(query, k_cache, v_cache, meta, head_dim**-0.5)
+    assert_matches_reference(out, query, k_cache, v_cache, meta, head_dim**-0.5)
 
 
 def test_decode_more_splits_than_key_tiles_and_padding_row():
     """Empty splits contribute nothing; a padding row (seq_len 0) yields zeros, not NaN."""
-    k_cache, v_cache, meta = make_batch([1, 1], [3, 40], num_kv_heads=2, head_dim=32,
-                                        block_size=16, seed=5)
+    k_cache, v_cache, meta = make_batch(
+        [1, 1], [3, 40], num_kv_heads=2, head_dim=32, block_size=16, seed=5
+    )
     query = random_query(3, 4, 32, seed=6)
     seq_lens = torch.tensor([3, 40, 0], dtype=torch.int32, device=DEVICE)
     query_start = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=DEVICE)
     block_tables = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables[:1])])
-    out = decode_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start,
-                           40, 0.2, num_splits=8)
+    out = decode_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start, 40, 0.2, num_splits=8
+    )
     assert_matches_reference(out[:2], query[:2], k_cache, v_cache, meta, 0.2)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
 
@@ -208,39 +258,52 @@ def test_decode_partials_merge_to_the_reference(num_splits, sms, monkeypatch):
     splits a request does not use (and every split of a padding row) weigh nothing."""
     monkeypatch.setattr(decode, "num_sms", lambda device: sms)
     n = len(DECODE_SEQ_LENS)
-    k_cache, v_cache, meta = make_batch([1] * n, DECODE_SEQ_LENS, num_kv_heads=2, head_dim=32,
-                                        block_size=16, seed=9)
+    k_cache, v_cache, meta = make_batch(
+        [1] * n, DECODE_SEQ_LENS, num_kv_heads=2, head_dim=32, block_size=16, seed=9
+    )
     query = random_query(n + 1, 4, 32, seed=10)
     seq_lens = torch.cat([meta.seq_lens, torch.zeros(1, dtype=torch.int32, device=DEVICE)])
     query_start = torch.arange(n + 2, dtype=torch.int32, device=DEVICE)
     block_tables = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables[:1])])
-    for _ in range(2):      # the second launch finds the first one's partials in the buffers
+    for _ in range(2):  # the second launch finds the first one's partials in the buffers
         part_out, part_lse = decode.decode_attention_partials(
-            query, k_cache, v_cache, block_tables, seq_lens, query_start, meta.max_seq_len, 0.3,
-            num_splits=num_splits)
-        assert part_out.shape == (n + 1, 4, num_splits, 32) and part_lse.shape == (n + 1, 4, num_splits)
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start,
+            meta.max_seq_len,
+            0.3,
+            num_splits=num_splits,
+        )
+        assert part_out.shape == (n + 1, 4, num_splits, 32) and part_lse.shape == (
+            n + 1,
+            4,
+            num_splits,
+        )
         merged = merge_partials(part_out.cpu(), part_lse.cpu())
         assert_matches_reference(merged[:n], query[:n], k_cache, v_cache, meta, 0.3)
         assert torch.equal(merged[n], torch.zeros_like(merged[n]))
-        assert torch.isinf(part_lse[n]).all()                 # the padding row: no keys anywhere
-    if num_splits == 8:     # a 1-token context has no cached tiles: one split, the rest unused
+        assert torch.isinf(part_lse[n]).all()  # the padding row: no keys anywhere
+    if num_splits == 8:  # a 1-token context has no cached tiles: one split, the rest unused
         assert torch.isfinite(part_lse[0, :, 0]).all() and torch.isinf(part_lse[0, :, 1:]).all()
 
 
 def test_choose_num_splits():
-    assert choose_num_splits(256, 8, 4096, 132) == 1          # big batch already fills the GPU
-    assert choose_num_splits(1, 8, 100, 132) == 1             # short context: nothing to split
-    assert choose_num_splits(1, 8, 1024, 132) == 16           # 64 tokens per split at least
-    assert choose_num_splits(1, 8, 8192, 132) == 64           # 8 programs -> 512, capped at 64
+    assert choose_num_splits(256, 8, 4096, 132) == 1  # big batch already fills the GPU
+    assert choose_num_splits(1, 8, 100, 132) == 1  # short context: nothing to split
+    assert choose_num_splits(1, 8, 1024, 132) == 16  # 64 tokens per split at least
+    assert choose_num_splits(1, 8, 8192, 132) == 64  # 8 programs -> 512, capped at 64
     assert choose_num_splits(4, 8, 1024, 132) == 16
-    assert choose_num_splits(32, 8, 1024, 132) == 2           # rounded down to a power of two
-    assert choose_num_splits(64, 8, 2048, 132) == 1           # 512 programs: close enough to 528
+    assert choose_num_splits(32, 8, 1024, 132) == 2  # rounded down to a power of two
+    assert choose_num_splits(64, 8, 2048, 132) == 1  # 512 programs: close enough to 528
 
 
 # ---------------------------------------------------------------------------------------------
 # Prefill over a paged prefix (variable lengths, mixed with decodes)
 
-# (query_lens, seq_lens): first chunks (q == s), later chunks / prefix hits (q < s), decodes (q == 1)
+# (query_lens, seq_lens): first chunks (q == s), later chunks/prefix hits (q < s), decodes (q == 1)
 MIXED_BATCH = ([1, 7, 37, 3, 20, 1], [9, 7, 70, 50, 20, 1])
 
 
@@ -249,10 +312,16 @@ MIXED_BATCH = ([1, 7, 37, 3, 20, 1], [9, 7, 70, 50, 20, 1])
 def test_prefill_mixed_batch_matches_reference(num_heads, num_kv_heads, block_size):
     head_dim = 32
     query_lens, seq_lens = MIXED_BATCH
-    k_cache, v_cache, meta = make_batch(query_lens, seq_lens, num_kv_heads=num_kv_heads,
-                                        head_dim=head_dim, block_size=block_size, seed=7)
+    k_cache, v_cache, meta = make_batch(
+        query_lens,
+        seq_lens,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        seed=7,
+    )
     query = random_query(sum(query_lens), num_heads, head_dim, seed=8)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = triton_backend.paged_attention(query, k_cache, v_cache, meta, scale)
     assert_matches_reference(out, query, k_cache, v_cache, meta, scale)
 
@@ -260,30 +329,42 @@ def test_prefill_mixed_batch_matches_reference(num_heads, num_kv_heads, block_si
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 32), (16, 64)])
 def test_prefill_small_tiles_cross_pages_and_diagonal(block_m, block_n):
     """Small tiles: many query tiles per request, key tiles spanning several pages."""
-    query_lens, seq_lens = [33, 1, 0, 18], [33, 45, 12, 61]   # includes an idle request (q_len 0)
-    k_cache, v_cache, meta = make_batch(query_lens, seq_lens, num_kv_heads=2, head_dim=32,
-                                        block_size=16, seed=9)
+    query_lens, seq_lens = [33, 1, 0, 18], [33, 45, 12, 61]  # includes an idle request (q_len 0)
+    k_cache, v_cache, meta = make_batch(
+        query_lens, seq_lens, num_kv_heads=2, head_dim=32, block_size=16, seed=9
+    )
     query = random_query(sum(query_lens), 4, 32, seed=10)
-    out = prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                            meta.query_start_loc, 0.25, block_m=block_m, block_n=block_n)
+    out = prefill_attention(
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        0.25,
+        block_m=block_m,
+        block_n=block_n,
+    )
     assert_matches_reference(out, query, k_cache, v_cache, meta, 0.25)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_head_dims(head_dim):
     query_lens, seq_lens = [12, 1, 30], [40, 17, 30]
-    k_cache, v_cache, meta = make_batch(query_lens, seq_lens, num_kv_heads=1, head_dim=head_dim,
-                                        block_size=16, seed=11)
+    k_cache, v_cache, meta = make_batch(
+        query_lens, seq_lens, num_kv_heads=1, head_dim=head_dim, block_size=16, seed=11
+    )
     query = random_query(sum(query_lens), 2, head_dim, seed=12)
-    out = triton_backend.paged_attention(query, k_cache, v_cache, meta, head_dim ** -0.5)
-    assert_matches_reference(out, query, k_cache, v_cache, meta, head_dim ** -0.5)
+    out = triton_backend.paged_attention(query, k_cache, v_cache, meta, head_dim**-0.5)
+    assert_matches_reference(out, query, k_cache, v_cache, meta, head_dim**-0.5)
 
 
 def test_prefill_handles_strided_query():
     """query as a view into a packed QKV tensor (row stride larger than heads * head_dim)."""
     query_lens, seq_lens = [5, 9], [21, 9]
-    k_cache, v_cache, meta = make_batch(query_lens, seq_lens, num_kv_heads=2, head_dim=32,
-                                        block_size=16, seed=13)
+    k_cache, v_cache, meta = make_batch(
+        query_lens, seq_lens, num_kv_heads=2, head_dim=32, block_size=16, seed=13
+    )
     packed = random_query(sum(query_lens), 8, 32, seed=14)
     query = packed[:, :4]
     out = triton_backend.paged_attention(query, k_cache, v_cache, meta, 0.2)
@@ -293,9 +374,16 @@ def test_prefill_handles_strided_query():
 @pytest.mark.parametrize("query_lens,seq_lens", [([1, 1], [20, 45]), ([6, 1], [6, 30])])
 def test_half_precision_cache(query_lens, seq_lens):
     """fp16 cache and query (bf16 is the GPU dtype; fp16 runs everywhere): fp32 accumulation."""
-    k_cache, v_cache, meta = make_batch(query_lens, seq_lens, num_kv_heads=2, head_dim=32,
-                                        block_size=16, dtype=torch.float16, seed=15)
+    k_cache, v_cache, meta = make_batch(
+        query_lens,
+        seq_lens,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float16,
+        seed=15,
+    )
     query = random_query(sum(query_lens), 4, 32, dtype=torch.float16, seed=16)
-    out = triton_backend.paged_attention(query, k_cache, v_cache, meta, 32 ** -0.5)
+    out = triton_backend.paged_attention(query, k_cache, v_cache, meta, 32**-0.5)
     assert out.dtype == torch.float16
-    assert_matches_reference(out, query, k_cache, v_cache, meta, 32 ** -0.5, atol=2e-3)
+    assert_matches_reference(out, query, k_cache, v_cache, meta, 32**-0.5, atol=2e-3)

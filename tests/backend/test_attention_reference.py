@@ -1,5 +1,6 @@
 """The torch reference's batched decode path equals its per-request path, whatever the garbage in
 unwritten cache slots (the CPU cache is allocated uninitialised)."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,11 @@ def metadata(seq_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
         query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        max_query_len=1, max_seq_len=max(seq_lens), query_lens_cpu=[1] * len(seq_lens), seq_lens_cpu=seq_lens)
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=[1] * len(seq_lens),
+        seq_lens_cpu=seq_lens,
+    )
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 1)])
@@ -37,6 +42,6 @@ def test_batched_decode_equals_per_request(heads, kv_heads):
     query = torch.randn(len(seq_lens), heads, head_dim)
     batched = paged_attention(query, k_cache, v_cache, metadata(seq_lens, tables), 0.25)
     for b, (n, table) in enumerate(zip(seq_lens, tables)):
-        alone = paged_attention(query[b:b + 1], k_cache, v_cache, metadata([n], [table]), 0.25)
-        torch.testing.assert_close(batched[b:b + 1], alone, atol=1e-6, rtol=1e-5)
+        alone = paged_attention(query[b : b + 1], k_cache, v_cache, metadata([n], [table]), 0.25)
+        torch.testing.assert_close(batched[b : b + 1], alone, atol=1e-6, rtol=1e-5)
     assert torch.isfinite(batched).all()

@@ -4,6 +4,7 @@ first kernel's copy and in-flight input fill, the ids written back to the ring, 
 Capturing graphs needs a GPU (tests/gpu runs them). Everything a graph does also runs eagerly
 (`DecodeGraphs.replay` before `capture`), so it is tested here on CPU tensors, with the kernels
 under the Triton interpreter; on a GPU the same tests run with the ring in pinned memory."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,12 +23,21 @@ from backend.model_runner import ModelRunner  # noqa: E402
 from backend.request import Chunk  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("interpretable_triton_language")
-FIELDS = ("input_ids", "in_flight_rows", "positions", "slot_mapping", "seq_lens", "banned_ids",
-          "block_tables")
+FIELDS = (
+    "input_ids",
+    "in_flight_rows",
+    "positions",
+    "slot_mapping",
+    "seq_lens",
+    "banned_ids",
+    "block_tables",
+)
 
 
 def empty_graphs(max_batch_size: int, max_seq_len: int = 100) -> DecodeGraphs:
-    return DecodeGraphs(None, torch.empty(1, device=DEVICE), max_batch_size, max_seq_len, tokens_per_block=16)
+    return DecodeGraphs(
+        None, torch.empty(1, device=DEVICE), max_batch_size, max_seq_len, tokens_per_block=16
+    )
 
 
 @pytest.mark.parametrize("max_batch_size", [1, 3, 8])
@@ -44,7 +54,7 @@ def test_fields_are_disjoint_aligned_views_of_one_buffer_mirrored_by_each_host_s
             host = graphs.host_fields[slot][name]
             assert host.ctypes.data - graphs.host_ring[slot].data_ptr() == start
             assert host.shape == tuple(field.shape)
-    assert graphs.block_tables.shape == (max_batch_size, 7)            # ceil(100 / 16) blocks
+    assert graphs.block_tables.shape == (max_batch_size, 7)  # ceil(100 / 16) blocks
     spans.sort()
     assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
     assert spans[-1][1] <= graphs.buffer.numel() == graphs.host_ring.shape[1]
@@ -54,37 +64,59 @@ def test_fields_are_disjoint_aligned_views_of_one_buffer_mirrored_by_each_host_s
 def test_first_kernel_copies_the_staged_slot_pads_and_fills_in_flight_inputs():
     graphs = empty_graphs(8)
     wide = np.array([[4, 5, 6], [7, 0, 0], [8, 9, 0]], dtype=np.int64)
-    graphs.stage(np.array([1, 2, 3]), np.array([40, 20, 35]), np.array([70, 112, 130]),
-                 np.array([41, 21, 36]), wide)
+    graphs.stage(
+        np.array([1, 2, 3]),
+        np.array([40, 20, 35]),
+        np.array([70, 112, 130]),
+        np.array([41, 21, 36]),
+        wide,
+    )
     graphs.load_inputs(4)
     assert graphs.input_ids[:4].tolist() == [1, 2, 3, 0]
     assert graphs.block_tables[:4, :3].tolist() == [[4, 5, 6], [7, 0, 0], [8, 9, 0], [0, 0, 0]]
     # The replay's argmax writes its ids into the same slot and moves on to the other one.
     logits = torch.zeros(4, 5, device=DEVICE)
     logits[torch.arange(4), torch.tensor([3, 1, 4, 2])] = 1.0
-    argmax_rows(logits, out=graphs.sampled_ids[:4], to_host=(graphs.sampled_ring, graphs.slot, graphs.replays))
+    argmax_rows(
+        logits,
+        out=graphs.sampled_ids[:4],
+        to_host=(graphs.sampled_ring, graphs.slot, graphs.replays),
+    )
     assert graphs.sampled_ring[0, :4].tolist() == [3, 1, 4, 2] and graphs.replays.item() == 1
-    graphs._replayed += 1                       # what `replay` counts on the host
+    graphs._replayed += 1  # what `replay` counts on the host
     # The next step of 3 rows goes to slot 1 and is padded to the graph of 4; the wider table of
     # the previous step is cleared. Rows 0 and 2 are in flight: the ids just sampled, rows 1 and 0.
-    graphs.stage(np.array([0, 12, 0]), np.array([41, 21, 36]), np.array([71, 113, 131]),
-                 np.array([42, 22, 37]), np.array([[4, 5], [7, 0], [8, 9]]), np.array([1, -1, 0]),
-                 graphs.sampled_ids[:4])
-    assert graphs.host_fields[0]["positions"][:3].tolist() == [40, 20, 35]     # slot 0 untouched
+    graphs.stage(
+        np.array([0, 12, 0]),
+        np.array([41, 21, 36]),
+        np.array([71, 113, 131]),
+        np.array([42, 22, 37]),
+        np.array([[4, 5], [7, 0], [8, 9]]),
+        np.array([1, -1, 0]),
+        graphs.sampled_ids[:4],
+    )
+    assert graphs.host_fields[0]["positions"][:3].tolist() == [40, 20, 35]  # slot 0 untouched
     graphs.load_inputs(4)
     assert graphs.slot.item() == 1
-    assert graphs.input_ids[:4].tolist() == [1, 12, 3, 0]          # sampled[1], 12, sampled[0]
+    assert graphs.input_ids[:4].tolist() == [1, 12, 3, 0]  # sampled[1], 12, sampled[0]
     assert graphs.positions[:4].tolist() == [41, 21, 36, 0]
-    assert graphs.slot_mapping[:4].tolist() == [71, 113, 131, -1]       # padded row: no KV write
-    assert graphs.seq_lens[:4].tolist() == [42, 22, 37, 0]              # padded row: no context
+    assert graphs.slot_mapping[:4].tolist() == [71, 113, 131, -1]  # padded row: no KV write
+    assert graphs.seq_lens[:4].tolist() == [42, 22, 37, 0]  # padded row: no context
     assert graphs.block_tables[:4, :3].tolist() == [[4, 5, 0], [7, 0, 0], [8, 9, 0], [0, 0, 0]]
 
 
 def test_previous_ids_from_elsewhere_are_copied_into_the_graphs_buffer():
     graphs = empty_graphs(2)
     prev = torch.tensor([500, 600], device=DEVICE)
-    graphs.stage(np.array([0]), np.array([5]), np.array([6]), np.array([6]), np.array([[1]]),
-                 np.array([1]), prev)
+    graphs.stage(
+        np.array([0]),
+        np.array([5]),
+        np.array([6]),
+        np.array([6]),
+        np.array([[1]]),
+        np.array([1]),
+        prev,
+    )
     assert graphs.sampled_ids.tolist() == [500, 600]
     graphs.load_inputs(1)
     assert graphs.input_ids[:1].tolist() == [600]
@@ -92,9 +124,10 @@ def test_previous_ids_from_elsewhere_are_copied_into_the_graphs_buffer():
 
 def test_only_the_graphs_rows_are_copied():
     graphs = empty_graphs(4)
-    graphs.stage(np.array([1, 2, 3, 4]), np.arange(4), np.arange(4), np.arange(4) + 1,
-                 np.array([[9]] * 4))
-    graphs.load_inputs(1)                       # the graph of one row: one row of its table
+    graphs.stage(
+        np.array([1, 2, 3, 4]), np.arange(4), np.arange(4), np.arange(4) + 1, np.array([[9]] * 4)
+    )
+    graphs.load_inputs(1)  # the graph of one row: one row of its table
     assert graphs.block_tables[:, 0].tolist() == [9, 0, 0, 0]
 
 
@@ -103,8 +136,16 @@ def test_eager_replays_alternate_slots_and_match_the_runner(tiny_hf_model):
     ids, with in-flight inputs filled on the device and ids read back from the ring; a slot's ids
     are kept when the slot is staged again before they were read."""
     _, path = tiny_hf_model("llama")
-    runner = ModelRunner(EngineConfig(model_path=str(path), device=DEVICE, tokens_per_block=4,
-                                      max_batch_size=2, cuda_graphs=False, attention_backend="torch"))
+    runner = ModelRunner(
+        EngineConfig(
+            model_path=str(path),
+            device=DEVICE,
+            tokens_per_block=4,
+            max_batch_size=2,
+            cuda_graphs=False,
+            attention_backend="torch",
+        )
+    )
     graphs = DecodeGraphs(runner.model, runner.kv_cache, 2, runner.max_seq_len, 4)
     prompts = [[5, 9, 2, 7, 1], [3, 3, 8]]
     blocks = [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -112,18 +153,24 @@ def test_eager_replays_alternate_slots_and_match_the_runner(tiny_hf_model):
         first = runner.execute([Chunk.of_sequence(p, b) for p, b in zip(prompts, blocks)])
     tokens = [[int(t)] for t in first.logits.argmax(-1)]
     pending, prev = [], first.logits.argmax(-1)
-    for step in range(5):          # inputs are in flight: the graph fills them from `prev`
+    for step in range(5):  # inputs are in flight: the graph fills them from `prev`
         lens = np.array([len(p) + step + 1 for p in prompts])
         with torch.inference_mode():
-            graphs.stage(np.array([0, 0]), lens - 1, np.array([b[(n - 1) // 4] * 4 + (n - 1) % 4
-                                                                 for b, n in zip(blocks, lens)]),
-                         lens, np.array(blocks), np.array([0, 1]), prev)
+            graphs.stage(
+                np.array([0, 0]),
+                lens - 1,
+                np.array([b[(n - 1) // 4] * 4 + (n - 1) % 4 for b, n in zip(blocks, lens)]),
+                lens,
+                np.array(blocks),
+                np.array([0, 1]),
+                prev,
+            )
             _, prev, ids = graphs.replay(2)
         pending.append(ids)
-    for ids in pending:             # read late: all but the last two were kept when restaged
+    for ids in pending:  # read late: all but the last two were kept when restaged
         for row, token in enumerate(ids.result()):
             tokens[row].append(token)
-    for row, prompt in enumerate(prompts):     # the runner's own eager decode, token by token
+    for row, prompt in enumerate(prompts):  # the runner's own eager decode, token by token
         seq = prompt + tokens[row][:1]
         for step in range(5):
             own_blocks = [10 + row * 4 + i for i in range(4)]
@@ -133,22 +180,29 @@ def test_eager_replays_alternate_slots_and_match_the_runner(tiny_hf_model):
                     runner.execute([Chunk.of_sequence(seq[:-1], own_blocks, samples=False)])
             with torch.inference_mode():
                 seq.append(int(runner.execute([chunk]).logits.argmax(-1)[0]))
-        assert tokens[row] == seq[len(prompt):]
+        assert tokens[row] == seq[len(prompt) :]
 
 
 def test_staged_bans_reach_the_graphs_argmax_and_clear_on_the_next_step():
-    graphs = DecodeGraphs(None, torch.empty(1, device=DEVICE), 4, 100, tokens_per_block=16, max_banned=2)
+    graphs = DecodeGraphs(
+        None, torch.empty(1, device=DEVICE), 4, 100, tokens_per_block=16, max_banned=2
+    )
     logits = torch.zeros(3, 6, device=DEVICE)
-    logits[:, 5], logits[:, 4], logits[:, 3] = 3.0, 2.0, 1.0      # every row: 5, then 4, then 3
-    step = (np.array([1, 2, 3]), np.array([4, 5, 6]), np.array([4, 5, 6]), np.array([5, 6, 7]),
-            np.array([[1], [2], [3]]))
+    logits[:, 5], logits[:, 4], logits[:, 3] = 3.0, 2.0, 1.0  # every row: 5, then 4, then 3
+    step = (
+        np.array([1, 2, 3]),
+        np.array([4, 5, 6]),
+        np.array([4, 5, 6]),
+        np.array([5, 6, 7]),
+        np.array([[1], [2], [3]]),
+    )
     graphs.stage(*step, banned_ids=np.array([[5, -1], [5, 4], [-1, -1]]))
     graphs.load_inputs(3)
     assert graphs.banned_ids[:3].tolist() == [[5, -1], [5, 4], [-1, -1]]
     ids = argmax_rows(logits, out=graphs.sampled_ids[:3], banned=graphs.banned_ids[:3])
     assert ids.tolist() == [4, 3, 5]
     graphs._replayed += 1
-    graphs.stage(*step)                           # no bans this step: the staged slot says so
+    graphs.stage(*step)  # no bans this step: the staged slot says so
     graphs.replays.fill_(1)
     graphs.load_inputs(3)
     assert graphs.banned_ids[:3].tolist() == [[-1, -1]] * 3

@@ -1,5 +1,7 @@
-"""Engine greedy output equals transformers token for token, served concurrently through the executor,
-with chunked prefill, prefix reuse and preemption; log-probs of chosen tokens match within 1e-4."""
+"""Engine greedy output equals transformers token for token, served concurrently through the
+executor, with chunked prefill, prefix reuse and preemption; log-probs of chosen tokens match
+within 1e-4."""
+
 from __future__ import annotations
 
 
@@ -14,10 +16,15 @@ from backend.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import TINY, TINY_CONFIGS, make_tiny_model, random_prompts
 
-def serve(model_dir, prompts, max_tokens, ignore_end_id=False, logprobs=False, **config) -> tuple[list[dict], Executor]:
+
+def serve(
+    model_dir, prompts, max_tokens, ignore_end_id=False, logprobs=False, **config
+) -> tuple[list[dict], Executor]:
     executor = Executor(EngineConfig(model_path=str(model_dir), device="cpu", **config))
     try:
-        params = SamplingParams(max_tokens=max_tokens, ignore_end_id=ignore_end_id, return_log_probs=logprobs)
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_end_id=ignore_end_id, return_log_probs=logprobs
+        )
         results = executor.generate(prompts, params, timeout=600)
         return results, executor
     finally:
@@ -28,8 +35,16 @@ def serve(model_dir, prompts, max_tokens, ignore_end_id=False, logprobs=False, *
 def test_tiny_models_match_transformers(kind, tmp_path):
     hf = make_tiny_model(kind, tmp_path)
     prompts = random_prompts(16, TINY["vocab_size"], seed=len(kind))
-    results, _ = serve(tmp_path, prompts, max_tokens=12, ignore_end_id=True, logprobs=True,
-                       max_batch_size=16, max_num_tokens=256, tokens_per_block=8)
+    results, _ = serve(
+        tmp_path,
+        prompts,
+        max_tokens=12,
+        ignore_end_id=True,
+        logprobs=True,
+        max_batch_size=16,
+        max_num_tokens=256,
+        tokens_per_block=8,
+    )
     for prompt, result in zip(prompts, results):
         expected, expected_logprobs = hf_greedy(hf, prompt, 12)
         assert result["token_ids"] == expected
@@ -40,12 +55,21 @@ def test_tiny_model_chunked_prefill_and_preemption(tmp_path):
     hf = make_tiny_model("llama", tmp_path)
     prompts = random_prompts(16, TINY["vocab_size"], seed=7, low=20, high=120)
     expected = [hf_greedy(hf, p, 16)[0] for p in prompts]
-    chunked, _ = serve(tmp_path, prompts, 16, ignore_end_id=True, max_num_tokens=32, tokens_per_block=8)
+    chunked, _ = serve(
+        tmp_path, prompts, 16, ignore_end_id=True, max_num_tokens=32, tokens_per_block=8
+    )
     assert [r["token_ids"] for r in chunked] == expected
     # A pool of 40 blocks x 8 tokens holds ~2-3 of these requests: max_utilization must preempt.
-    preempting, executor = serve(tmp_path, prompts, 16, ignore_end_id=True, max_num_tokens=256,
-                                 tokens_per_block=8, max_tokens_in_paged_kv_cache=320,
-                                 batch_scheduler_policy="max_utilization")
+    preempting, executor = serve(
+        tmp_path,
+        prompts,
+        16,
+        ignore_end_id=True,
+        max_num_tokens=256,
+        tokens_per_block=8,
+        max_tokens_in_paged_kv_cache=320,
+        batch_scheduler_policy="max_utilization",
+    )
     assert [r["token_ids"] for r in preempting] == expected
     stats = executor.stats()
     assert stats.num_preemptions > 0
@@ -64,8 +88,10 @@ PROMPTS = [
     "The quick brown fox",
     "What is 12 times 12?",
 ]
-SYSTEM = ("You are a meticulous assistant for a shipping company. Answer in one short sentence, "
-          "never invent tracking numbers, and always stay polite even when customers are upset.")
+SYSTEM = (
+    "You are a meticulous assistant for a shipping company. Answer in one short sentence, "
+    "never invent tracking numbers, and always stay polite even when customers are upset."
+)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +103,9 @@ def smollm():
 
 
 def chat_ids(tokenizer, text: str, system: str | None = None) -> list[int]:
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": text}
+    ]
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(encoded["input_ids"])
 
@@ -118,7 +146,13 @@ def test_default_model_chunked_prefix_reuse_and_preemption(smollm):
     finally:
         executor.shutdown()
 
-    preempting, executor = serve(model_dir, prompts, 32, tokens_per_block=16, max_tokens_in_paged_kv_cache=512,
-                                 batch_scheduler_policy="max_utilization")
+    preempting, executor = serve(
+        model_dir,
+        prompts,
+        32,
+        tokens_per_block=16,
+        max_tokens_in_paged_kv_cache=512,
+        batch_scheduler_policy="max_utilization",
+    )
     assert [r["token_ids"] for r in preempting] == expected
     assert executor.stats().num_preemptions > 0

@@ -1,4 +1,5 @@
 """The engine in a process of its own (backend/engine_process.py), driven like an Executor."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,16 @@ def tiny_dir(tmp_path_factory):
 
 
 def config_for(model_dir, **overrides) -> EngineConfig:
-    return EngineConfig(**{"model_path": str(model_dir), "device": "cpu", "max_seq_len": 256,
-                           "tokens_per_block": 8, "max_batch_size": 8, **overrides})
+    return EngineConfig(
+        **{
+            "model_path": str(model_dir),
+            "device": "cpu",
+            "max_seq_len": 256,
+            "tokens_per_block": 8,
+            "max_batch_size": 8,
+            **overrides,
+        }
+    )
 
 
 class Outputs:
@@ -59,8 +68,10 @@ def engine(tiny_dir):
 
 def test_outputs_through_the_process_equal_the_executors(tiny_dir, engine):
     prompts = random_prompts(6, 512, seed=5)
-    params = [SamplingParams(max_tokens=10, ignore_end_id=True),
-              SamplingParams(max_tokens=7, temperature=0.9, top_p=0.9, seed=3, return_log_probs=True)] * 3
+    params = [
+        SamplingParams(max_tokens=10, ignore_end_id=True),
+        SamplingParams(max_tokens=7, temperature=0.9, top_p=0.9, seed=3, return_log_probs=True),
+    ] * 3
     executor = Executor(config_for(tiny_dir))
     try:
         expected = executor.generate(prompts, params)
@@ -72,12 +83,14 @@ def test_outputs_through_the_process_equal_the_executors(tiny_dir, engine):
     for outputs, result in zip(collected, expected):
         final = outputs.wait()
         assert outputs.token_ids == result["token_ids"]
-        assert [x for o in outputs.items for x in o.new_logprobs] == pytest.approx(result["logprobs"])
+        assert [x for o in outputs.items for x in o.new_logprobs] == pytest.approx(
+            result["logprobs"]
+        )
         assert final.finish_reason == result["finish_reason"]
     assert engine.vocab_size == executor.vocab_size and engine.max_seq_len == executor.max_seq_len
     deadline = time.monotonic() + 5
     while engine.stats().num_completed < len(prompts) and time.monotonic() < deadline:
-        time.sleep(0.05)                          # statistics come every STATS_PERIOD_S
+        time.sleep(0.05)  # statistics come every STATS_PERIOD_S
     assert engine.stats().num_completed >= len(prompts)
 
 
@@ -95,33 +108,43 @@ def test_a_full_queue_comes_back_as_a_rejected_output(tiny_dir):
     try:
         collected = [Outputs() for _ in range(10)]
         for i, outputs in enumerate(collected):
-            process.submit(f"queue-{i}", [3, 4, 5], SamplingParams(max_tokens=200, ignore_end_id=True),
-                           outputs)
+            process.submit(
+                f"queue-{i}", [3, 4, 5], SamplingParams(max_tokens=200, ignore_end_id=True), outputs
+            )
         finals = [o.wait() for o in collected]
     finally:
         process.shutdown()
     rejected = [f for f in finals if f.rejected]
     assert len(rejected) >= 7 and all(
-        r.rejected == "queue_full" and r.finish_reason == FinishReason.ERROR
-        and "Exceeds maximum queue size" in r.error for r in rejected)
-    assert sum(f.finish_reason == FinishReason.LENGTH for f in finals) == len(finals) - len(rejected)
+        r.rejected == "queue_full"
+        and r.finish_reason == FinishReason.ERROR
+        and "Exceeds maximum queue size" in r.error
+        for r in rejected
+    )
+    assert sum(f.finish_reason == FinishReason.LENGTH for f in finals) == len(finals) - len(
+        rejected
+    )
 
 
 def test_cancel_ends_a_request_as_cancelled(engine):
     outputs = Outputs()
-    engine.submit("cancel-me", [3, 4, 5], SamplingParams(max_tokens=250, ignore_end_id=True), outputs)
+    engine.submit(
+        "cancel-me", [3, 4, 5], SamplingParams(max_tokens=250, ignore_end_id=True), outputs
+    )
     while not outputs.items:
         time.sleep(0.01)
     assert engine.cancel("cancel-me")
     assert outputs.wait().finish_reason == FinishReason.CANCELLED
-    assert not engine.cancel("cancel-me")                     # no longer in flight
+    assert not engine.cancel("cancel-me")  # no longer in flight
 
 
 def test_a_dead_engine_fails_its_requests_and_refuses_new_ones(tiny_dir):
     process = EngineProcess(config_for(tiny_dir))
     try:
         outputs = Outputs()
-        process.submit("doomed", [3, 4, 5], SamplingParams(max_tokens=250, ignore_end_id=True), outputs)
+        process.submit(
+            "doomed", [3, 4, 5], SamplingParams(max_tokens=250, ignore_end_id=True), outputs
+        )
         os.kill(process.process.pid, signal.SIGKILL)
         final = outputs.wait(timeout=10)
         assert final.finish_reason == FinishReason.ERROR and "engine process exited" in final.error
@@ -144,8 +167,24 @@ def test_outputs_travel_as_tuples_of_every_field():
             sent.append(message)
 
     outbox = _Outbox(Conn(), executor=type("Idle", (), {"stats": lambda self: None})())
-    out = RequestOutput("r", [1, 2], [-0.5, -0.25], 2, True, FinishReason.STOP, "e", 3, 1, 2, -0.75,
-                        1.0, 2.0, 3.0, 4.0, "invalid")
+    out = RequestOutput(
+        "r",
+        [1, 2],
+        [-0.5, -0.25],
+        2,
+        True,
+        FinishReason.STOP,
+        "e",
+        3,
+        1,
+        2,
+        -0.75,
+        1.0,
+        2.0,
+        3.0,
+        4.0,
+        "invalid",
+    )
     outbox.put(out)
     deadline = time.monotonic() + 5
     while not any(m[0] == "outputs" for m in sent) and time.monotonic() < deadline:
@@ -162,7 +201,9 @@ def test_sigterm_drains_the_engine(tiny_dir):
     process = EngineProcess(config_for(tiny_dir))
     try:
         running = Outputs()
-        process.submit("long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_end_id=True), running)
+        process.submit(
+            "long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_end_id=True), running
+        )
         deadline = time.monotonic() + 60
         while not running.items and time.monotonic() < deadline:
             time.sleep(0.01)

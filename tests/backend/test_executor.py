@@ -1,5 +1,6 @@
-"""Executor behaviour on a tiny random model: validation, cancellation, stop sequences, queue limits,
-failure isolation, and the offline command."""
+"""Executor behaviour on a tiny random model: validation, cancellation, stop sequences, queue
+limits, failure isolation, and the offline command."""
+
 from __future__ import annotations
 
 import gc
@@ -29,8 +30,15 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture
 def executor(tiny_dir):
-    ex = Executor(EngineConfig(model_path=str(tiny_dir), device="cpu", max_seq_len=256, tokens_per_block=8,
-                               max_batch_size=8))
+    ex = Executor(
+        EngineConfig(
+            model_path=str(tiny_dir),
+            device="cpu",
+            max_seq_len=256,
+            tokens_per_block=8,
+            max_batch_size=8,
+        )
+    )
     yield ex
     ex.shutdown()
 
@@ -55,17 +63,20 @@ class Collector:
         return self.outputs[-1]
 
 
-@pytest.mark.parametrize("prompt, params, message", [
-    ([], SamplingParams(max_tokens=4), "prompt must not be empty"),
-    ([5] * 300, SamplingParams(max_tokens=4), "max_seq_len"),
-    ([5, 6], SamplingParams(max_tokens=0), "max_tokens must be >= 1"),
-    ([5, 6], SamplingParams(max_tokens=-3), "max_tokens must be >= 1"),
-    ([5, 6], SamplingParams(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
-    ([5, 6], SamplingParams(temperature=-1.0), "temperature must be >= 0"),
-    ([5, 600], SamplingParams(), "prompt token ids must be integers in [0, 512)"),
-    ([5, 6], SamplingParams(stop_token_ids=[[]]), "stop_token_ids"),
-    ([5, 6], SamplingParams(bad_token_ids=[[9999]]), "bad_token_ids"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], SamplingParams(max_tokens=4), "prompt must not be empty"),
+        ([5] * 300, SamplingParams(max_tokens=4), "max_seq_len"),
+        ([5, 6], SamplingParams(max_tokens=0), "max_tokens must be >= 1"),
+        ([5, 6], SamplingParams(max_tokens=-3), "max_tokens must be >= 1"),
+        ([5, 6], SamplingParams(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+        ([5, 6], SamplingParams(temperature=-1.0), "temperature must be >= 0"),
+        ([5, 600], SamplingParams(), "prompt token ids must be integers in [0, 512)"),
+        ([5, 6], SamplingParams(stop_token_ids=[[]]), "stop_token_ids"),
+        ([5, 6], SamplingParams(bad_token_ids=[[9999]]), "bad_token_ids"),
+    ],
+)
 def test_bad_input_is_rejected_and_neighbours_are_served(executor, prompt, params, message):
     good = Collector()
     executor.submit("good", [3, 4, 5], SamplingParams(max_tokens=6, ignore_end_id=True), good)
@@ -78,7 +89,9 @@ def test_bad_input_is_rejected_and_neighbours_are_served(executor, prompt, param
 
 def test_cancel_frees_blocks_and_sends_final(executor):
     collector = Collector()
-    executor.submit("long", [3, 4, 5, 6], SamplingParams(max_tokens=200, ignore_end_id=True), collector)
+    executor.submit(
+        "long", [3, 4, 5, 6], SamplingParams(max_tokens=200, ignore_end_id=True), collector
+    )
     while not collector.outputs:
         pass
     assert executor.cancel("long")
@@ -93,21 +106,35 @@ def test_cancel_frees_blocks_and_sends_final(executor):
 def test_idle_stats_after_requests(executor):
     executor.generate([[3, 4, 5], [6, 7]], SamplingParams(max_tokens=5, ignore_end_id=True))
     stats = executor.stats()
-    assert stats.num_completed == 2 and stats.num_generated_tokens == 10 and stats.num_iterations >= 5
-    assert (stats.num_running, stats.num_waiting, stats.last_num_scheduled_tokens,
-            stats.last_num_context_requests, stats.last_num_generation_requests) == (0, 0, 0, 0, 0)
+    assert (
+        stats.num_completed == 2 and stats.num_generated_tokens == 10 and stats.num_iterations >= 5
+    )
+    assert (
+        stats.num_running,
+        stats.num_waiting,
+        stats.last_num_scheduled_tokens,
+        stats.last_num_context_requests,
+        stats.last_num_generation_requests,
+    ) == (0, 0, 0, 0, 0)
     assert stats.kv.free_blocks == stats.kv.max_blocks
 
 
 def test_stop_sequence_ends_where_the_stop_starts(executor):
     prompt = [11, 12, 13, 14]
-    free = executor.generate([prompt], SamplingParams(max_tokens=20, ignore_end_id=True))[0]["token_ids"]
+    free = executor.generate([prompt], SamplingParams(max_tokens=20, ignore_end_id=True))[0][
+        "token_ids"
+    ]
     stop = free[5:8]
     collector = Collector()
-    executor.submit("stop", prompt, SamplingParams(max_tokens=20, ignore_end_id=True, stop_token_ids=[stop]), collector)
+    executor.submit(
+        "stop",
+        prompt,
+        SamplingParams(max_tokens=20, ignore_end_id=True, stop_token_ids=[stop]),
+        collector,
+    )
     assert collector.final.finish_reason == FinishReason.STOP
     # The first occurrence of the stop sequence ends generation; nothing of it is delivered.
-    first = next(i for i in range(len(free)) if free[i:i + len(stop)] == stop)
+    first = next(i for i in range(len(free)) if free[i : i + len(stop)] == stop)
     assert collector.tokens == free[:first]
 
 
@@ -122,8 +149,15 @@ def test_end_id_finishes_and_is_not_delivered(executor):
 
 
 def test_queue_full_is_refused_explicitly(tiny_dir):
-    ex = Executor(EngineConfig(model_path=str(tiny_dir), device="cpu", max_batch_size=1, max_queue_size=1,
-                               tokens_per_block=8))
+    ex = Executor(
+        EngineConfig(
+            model_path=str(tiny_dir),
+            device="cpu",
+            max_batch_size=1,
+            max_queue_size=1,
+            tokens_per_block=8,
+        )
+    )
     try:
         first, second = Collector(), Collector()
         ex.submit("a", [3, 4], SamplingParams(max_tokens=100, ignore_end_id=True), first)
@@ -168,8 +202,13 @@ def test_a_failing_request_fails_alone(tiny_dir):
 
 def test_a_request_failing_in_a_prefill_chunk_that_does_not_sample_fails(tiny_dir):
     """Its KV for that chunk was never written: it must not go on to sample from it."""
-    config = EngineConfig(model_path=str(tiny_dir), device="cpu", tokens_per_block=8, max_num_tokens=8,
-                          enable_chunked_context=True)
+    config = EngineConfig(
+        model_path=str(tiny_dir),
+        device="cpu",
+        tokens_per_block=8,
+        max_num_tokens=8,
+        enable_chunked_context=True,
+    )
     ex = Executor(config, runner=PoisonedRunner(config))
     try:
         bad = Collector()
@@ -186,7 +225,9 @@ def test_a_failing_callback_fails_alone(executor):
     def explode(out):
         raise RuntimeError("client went away")
 
-    executor.submit("exploding", [3, 4, 5], SamplingParams(max_tokens=50, ignore_end_id=True), explode)
+    executor.submit(
+        "exploding", [3, 4, 5], SamplingParams(max_tokens=50, ignore_end_id=True), explode
+    )
     result = executor.generate([[3, 4, 5]], SamplingParams(max_tokens=5, ignore_end_id=True))[0]
     assert len(result["token_ids"]) == 5
     stats = executor.stats()
@@ -201,8 +242,18 @@ def test_offline_command_unknown_model(tiny_dir, capsys):
 
 @pytest.mark.slow
 def test_offline_command_default_model(capsys):
-    code = generate.main(["--prompt", "The capital of France is", "--prompt", "Say hi", "--chat",
-                          "--max-tokens", "8", "--json"])
+    code = generate.main(
+        [
+            "--prompt",
+            "The capital of France is",
+            "--prompt",
+            "Say hi",
+            "--chat",
+            "--max-tokens",
+            "8",
+            "--json",
+        ]
+    )
     assert code == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["prompt"] for line in lines] == ["The capital of France is", "Say hi"]
@@ -213,9 +264,14 @@ def test_offline_command_default_model(capsys):
 def test_shutdown_frees_the_model_and_kv_cache_at_once(tiny_dir):
     """Shutdown hands the runner's memory back without waiting for the garbage collector to find
     the engine's reference cycles (on a GPU, a benchmark's next model needs that memory)."""
-    ex = Executor(EngineConfig(model_path=str(tiny_dir), device="cpu", max_seq_len=256, tokens_per_block=8))
+    ex = Executor(
+        EngineConfig(model_path=str(tiny_dir), device="cpu", max_seq_len=256, tokens_per_block=8)
+    )
     assert ex.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0]["error"] is None
-    kv_cache, weight = weakref.ref(ex.runner.kv_cache), weakref.ref(next(ex.runner.model.parameters()))
+    kv_cache, weight = (
+        weakref.ref(ex.runner.kv_cache),
+        weakref.ref(next(ex.runner.model.parameters())),
+    )
     gc.disable()
     try:
         ex.shutdown()

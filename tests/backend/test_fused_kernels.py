@@ -1,5 +1,6 @@
 """Triton RMSNorm (+ residual), rotary-embedding, activation, embedding and argmax kernels against
 torch."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("hidden", [64, 96])          # 96: the row is masked to a block of 128
+@pytest.mark.parametrize("hidden", [64, 96])  # 96: the row is masked to a block of 128
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_module(hidden, with_residual):
     torch.manual_seed(0)
@@ -47,7 +48,7 @@ def test_rms_norm_half_precision_strided_rows():
     torch.manual_seed(1)
     hidden = 64
     weight = (torch.rand(hidden, device=DEVICE) + 0.5).half()
-    x = (torch.randn(5, 2 * hidden, device=DEVICE) * 2).half()[:, :hidden]   # row stride 2*hidden
+    x = (torch.randn(5, 2 * hidden, device=DEVICE) * 2).half()[:, :hidden]  # row stride 2*hidden
     residual = torch.randn(5, hidden, device=DEVICE).half()
     module = RMSNorm(hidden, eps=1e-6).to(DEVICE).half()
     with torch.no_grad():
@@ -62,45 +63,62 @@ def test_rms_norm_half_precision_strided_rows():
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 32), (6, 1, 64)])
 def test_rotary_matches_torch_in_place_on_fused_qkv(num_heads, num_kv_heads, head_dim):
     torch.manual_seed(2)
-    rope = RopeConfig(type="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                      high_freq_factor=4.0, original_max_position_embeddings=64)
+    rope = RopeConfig(
+        type="llama3",
+        theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    )
     rotary = RotaryEmbedding(rope, head_dim, max_position_embeddings=256, max_positions=256)
     rotary.build_cache(DEVICE)
     num_tokens = 9
     positions = torch.randint(0, 256, (num_tokens,), device=DEVICE)
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
-    q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(
-        num_tokens, num_kv_heads, head_dim)
-    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim:].clone()
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    v_before = qkv[:, (num_heads + num_kv_heads) * head_dim :].clone()
     cos, sin = rotary(positions, torch.float32)
     expected_q, expected_k = apply_rotary(q.clone(), k.clone(), cos, sin)
 
     apply_rotary_(q, k, rotary.cos_sin, positions)
     torch.testing.assert_close(q, expected_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k, expected_k, atol=1e-5, rtol=1e-5)
-    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)   # v untouched
+    assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim :], v_before)  # v untouched
 
 
-@pytest.mark.parametrize("size", [64, 1536])         # 1536: two column tiles, the last one masked
+@pytest.mark.parametrize("size", [64, 1536])  # 1536: two column tiles, the last one masked
 def test_silu_and_mul_matches_torch(size):
     torch.manual_seed(0)
     gate_up = torch.randn(5, 2 * size, device=DEVICE) * 4
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_rotary_with_kv_write_stores_rotated_keys_and_values_at_their_slots():
     torch.manual_seed(3)
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 4
-    rope = RopeConfig(type="default", theta=10000.0, factor=1.0, low_freq_factor=1.0,
-                      high_freq_factor=4.0, original_max_position_embeddings=64)
+    rope = RopeConfig(
+        type="default",
+        theta=10000.0,
+        factor=1.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    )
     rotary = RotaryEmbedding(rope, head_dim, max_position_embeddings=64, max_positions=64)
     rotary.build_cache(DEVICE)
     positions = torch.tensor([0, 5, 9, 3], device=DEVICE)
-    slots = torch.tensor([6, 1, -1, 10], device=DEVICE)           # -1: a padded row, skipped
+    slots = torch.tensor([6, 1, -1, 10], device=DEVICE)  # -1: a padded row, skipped
     qkv = torch.randn(4, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).half()
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q, k, v = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1
+    )
     q, k, v = (t.view(4, -1, head_dim) for t in (q, k, v))
     cos, sin = rotary(positions, torch.float16)
     expected_q, expected_k = apply_rotary(q.clone(), k.clone(), cos, sin)
@@ -109,7 +127,10 @@ def test_rotary_with_kv_write_stores_rotated_keys_and_values_at_their_slots():
 
     apply_rotary_(q, k, rotary.cos_sin, positions, (v, k_cache, v_cache, slots))
     torch.testing.assert_close(q, expected_q, atol=2e-3, rtol=2e-3)
-    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k, flat_v = (
+        k_cache.view(-1, num_kv_heads, head_dim),
+        v_cache.view(-1, num_kv_heads, head_dim),
+    )
     for row, slot in enumerate(slots.tolist()):
         if slot >= 0:
             torch.testing.assert_close(flat_k[slot], expected_k[row], atol=2e-3, rtol=2e-3)
@@ -121,16 +142,16 @@ def test_rotary_with_kv_write_stores_rotated_keys_and_values_at_their_slots():
 
 def test_argmax_matches_torch_with_ties_inside_and_across_chunks():
     torch.manual_seed(5)
-    vocab = 2 * CHUNK + 1000                           # three chunks, the last one partial
+    vocab = 2 * CHUNK + 1000  # three chunks, the last one partial
     logits = torch.randn(5, vocab, device=DEVICE)
-    logits[1, [7, CHUNK + 3, 2 * CHUNK + 9]] = 50.0    # equal maxima in three chunks: first wins
-    logits[2, [CHUNK + 10, CHUNK + 11]] = 50.0          # equal maxima in one chunk
-    logits[3, :] = float("-inf")                      # nothing allowed: index 0, as torch
-    logits[4, -1] = 50.0                              # the very last column
+    logits[1, [7, CHUNK + 3, 2 * CHUNK + 9]] = 50.0  # equal maxima in three chunks: first wins
+    logits[2, [CHUNK + 10, CHUNK + 11]] = 50.0  # equal maxima in one chunk
+    logits[3, :] = float("-inf")  # nothing allowed: index 0, as torch
+    logits[4, -1] = 50.0  # the very last column
     wide = torch.randn(2, vocab + 64, device=DEVICE)[:, 64:]  # rows with a stride, not contiguous
     for x in (logits, wide, logits[:1]):
         torch.testing.assert_close(argmax_rows(x).cpu(), x.argmax(dim=-1).cpu(), rtol=0, atol=0)
-    buffer = torch.full((8,), -5, dtype=torch.int64, device=DEVICE)      # into a longer buffer
+    buffer = torch.full((8,), -5, dtype=torch.int64, device=DEVICE)  # into a longer buffer
     assert argmax_rows(logits, out=buffer[:5]).data_ptr() == buffer.data_ptr()
     assert buffer.tolist() == logits.argmax(dim=-1).tolist() + [-5, -5, -5]
 
@@ -142,10 +163,10 @@ def test_argmax_skips_each_rows_banned_ids_like_masking_them():
     top = logits.argmax(dim=-1)
     second = logits.scatter(1, top[:, None], float("-inf")).argmax(dim=-1)
     banned = torch.full((4, 3), -1, dtype=torch.int64, device=DEVICE)
-    banned[0, 0] = top[0]                              # the maximum banned: the runner-up wins
-    banned[1, 2] = top[1]                              # in any column of the row's bans
+    banned[0, 0] = top[0]  # the maximum banned: the runner-up wins
+    banned[1, 2] = top[1]  # in any column of the row's bans
     banned[2, :2] = torch.tensor([second[2], top[2]])  # both: the third best
-    banned[3, 0] = (top[3] + 1) % vocab                # another id: nothing changes
+    banned[3, 0] = (top[3] + 1) % vocab  # another id: nothing changes
     masked = logits.clone()
     for row in range(4):
         ids = [int(i) for i in banned[row] if i >= 0]
@@ -157,7 +178,7 @@ def test_argmax_skips_each_rows_banned_ids_like_masking_them():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embedding_gathers_rows_like_torch_and_zeros_out_of_range_ids(dtype):
     torch.manual_seed(0)
-    hidden = EMBEDDING_BLOCK + 40                          # two column tiles, the last partial
+    hidden = EMBEDDING_BLOCK + 40  # two column tiles, the last partial
     weight = torch.randn(50, hidden, device=DEVICE).to(dtype)
     ids = torch.tensor([3, 49, 0, 3, 17], device=DEVICE)
     assert torch.equal(embedding(ids, weight), torch.nn.functional.embedding(ids, weight))

@@ -1,4 +1,5 @@
 """The one-token linear kernel (GEMV, with its norm / silu·mul / residual fusions) against torch."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,17 +31,26 @@ def test_plain_product_with_bias(dtype, n, k):
     num_tokens = 1
     torch.manual_seed(0)
     x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
-    weight = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(dtype)
+    weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
     bias = torch.randn(n, device=DEVICE).to(dtype)
     assert supports(x, weight)
     _close(gemv(x, weight), F.linear(x.float(), weight.float()).to(dtype), dtype)
-    _close(gemv(x, weight, bias), F.linear(x.float(), weight.float(), bias.float()).to(dtype), dtype)
+    _close(
+        gemv(x, weight, bias), F.linear(x.float(), weight.float(), bias.float()).to(dtype), dtype
+    )
     wide = dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=2)
-    _close(gemv(x, weight, bias, config=wide), F.linear(x.float(), weight.float(), bias.float()).to(dtype), dtype)
-    for prefetch in {64, 1 << (k.bit_length() - 1)}:    # read before the loop: part of K, or all
+    _close(
+        gemv(x, weight, bias, config=wide),
+        F.linear(x.float(), weight.float(), bias.float()).to(dtype),
+        dtype,
+    )
+    for prefetch in {64, 1 << (k.bit_length() - 1)}:  # read before the loop: part of K, or all
         prefetched = dict(wide, PREFETCH_K=prefetch)
-        _close(gemv(x, weight, bias, config=prefetched),
-               F.linear(x.float(), weight.float(), bias.float()).to(dtype), dtype)
+        _close(
+            gemv(x, weight, bias, config=prefetched),
+            F.linear(x.float(), weight.float(), bias.float()).to(dtype),
+            dtype,
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -63,12 +73,16 @@ def test_norm_prologue_matches_rms_norm_module(dtype):
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     norm = norm.to(dtype)
-    x = (torch.randn(num_tokens, 2 * k, device=DEVICE) * 4).to(dtype)[:, :k]   # strided rows
-    weight = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(dtype)
+    x = (torch.randn(num_tokens, 2 * k, device=DEVICE) * 4).to(dtype)[:, :k]  # strided rows
+    weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
     expected = F.linear(norm(x).float(), weight.float()).to(dtype)
     _close(gemv(x, weight, norm_weight=norm.weight.detach(), eps=1e-5), expected, dtype)
-    prefetched = dict(BLOCK_N=8, BLOCK_K=64, PREFETCH_K=64)       # the norm's sum spans both parts
-    _close(gemv(x, weight, norm_weight=norm.weight.detach(), eps=1e-5, config=prefetched), expected, dtype)
+    prefetched = dict(BLOCK_N=8, BLOCK_K=64, PREFETCH_K=64)  # the norm's sum spans both parts
+    _close(
+        gemv(x, weight, norm_weight=norm.weight.detach(), eps=1e-5, config=prefetched),
+        expected,
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -76,15 +90,19 @@ def test_silu_mul_prologue_and_in_place_residual(dtype):
     torch.manual_seed(2)
     num_tokens, n, k = 1, 48, 64
     gate_up = torch.randn(num_tokens, 2 * k, device=DEVICE).to(dtype)
-    weight = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(dtype)
+    weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
     residual = torch.randn(num_tokens, n, device=DEVICE).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     activated = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
-    expected = (F.linear(activated.float(), weight.float()).to(dtype).float() + residual.float()).to(dtype)
+    expected = (
+        F.linear(activated.float(), weight.float()).to(dtype).float() + residual.float()
+    ).to(dtype)
     before = residual.clone()
     got = gemv(gate_up, weight, silu_mul=True, residual=residual.clone())
     _close(got, expected, dtype)
-    got = gemv(gate_up, weight, silu_mul=True, residual=residual, out=residual, config=dict(PREFETCH_K=k))
+    got = gemv(
+        gate_up, weight, silu_mul=True, residual=residual, out=residual, config=dict(PREFETCH_K=k)
+    )
     assert got.data_ptr() == residual.data_ptr()
     _close(got, expected, dtype)
     assert not torch.equal(residual, before)
@@ -93,12 +111,12 @@ def test_silu_mul_prologue_and_in_place_residual(dtype):
 def test_refuses_what_it_does_not_take():
     x = torch.randn(2, 64).half()
     assert supports(x[:1], torch.randn(8, 64).half())
-    assert not supports(x, torch.randn(8, 64).half())              # two tokens
-    assert not supports(x[:4].float(), torch.randn(8, 64))          # float32
-    assert not supports(x[:4, :48], torch.randn(8, 48).half())      # K not in 64-wide tiles
+    assert not supports(x, torch.randn(8, 64).half())  # two tokens
+    assert not supports(x[:4].float(), torch.randn(8, 64))  # float32
+    assert not supports(x[:4, :48], torch.randn(8, 48).half())  # K not in 64-wide tiles
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])     # qwen2: qkv bias
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: qkv bias
 @pytest.mark.parametrize("attention", ["torch", "triton"])
 def test_one_token_layers_match_the_general_layers(model_type, attention):
     """The decoder layers run as fused one-token kernels (`forward_one_token`) against the general
@@ -111,12 +129,22 @@ def test_one_token_layers_match_the_general_layers(model_type, attention):
     from backend.presets import init_random_weights
     from backend.layers import AttentionStep
 
-    config = ModelConfig.from_dict({
-        "model_type": model_type, "vocab_size": 300, "hidden_size": 128, "intermediate_size": 192,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 64, "rms_norm_eps": 1e-5})
-    model = build_model(config, torch.device(DEVICE), torch.float16,
-                        get_attention_backend(attention, DEVICE), 64)
+    config = ModelConfig.from_dict(
+        {
+            "model_type": model_type,
+            "vocab_size": 300,
+            "hidden_size": 128,
+            "intermediate_size": 192,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-5,
+        }
+    )
+    model = build_model(
+        config, torch.device(DEVICE), torch.float16, get_attention_backend(attention, DEVICE), 64
+    )
     init_random_weights(model, seed=3)
     input_ids = torch.tensor([99], device=DEVICE)
     positions = torch.tensor([6], device=DEVICE)
@@ -124,17 +152,28 @@ def test_one_token_layers_match_the_general_layers(model_type, attention):
         slot_mapping=torch.tensor([14], device=DEVICE),
         query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor([7], dtype=torch.int32, device=DEVICE),
-        block_tables=torch.tensor([[1, 2]], dtype=torch.int32, device=DEVICE),   # slots 8..15, 16..23
-        max_query_len=1, max_seq_len=7, query_lens_cpu=[1], seq_lens_cpu=[7])
+        block_tables=torch.tensor(
+            [[1, 2]], dtype=torch.int32, device=DEVICE
+        ),  # slots 8..15, 16..23
+        max_query_len=1,
+        max_seq_len=7,
+        query_lens_cpu=[1],
+        seq_lens_cpu=[7],
+    )
     caches = [torch.zeros(2, 2, 3, 8, 2, 32, dtype=torch.float16, device=DEVICE) for _ in range(2)]
-    for cache in caches:     # the request's earlier context (slots 8..13), identical in both
-        cache[:, :, 1, :6] = torch.randn(2, 2, 6, 2, 32, generator=torch.Generator().manual_seed(4)).half()
+    for cache in caches:  # the request's earlier context (slots 8..13), identical in both
+        cache[:, :, 1, :6] = torch.randn(
+            2, 2, 6, 2, 32, generator=torch.Generator().manual_seed(4)
+        ).half()
 
     layers, rotary = model.model.layers, model.model.rotary
     with torch.inference_mode():
         hidden = model.model.embed_tokens(input_ids)
         rotation = rotary.rotator(positions, hidden.dtype)
-        general_step, fused_step = AttentionStep(rotation, meta, caches[0]), AttentionStep(rotation, meta, caches[1])
+        general_step, fused_step = (
+            AttentionStep(rotation, meta, caches[0]),
+            AttentionStep(rotation, meta, caches[1]),
+        )
         general, residual = hidden, None
         fused = hidden.clone()
         for i, layer in enumerate(layers):
@@ -142,12 +181,16 @@ def test_one_token_layers_match_the_general_layers(model_type, attention):
             layer.forward_one_token(fused, fused_step)
             _close(fused, general + residual, torch.float16)
             torch.testing.assert_close(caches[1][i], caches[0][i], atol=2e-3, rtol=2e-3)
-            general, residual = fused.clone(), None     # same input to the next layer for both
+            general, residual = fused.clone(), None  # same input to the next layer for both
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_n", [(4, 2, 32, 4), (6, 2, 64, 8), (2, 2, 16, 2)])
-@pytest.mark.parametrize("slot", [11, -1])        # -1: a padded row, nothing written to the cache
-def test_qkv_rope_matches_norm_projection_rotary_and_cache_write(num_heads, num_kv_heads, head_dim, block_n, slot):
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_n", [(4, 2, 32, 4), (6, 2, 64, 8), (2, 2, 16, 2)]
+)
+@pytest.mark.parametrize("slot", [11, -1])  # -1: a padded row, nothing written to the cache
+def test_qkv_rope_matches_norm_projection_rotary_and_cache_write(
+    num_heads, num_kv_heads, head_dim, block_n, slot
+):
     from backend.kernels.qkv_rope import qkv_rope_gemv
     from backend.model_config import RopeConfig
     from backend.layers.rotary import RotaryEmbedding, apply_rotary
@@ -160,7 +203,7 @@ def test_qkv_rope_matches_norm_projection_rotary_and_cache_write(num_heads, num_
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     norm = norm.to(dtype)
-    weight = (torch.randn(q_size + 2 * kv_size, hidden, device=DEVICE) / hidden ** 0.5).to(dtype)
+    weight = (torch.randn(q_size + 2 * kv_size, hidden, device=DEVICE) / hidden**0.5).to(dtype)
     bias = torch.randn(q_size + 2 * kv_size, device=DEVICE).to(dtype)
     rotary = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 64, 64).to(DEVICE)
     k_cache = torch.zeros(3, 8, num_kv_heads, head_dim, device=DEVICE, dtype=dtype)
@@ -168,26 +211,51 @@ def test_qkv_rope_matches_norm_projection_rotary_and_cache_write(num_heads, num_
     positions = torch.tensor([position], device=DEVICE)
     slots = torch.tensor([slot], device=DEVICE)
 
-    got = qkv_rope_gemv(x, weight, bias, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                        cos_sin=rotary.cos_sin, positions=positions, k_cache=k_cache, v_cache=v_cache,
-                        slot_mapping=slots, norm_weight=norm.weight.detach(), eps=1e-5,
-                        config=dict(BLOCK_N=block_n, BLOCK_K=64))
+    got = qkv_rope_gemv(
+        x,
+        weight,
+        bias,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        cos_sin=rotary.cos_sin,
+        positions=positions,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        slot_mapping=slots,
+        norm_weight=norm.weight.detach(),
+        eps=1e-5,
+        config=dict(BLOCK_N=block_n, BLOCK_K=64),
+    )
 
     qkv = F.linear(norm(x).float(), weight.float(), bias.float()).to(dtype)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     cos, sin = rotary.cos_sin[positions, 0, None, :], rotary.cos_sin[positions, 1, None, :]
-    q, k = apply_rotary(q.view(1, num_heads, head_dim).float(), k.view(1, num_kv_heads, head_dim).float(), cos, sin)
+    q, k = apply_rotary(
+        q.view(1, num_heads, head_dim).float(), k.view(1, num_kv_heads, head_dim).float(), cos, sin
+    )
     _close(got, torch.cat([q.reshape(1, -1), k.reshape(1, -1), v.float()], dim=-1).to(dtype), dtype)
     if slot < 0:
         assert not k_cache.any() and not v_cache.any()
     else:
-        _close(k_cache[slot // 8, slot % 8], got[0, q_size:q_size + kv_size].view(num_kv_heads, head_dim), dtype)
-        _close(v_cache[slot // 8, slot % 8], got[0, q_size + kv_size:].view(num_kv_heads, head_dim), dtype)
-        assert k_cache.count_nonzero() == k_cache[slot // 8, slot % 8].count_nonzero()   # nowhere else
+        _close(
+            k_cache[slot // 8, slot % 8],
+            got[0, q_size : q_size + kv_size].view(num_kv_heads, head_dim),
+            dtype,
+        )
+        _close(
+            v_cache[slot // 8, slot % 8],
+            got[0, q_size + kv_size :].view(num_kv_heads, head_dim),
+            dtype,
+        )
+        assert (
+            k_cache.count_nonzero() == k_cache[slot // 8, slot % 8].count_nonzero()
+        )  # nowhere else
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("prefetch", [128, 64, 0, None])  # operand merged in one tile, the loop; None: defaults
+@pytest.mark.parametrize(
+    "prefetch", [128, 64, 0, None]
+)  # operand merged in one tile, the loop; None: defaults
 def test_merge_prologue_equals_the_merged_attention_projected(num_splits, prefetch):
     """The o projection reading split decode attention unmerged (`partials`) equals the same
     projection of the attention output the decode kernel merges itself, residual included."""
@@ -197,10 +265,20 @@ def test_merge_prologue_equals_the_merged_attention_projected(num_splits, prefet
 
     torch.manual_seed(8)
     dtype, heads, head_dim, n = torch.float16, 4, 32, 96
-    k_cache, v_cache, meta = make_batch([1], [150], num_kv_heads=2, head_dim=head_dim, block_size=16,
-                                        dtype=dtype, seed=3)
+    k_cache, v_cache, meta = make_batch(
+        [1], [150], num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype, seed=3
+    )
     query = random_query(1, heads, head_dim, dtype=dtype)
-    args = (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_seq_len, 0.2)
+    args = (
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.max_seq_len,
+        0.2,
+    )
     attention = decode_attention(*args, num_splits=num_splits).reshape(1, heads * head_dim)
     partials = SplitPartials(*decode_attention_partials(*args, num_splits=num_splits))
     weight = (torch.randn(n, heads * head_dim, device=DEVICE) / 12).to(dtype)
@@ -210,4 +288,10 @@ def test_merge_prologue_equals_the_merged_attention_projected(num_splits, prefet
     gemv(None, weight, partials=partials, residual=got, out=got, config=config)
     expected = gemv(attention, weight, residual=residual, config=config)
     _close(got, expected, dtype)
-    _close(got, (F.linear(attention.float(), weight.float()).to(dtype).float() + residual.float()).to(dtype), dtype)
+    _close(
+        got,
+        (F.linear(attention.float(), weight.float()).to(dtype).float() + residual.float()).to(
+            dtype
+        ),
+        dtype,
+    )

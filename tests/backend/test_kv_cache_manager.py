@@ -1,13 +1,13 @@
 """KV cache manager: unit tests for reuse/eviction rules, and a stateful property test that runs
 random allocate / compute / append / free / preempt sequences against a model of cache content."""
+
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from backend.block_pool import BlockPool, hash_block
 from backend.kv_cache_manager import KVCacheManager
@@ -16,8 +16,9 @@ from backend.sampling_params import SamplingParams
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 8) -> Request:
-    return Request(request_id=rid, prompt_ids=list(prompt),
-                   sampling=SamplingParams(max_tokens=max_tokens))
+    return Request(
+        request_id=rid, prompt_ids=list(prompt), sampling=SamplingParams(max_tokens=max_tokens)
+    )
 
 
 def prefill(kv: KVCacheManager, request: Request, reuse: bool = True) -> None:
@@ -31,7 +32,7 @@ def prefill(kv: KVCacheManager, request: Request, reuse: bool = True) -> None:
 
 def test_prefix_hit_is_counted_and_skips_computation():
     kv = KVCacheManager(num_blocks=16, tokens_per_block=4)
-    first = make_request("a", list(range(14)))            # 3 full blocks + 2 tokens
+    first = make_request("a", list(range(14)))  # 3 full blocks + 2 tokens
     prefill(kv, first)
     second = make_request("b", list(range(12)) + [99, 98, 97])
     match = kv.match_prefix(second)
@@ -46,15 +47,16 @@ def test_prefix_hit_is_counted_and_skips_computation():
 
 def test_match_leaves_the_last_token_to_compute():
     kv = KVCacheManager(num_blocks=8, tokens_per_block=4)
-    prefill(kv, make_request("a", list(range(8))))        # exactly 2 full blocks, both cached
+    prefill(kv, make_request("a", list(range(8))))  # exactly 2 full blocks, both cached
     again = make_request("b", list(range(8)))
-    assert kv.match_prefix(again).num_blocks == 1          # not 2: token 7 must be computed
+    assert kv.match_prefix(again).num_blocks == 1  # not 2: token 7 must be computed
     assert kv.match_prefix(make_request("c", list(range(9)))).num_blocks == 2
 
 
 def test_same_block_after_a_different_prefix_is_not_a_hit():
-    assert hash_block(hash_block(None, [1, 2]), [5, 6]) != hash_block(hash_block(None, [3, 4]),
-                                                                      [5, 6])
+    assert hash_block(hash_block(None, [1, 2]), [5, 6]) != hash_block(
+        hash_block(None, [3, 4]), [5, 6]
+    )
     kv = KVCacheManager(num_blocks=8, tokens_per_block=2)
     prefill(kv, make_request("a", [1, 2, 5, 6, 7]))
     assert kv.match_prefix(make_request("b", [3, 4, 5, 6, 7])).num_blocks == 0
@@ -71,7 +73,7 @@ def test_prefix_reuse_disabled_never_matches():
 def test_eviction_is_least_recently_freed_first_and_tail_before_head():
     kv = KVCacheManager(num_blocks=4, tokens_per_block=2)
     a, b = make_request("a", [1, 2, 3, 4, 0]), make_request("b", [5, 6, 7, 8, 0])
-    for request in (a, b):                               # each: 2 full cached blocks (+1 slot)
+    for request in (a, b):  # each: 2 full cached blocks (+1 slot)
         assert kv.allocate(request, 4)
         request.num_computed_tokens = 4
         kv.cache_full_blocks(request)
@@ -93,32 +95,32 @@ def test_reused_block_moves_to_the_back_of_the_eviction_order():
     prefill(kv, a)
     prefill(kv, b)
     kv.free(a)
-    kv.free(b)                       # evictable, oldest first: a's full block, then b's
+    kv.free(b)  # evictable, oldest first: a's full block, then b's
     a_again = make_request("a2", [1, 2, 9])
-    prefill(kv, a_again)             # revives a's block
-    kv.free(a_again)                 # ... which is now the most recently freed
+    prefill(kv, a_again)  # revives a's block
+    kv.free(a_again)  # ... which is now the most recently freed
     assert kv.pool.num_evictable == 2
     filler = make_request("f", [7] * 2 * (kv.num_free_blocks - 1))
-    assert kv.allocate(filler, filler.num_tokens)       # all plain blocks + one eviction
-    assert kv.match_prefix(make_request("x", [3, 4, 0])).num_blocks == 0   # b's went first
+    assert kv.allocate(filler, filler.num_tokens)  # all plain blocks + one eviction
+    assert kv.match_prefix(make_request("x", [3, 4, 0])).num_blocks == 0  # b's went first
     assert kv.match_prefix(make_request("y", [1, 2, 0])).num_blocks == 1
 
 
 def test_plain_free_blocks_are_used_before_evicting_cached_ones():
     kv = KVCacheManager(num_blocks=4, tokens_per_block=2)
     a = make_request("a", [1, 2, 3])
-    prefill(kv, a)                                      # one full cached block, one partial
+    prefill(kv, a)  # one full cached block, one partial
     kv.free(a)
     assert kv.pool.num_evictable == 1
-    assert kv.allocate(make_request("f", [5, 6, 7, 8]), 4)   # two of the three plain blocks
+    assert kv.allocate(make_request("f", [5, 6, 7, 8]), 4)  # two of the three plain blocks
     assert kv.match_prefix(make_request("b", [1, 2, 3])).num_blocks == 1
-    assert kv.allocate(make_request("g", [5, 6, 7, 8]), 4)   # last plain block, then evict
+    assert kv.allocate(make_request("g", [5, 6, 7, 8]), 4)  # last plain block, then evict
     assert kv.match_prefix(make_request("c", [1, 2, 3])).num_blocks == 0
 
 
 def test_failed_allocation_changes_nothing():
     kv = KVCacheManager(num_blocks=3, tokens_per_block=2)
-    prefill(kv, make_request("a", [1, 2, 3, 4]))        # 2 blocks in use
+    prefill(kv, make_request("a", [1, 2, 3, 4]))  # 2 blocks in use
     b = make_request("b", [1, 2, 9, 9, 9])
     match = kv.match_prefix(b)
     assert match.num_blocks == 1
@@ -132,17 +134,17 @@ def test_revived_evictable_blocks_count_against_free_blocks():
     kv = KVCacheManager(num_blocks=2, tokens_per_block=2)
     a = make_request("a", [1, 2, 3])
     prefill(kv, a)
-    kv.free(a)                                          # block with [1, 2] evictable
+    kv.free(a)  # block with [1, 2] evictable
     b = make_request("b", [1, 2, 3])
     match = kv.match_prefix(b)
-    assert kv.free_blocks_needed(b, 1, match) == 2      # one revived + one fresh
+    assert kv.free_blocks_needed(b, 1, match) == 2  # one revived + one fresh
     assert kv.allocate(b, 1, match) and kv.pool.num_free == 0
 
 
 def test_concurrent_identical_prefixes_keep_one_indexed_copy():
     kv = KVCacheManager(num_blocks=8, tokens_per_block=2)
     a, b = make_request("a", [1, 2, 3]), make_request("b", [1, 2, 3])
-    assert kv.allocate(a, 3) and kv.allocate(b, 3)      # both admitted before either computed
+    assert kv.allocate(a, 3) and kv.allocate(b, 3)  # both admitted before either computed
     for request in (a, b):
         request.num_computed_tokens = 3
         kv.cache_full_blocks(request)
@@ -186,12 +188,15 @@ class KVCacheMachine(RuleBasedStateMachine):
     def setup(self, num_blocks, size, reuse):
         self.kv = KVCacheManager(num_blocks, size, enable_prefix_reuse=reuse)
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
-        self.pending: list[Request] = []     # not admitted (new or preempted)
-        self.active: list[Request] = []      # holding blocks
+        self.pending: list[Request] = []  # not admitted (new or preempted)
+        self.active: list[Request] = []  # holding blocks
         self.counter = 0
 
-    @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 8),
-          suffix=st.lists(st.integers(0, 3), max_size=6))
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        cut=st.integers(0, 8),
+        suffix=st.lists(st.integers(0, 3), max_size=6),
+    )
     def new_request(self, prefix, cut, suffix):
         prompt = prefix[:cut] + suffix or [0]
         self.counter += 1
@@ -202,7 +207,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def admit(self, index, chunk):
         request = self.pending[index % len(self.pending)]
         match = self.kv.match_prefix(request)
-        assert match.num_tokens < request.num_tokens      # the last token is always computed
+        assert match.num_tokens < request.num_tokens  # the last token is always computed
         num_new = min(chunk, request.num_tokens - match.num_tokens)
         needed = self.kv.free_blocks_needed(request, num_new, match)
         if self.kv.allocate(request, num_new, match):
@@ -217,7 +222,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def step(self, index, chunk, token):
         request = self.active[index % len(self.active)]
         if request.num_computed_tokens == request.num_tokens:
-            request.output_ids.append(token)              # the token sampled last step
+            request.output_ids.append(token)  # the token sampled last step
         num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
         if self.kv.allocate(request, num_new):
             self._compute(request, num_new)
@@ -228,7 +233,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         for pos in range(request.num_computed_tokens, request.num_computed_tokens + num_new):
             block = request.block_ids[pos // size]
             assert self.kv.pool.ref_count(block) == 1, "wrote into a shared block"
-            self.slots[(block, pos % size)] = tuple(tokens[:pos + 1])
+            self.slots[(block, pos % size)] = tuple(tokens[: pos + 1])
         request.num_computed_tokens += num_new
         self.kv.cache_full_blocks(request)
 
@@ -238,7 +243,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         pool = self.active + self.pending
         request = pool[index % len(pool)]
         self.kv.free(request)
-        self.kv.free(request)                             # a second end frees nothing
+        self.kv.free(request)  # a second end frees nothing
         (self.active if request in self.active else self.pending).remove(request)
 
     @precondition(lambda self: self.active)
@@ -273,7 +278,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             tokens = request.all_ids
             for pos in range(request.num_computed_tokens):
                 slot = (request.block_ids[pos // size], pos % size)
-                assert self.slots[slot] == tuple(tokens[:pos + 1])
+                assert self.slots[slot] == tuple(tokens[: pos + 1])
 
     @invariant()
     def hash_index_is_consistent(self):
@@ -290,6 +295,5 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert all(block.ref_count == 0 for block in self.kv.pool.blocks)
 
 
-KVCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
-                                            deadline=None)
+KVCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_kv_cache_state_machine = KVCacheMachine.TestCase

@@ -1,6 +1,7 @@
 """backend/layers against their torch references (transformers' modules where it has one), and the
 one-token forms of the layers (fused kernels, under the Triton interpreter on CPU) against the
 general forms."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,17 @@ from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # no
 pytest.importorskip("triton")
 
 from backend.attention import AttentionMetadata, SplitPartials, get_attention_backend  # noqa: E402
-from backend.layers import (AttentionStep, Embedding, GatedMLP, LMHead, Linear, RMSNorm,  # noqa: E402
-                            RotaryEmbedding, SelfAttention, silu_and_mul)
+from backend.layers import (
+    AttentionStep,
+    Embedding,
+    GatedMLP,
+    LMHead,
+    Linear,
+    RMSNorm,  # noqa: E402
+    RotaryEmbedding,
+    SelfAttention,
+    silu_and_mul,
+)
 from backend.model_config import ModelConfig, RopeConfig  # noqa: E402
 
 pytestmark = [
@@ -61,7 +71,9 @@ def test_linear_is_torch_linear_and_merged_shards_are_the_projections_stacked():
     assert torch.equal(qkv(x), F.linear(x, qkv.weight, qkv.bias))
     k = F.linear(x, qkv.weight[16:24], qkv.bias[16:24])
     torch.testing.assert_close(qkv(x)[:, 16:24], k)
-    assert Linear(32, 8).bias is None and [n for n, _ in Linear(32, 8).named_parameters()] == ["weight"]
+    assert Linear(32, 8).bias is None and [n for n, _ in Linear(32, 8).named_parameters()] == [
+        "weight"
+    ]
 
 
 def test_silu_and_mul_and_embedding_equal_torch():
@@ -109,12 +121,20 @@ def _decode_step(seq_len: int, tokens_per_block: int = 8):
     """One request decoding its token at position seq_len - 1; its context in blocks 1, 2, ..."""
     blocks = -(-seq_len // tokens_per_block)
     table = torch.arange(1, blocks + 1, dtype=torch.int32, device=DEVICE)[None]
-    slot = int(table[0, (seq_len - 1) // tokens_per_block]) * tokens_per_block + (seq_len - 1) % tokens_per_block
+    slot = (
+        int(table[0, (seq_len - 1) // tokens_per_block]) * tokens_per_block
+        + (seq_len - 1) % tokens_per_block
+    )
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([slot], device=DEVICE),
         query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=DEVICE), block_tables=table,
-        max_query_len=1, max_seq_len=seq_len, query_lens_cpu=[1], seq_lens_cpu=[seq_len])
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=DEVICE),
+        block_tables=table,
+        max_query_len=1,
+        max_seq_len=seq_len,
+        query_lens_cpu=[1],
+        seq_lens_cpu=[seq_len],
+    )
     return meta, blocks + 1
 
 
@@ -123,16 +143,26 @@ def test_self_attention_one_token_form_equals_the_general_form(backend):
     """`add_one_token` (qkv + norm + rotary + KV write in one kernel; with the Triton backend, split
     partials merged by the o projection) adds to the residual what the general form computes, and
     leaves the same keys and values in the cache."""
-    config = ModelConfig.from_dict({
-        "model_type": "qwen2", "vocab_size": 300, "hidden_size": 128, "intermediate_size": 192,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 512})
+    config = ModelConfig.from_dict(
+        {
+            "model_type": "qwen2",
+            "vocab_size": 300,
+            "hidden_size": 128,
+            "intermediate_size": 192,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+        }
+    )
     attention_backend = get_attention_backend(backend, DEVICE)
     attention = _filled(SelfAttention(config, 0, attention_backend), seed=8).to(DEVICE, HALF)
     norm = _filled(RMSNorm(128, eps=1e-6), seed=9).to(DEVICE, HALF)
     rotary = RotaryEmbedding(RopeConfig(), 32, 512, 512).to(DEVICE)
     meta, num_blocks = _decode_step(seq_len=300)
-    context = torch.randn(1, 2, num_blocks, 8, 2, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE, HALF)
+    context = torch.randn(
+        1, 2, num_blocks, 8, 2, 32, generator=torch.Generator().manual_seed(5)
+    ).to(DEVICE, HALF)
     caches = [context.clone(), context.clone()]
     residual = torch.randn(1, 128, device=DEVICE).to(HALF)
     rotation = rotary.rotator(torch.tensor([299], device=DEVICE), HALF)
@@ -163,10 +193,14 @@ def test_attention_partials_come_from_the_backend_and_the_o_projection_reads_any
 
     assert get_attention_backend("torch").decode_partials is None
     backend = get_attention_backend("triton", DEVICE)
-    k_cache, v_cache, meta = make_batch([1], [150], num_kv_heads=2, head_dim=32, block_size=16, dtype=HALF, seed=3)
+    k_cache, v_cache, meta = make_batch(
+        [1], [150], num_kv_heads=2, head_dim=32, block_size=16, dtype=HALF, seed=3
+    )
     query = random_query(1, 4, 32, dtype=HALF)
     partials = backend.decode_partials(query, k_cache, v_cache, meta, 0.2)
-    assert isinstance(partials, SplitPartials) and partials.num_heads == 4 and partials.head_dim == 32
+    assert (
+        isinstance(partials, SplitPartials) and partials.num_heads == 4 and partials.head_dim == 32
+    )
     # The same values stored split-major ([1, splits, heads, D]) and viewed head-major.
     outputs = partials.outputs.transpose(1, 2).contiguous().transpose(1, 2)
     lse = partials.lse.transpose(1, 2).contiguous().transpose(1, 2)

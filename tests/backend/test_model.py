@@ -1,5 +1,6 @@
 """Our Llama-family model and runner against transformers, on tiny random-weight checkpoints:
 full prompts, chunked prefill through a shuffled paged cache, decode steps, packed batches."""
+
 from __future__ import annotations
 
 import random
@@ -17,14 +18,16 @@ from backend.request import Chunk, Request
 from backend.sampling_params import SamplingParams
 from tests.tiny_models import LLAMA3_ROPE
 
-TPB = 4   # tokens per block: small, so prompts span many blocks
+TPB = 4  # tokens per block: small, so prompts span many blocks
 
 KINDS = {
     "llama-untied": ("llama", dict(tie_word_embeddings=False)),
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
     "llama3-rope": ("llama", dict(tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE)),
-    "linear-rope": ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0,
-                                                   "rope_theta": 10000.0})),
+    "linear-rope": (
+        "llama",
+        dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    ),
     "llama-attention-bias": ("llama", dict(attention_bias=True)),
     "mistral": ("mistral", dict(sliding_window=None, head_dim=24)),
     "qwen2-qkv-bias": ("qwen2", dict(tie_word_embeddings=False)),
@@ -32,8 +35,15 @@ KINDS = {
 
 
 def make_runner(model_dir, **config) -> ModelRunner:
-    return ModelRunner(EngineConfig(model_path=str(model_dir), device="cpu", tokens_per_block=TPB,
-                                    max_batch_size=4, **config))
+    return ModelRunner(
+        EngineConfig(
+            model_path=str(model_dir),
+            device="cpu",
+            tokens_per_block=TPB,
+            max_batch_size=4,
+            **config,
+        )
+    )
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
@@ -44,7 +54,7 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 def shuffled_blocks(runner: ModelRunner, num_tokens: int, seed: int) -> list[int]:
     blocks = list(range(runner.num_kv_blocks))
     random.Random(seed).shuffle(blocks)
-    return blocks[:-(-num_tokens // TPB)]
+    return blocks[: -(-num_tokens // TPB)]
 
 
 @pytest.fixture(params=list(KINDS))
@@ -88,9 +98,12 @@ def test_packed_batch_equals_sequences_alone(tiny_hf_model):
     blocks = shuffled_blocks(runner, 30 * TPB, seed=5)
     blocks_a, blocks_b = blocks[:6], blocks[6:9]
     # step 1: a's first chunk (no logits) and all of b; step 2: rest of a and b's decode
-    step1 = runner.execute([Chunk.of_sequence(a[:16], blocks_a, samples=False),
-                            Chunk.of_sequence(b[:8], blocks_b)]).logits
-    step2 = runner.execute([Chunk.of_sequence(a, blocks_a, 16), Chunk.of_sequence(b, blocks_b, 8)]).logits
+    step1 = runner.execute(
+        [Chunk.of_sequence(a[:16], blocks_a, samples=False), Chunk.of_sequence(b[:8], blocks_b)]
+    ).logits
+    step2 = runner.execute(
+        [Chunk.of_sequence(a, blocks_a, 16), Chunk.of_sequence(b, blocks_b, 8)]
+    ).logits
     assert step1.shape == (1, runner.vocab_size) and step2.shape == (2, runner.vocab_size)
     alone_a = runner.execute([Chunk.of_sequence(a, blocks[20:26])]).logits[0]
     alone_b = runner.execute([Chunk.of_sequence(b, blocks[26:29])]).logits[0]
@@ -113,13 +126,15 @@ def test_an_in_flight_token_takes_its_input_from_the_previous_steps_ids(tiny_hf_
     blocks_ids, blocks_other = blocks[:4], blocks[4:6]
     runner.execute([Chunk.of_sequence(ids[:-1], blocks_ids, samples=False)])
     request = Request("r", ids[:-1], SamplingParams(), block_ids=blocks_ids)
-    request.in_flight_row = 2                                  # ids[-1] is not on the host
+    request.in_flight_row = 2  # ids[-1] is not on the host
     assert request.num_tokens == len(ids) and request.all_ids == ids[:-1]
     in_flight = Chunk(request, len(ids) - 1, 1, True)
     with pytest.raises(ValueError, match="in-flight ids"):
         runner.execute([in_flight])
     previous_ids = torch.tensor([5, 6, ids[-1], 8])
-    logits = runner.execute([Chunk.of_sequence(other, blocks_other), in_flight], previous_ids).logits
+    logits = runner.execute(
+        [Chunk.of_sequence(other, blocks_other), in_flight], previous_ids
+    ).logits
     torch.testing.assert_close(logits[1], hf_logits(hf, ids)[-1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[0], hf_logits(hf, other)[-1], atol=1e-4, rtol=1e-4)
 
@@ -137,28 +152,41 @@ def test_runner_sizes(tiny_hf_model):
     _, path = tiny_hf_model("llama", max_position_embeddings=256)
     runner = make_runner(path)
     assert runner.max_seq_len == 256 and runner.tokens_per_block == TPB
-    assert runner.num_kv_blocks == 4 * 256 // TPB           # max_batch_size sequences
+    assert runner.num_kv_blocks == 4 * 256 // TPB  # max_batch_size sequences
     assert runner.kv_cache.shape == (2, 2, runner.num_kv_blocks, TPB, 2, 16)
     assert make_runner(path, max_tokens_in_paged_kv_cache=50).num_kv_blocks == 13
     assert runner.dtype == torch.float32 and runner.device.type == "cpu"
     assert runner.vocab_size == 640 and runner.eos_token_ids == [2]
     _, mistral = tiny_hf_model("mistral", sliding_window=64)
-    assert make_runner(mistral).max_seq_len == 64               # full attention within the window
+    assert make_runner(mistral).max_seq_len == 64  # full attention within the window
 
 
 # ---- config ----------------------------------------------------------------------------------
 
+
 def test_config_reads_transformers_and_older_formats():
-    old = {"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1,
-           "num_attention_heads": 4, "intermediate_size": 8, "rope_theta": 500000.0,
-           "rope_scaling": {"type": "linear", "factor": 4.0}, "eos_token_id": [5, 6]}
+    old = {
+        "model_type": "llama",
+        "vocab_size": 10,
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "intermediate_size": 8,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"type": "linear", "factor": 4.0},
+        "eos_token_id": [5, 6],
+    }
     cfg = ModelConfig.from_dict(old)
     assert cfg.rope == RopeConfig(theta=500000.0, type="linear", factor=4.0)
     assert cfg.num_kv_heads == 4 and cfg.head_dim == 16 and cfg.eos_token_ids == [5, 6]
     new = LlamaConfig(rope_parameters=LLAMA3_ROPE, max_position_embeddings=1024).to_dict()
     rope = ModelConfig.from_dict(new).rope
     assert (rope.type, rope.theta, rope.factor, rope.original_max_position_embeddings) == (
-        "llama3", 500000.0, 8.0, 64)
+        "llama3",
+        500000.0,
+        8.0,
+        64,
+    )
     qwen = ModelConfig.from_dict({**old, "model_type": "qwen2"})
     assert qwen.qkv_bias and not qwen.o_bias
 
@@ -168,18 +196,28 @@ def test_config_rejects_other_architectures():
         ModelConfig.from_dict({"model_type": "gpt2"})
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "default", "rope_theta": 10000.0},
-    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
-    {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
-    {**LLAMA3_ROPE, "factor": 32.0, "original_max_position_embeddings": 8192},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+        {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+        {**LLAMA3_ROPE, "factor": 32.0, "original_max_position_embeddings": 8192},
+    ],
+)
 def test_rope_frequencies_match_transformers(rope):
-    hf = LlamaConfig(hidden_size=256, num_attention_heads=2, rope_parameters=dict(rope),
-                     max_position_embeddings=131072)
+    hf = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=2,
+        rope_parameters=dict(rope),
+        max_position_embeddings=131072,
+    )
     ours = ModelConfig.from_dict(hf.to_dict())
     init = ROPE_INIT_FUNCTIONS.get(rope["rope_type"])
-    expected = (init(hf, "cpu")[0] if init else
-                1.0 / rope["rope_theta"] ** (torch.arange(0, 128, 2).float() / 128))
+    expected = (
+        init(hf, "cpu")[0]
+        if init
+        else 1.0 / rope["rope_theta"] ** (torch.arange(0, 128, 2).float() / 128)
+    )
     got = inverse_frequencies(ours.rope, 128, ours.max_position_embeddings, 8192)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)

@@ -1,6 +1,7 @@
 """The rule of programmatic dependent launch (`backend.kernels.pdl`): no kernel that reads step
 inputs before its wait may start before the step inputs are written. The checker against the
 chain that raced before b9758bf, and against the launches of a real one-token decode step."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +14,12 @@ from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # no
 pytest.importorskip("triton")
 
 from backend.kernels import embedding, step_inputs  # noqa: E402
-from backend.kernels.pdl import (Ordering, StepInputRace, check_step_input_reads,  # noqa: E402
-                                 recorded_launches)
+from backend.kernels.pdl import (
+    Ordering,
+    StepInputRace,
+    check_step_input_reads,  # noqa: E402
+    recorded_launches,
+)
 
 pytestmark = [
     pytest.mark.usefixtures("interpretable_triton_language"),
@@ -29,15 +34,21 @@ GEMV = Ordering("gemv", releases="before_wait")
 def test_the_chain_that_raced_before_b9758bf_is_refused():
     """The input copy and the embedding both let their dependents launch before their own wait:
     layer 0's qkv could read positions and slots before the copy had written them."""
-    with pytest.raises(StepInputRace, match="launch 2 \\(qkv_rope_gemv\\).*launch 0 \\(load_step_inputs\\)"):
+    with pytest.raises(
+        StepInputRace, match="launch 2 \\(qkv_rope_gemv\\).*launch 0 \\(load_step_inputs\\)"
+    ):
         check_step_input_reads([EARLY_WRITER, EARLY_EMBEDDING, QKV, GEMV])
 
 
 def test_one_kernel_that_waits_before_it_releases_is_enough():
-    check_step_input_reads([EARLY_WRITER, embedding.ORDERING, QKV, GEMV, QKV])     # b9758bf's embedding
-    check_step_input_reads([step_inputs.ORDERING, EARLY_EMBEDDING, QKV, GEMV])      # b9758bf's input copy
-    check_step_input_reads([QKV, GEMV, QKV])                                        # eager: host copies
-    with pytest.raises(StepInputRace):      # releases before its wait all the way back to the writer
+    check_step_input_reads(
+        [EARLY_WRITER, embedding.ORDERING, QKV, GEMV, QKV]
+    )  # b9758bf's embedding
+    check_step_input_reads(
+        [step_inputs.ORDERING, EARLY_EMBEDDING, QKV, GEMV]
+    )  # b9758bf's input copy
+    check_step_input_reads([QKV, GEMV, QKV])  # eager: host copies
+    with pytest.raises(StepInputRace):  # releases before its wait all the way back to the writer
         check_step_input_reads([EARLY_WRITER, GEMV, GEMV, GEMV, QKV])
 
 
@@ -52,22 +63,34 @@ def test_a_one_token_decode_step_as_the_decode_graph_runs_it_keeps_the_rule(monk
     from backend.models.llama import LlamaModel
     from backend.presets import init_random_weights
 
-    config = ModelConfig.from_dict({
-        "model_type": "llama", "vocab_size": 300, "hidden_size": 128, "intermediate_size": 192,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 64})
-    model = build_model(config, torch.device(DEVICE), torch.float16, get_attention_backend("triton", DEVICE), 64)
+    config = ModelConfig.from_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": 300,
+            "hidden_size": 128,
+            "intermediate_size": 192,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+        }
+    )
+    model = build_model(
+        config, torch.device(DEVICE), torch.float16, get_attention_backend("triton", DEVICE), 64
+    )
     init_random_weights(model, seed=1)
     kv_cache = torch.zeros(2, 2, 4, 16, 2, 32, dtype=torch.float16, device=DEVICE)
     graphs = DecodeGraphs(model, kv_cache, max_batch_size=1, max_seq_len=64, tokens_per_block=16)
     graphs.stage(np.array([5]), np.array([6]), np.array([22]), np.array([7]), np.array([[1]]))
-    monkeypatch.setattr(LlamaModel, "takes_one_token_path", lambda self, hidden: True)   # GPU-only choice
+    monkeypatch.setattr(
+        LlamaModel, "takes_one_token_path", lambda self, hidden: True
+    )  # GPU-only choice
     with recorded_launches() as launches, torch.inference_mode():
         graphs.replay(1)
     names = [launch.kernel for launch in launches]
     assert names[0] == "load_step_inputs" and names[-2:] == ["argmax_chunks", "argmax_rows"]
     layers = ["qkv_rope_gemv", "decode_attention", "gemv", "gemv", "gemv"] * 2
-    if torch.device(DEVICE).type == "cuda":      # embedding and lm_head are kernels there, torch here
+    if torch.device(DEVICE).type == "cuda":  # embedding and lm_head are kernels there, torch here
         layers = ["embedding"] + layers + ["gemv"]
     assert names[1:-2] == layers
     check_step_input_reads(launches)

@@ -1,5 +1,6 @@
 """Sampler and logits processors: exact processing on hand-computed cases, support restriction
 of the filters, goodness of fit of the drawn distribution, and seed reproducibility."""
+
 from __future__ import annotations
 
 import math
@@ -24,7 +25,9 @@ def req(request_id="r", prompt=(1, 2), output=(), **params) -> Request:
     return Request(request_id, list(prompt), SamplingParams(**params), output_ids=list(output))
 
 
-def sample_counts(logits_row: torch.Tensor, n: int, sampler_seed: int = 0, **params) -> torch.Tensor:
+def sample_counts(
+    logits_row: torch.Tensor, n: int, sampler_seed: int = 0, **params
+) -> torch.Tensor:
     """Draw n tokens for n identical unseeded rows in one call; return per-token counts."""
     sampler = Sampler(logits_row.numel(), [END], seed=sampler_seed)
     requests = [req(f"r{i}", **params) for i in range(n)]
@@ -47,8 +50,14 @@ def test_greedy_rows_stay_exact_argmax_next_to_sampled_rows():
     torch.manual_seed(0)
     logits = torch.randn(6, 50)
     logits[0, 7] = logits[0, 30] = logits[0].max() + 1.0  # tie in a greedy row
-    requests = [req("g0"), req("s1", temperature=1.0), req("g2", temperature=2.0, top_k=1),
-                req("s3", temperature=0.8, top_p=0.9), req("g4"), req("s5", temperature=1.0, seed=4)]
+    requests = [
+        req("g0"),
+        req("s1", temperature=1.0),
+        req("g2", temperature=2.0, top_k=1),
+        req("s3", temperature=0.8, top_p=0.9),
+        req("g4"),
+        req("s5", temperature=1.0, seed=4),
+    ]
     out = Sampler(50, [END]).sample(logits, requests)
     expected = logits.argmax(dim=-1).tolist()
     assert out.token_ids[0] == 7
@@ -68,8 +77,14 @@ def test_greedy_matches_torch_argmax_on_tie_heavy_logits(rows):
 
 def test_penalties_and_bias_hand_computed():
     logits = torch.tensor([[2.0, -1.0, 0.5, -0.5, 3.0]])
-    r = req(prompt=[0, 1], output=[1, 2, 2], repetition_penalty=2.0, presence_penalty=0.5,
-            frequency_penalty=0.25, embedding_bias={0: -2.5, 4: 1.0})
+    r = req(
+        prompt=[0, 1],
+        output=[1, 2, 2],
+        repetition_penalty=2.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        embedding_bias={0: -2.5, 4: 1.0},
+    )
     apply_logits_processors(logits, [r], default_end_ids=[END])
     # token 0: bias 2.0-2.5=-0.5, then repetition (<=0) *2 = -1.0     (bias comes first)
     # token 1: repetition -1*2 = -2, presence -0.5, frequency -0.25*1 -> -2.75
@@ -103,8 +118,13 @@ def test_min_tokens_bans_end_ids_until_reached():
 
 def test_end_bans_list_each_rows_min_tokens_ban():
     sampler = Sampler(V, [END, 8])
-    requests = [req("a", min_tokens=3, output=[1]), req("b", min_tokens=3, output=[1, 2, 3]),
-                req("c"), req("d", min_tokens=2, end_id=4), req("e", min_tokens=5, ignore_end_id=True)]
+    requests = [
+        req("a", min_tokens=3, output=[1]),
+        req("b", min_tokens=3, output=[1, 2, 3]),
+        req("c"),
+        req("d", min_tokens=2, end_id=4),
+        req("e", min_tokens=5, ignore_end_id=True),
+    ]
     assert sampler.end_bans(requests).tolist() == [[END, 8], [-1, -1], [-1, -1], [4, -1], [-1, -1]]
     assert sampler.end_bans(requests[1:3]) is None
 
@@ -113,12 +133,12 @@ def test_a_ban_only_greedy_row_takes_the_argmax_that_skipped_its_ban():
     """A step that computed each row's argmax skipping its end ban (a decode graph) hands it in:
     rows whose only processor is that ban take it as is; other processors still run."""
     logits = torch.zeros(3, V)
-    logits[:, END] = 5.0                                  # the end id would win every row
+    logits[:, END] = 5.0  # the end id would win every row
     logits[:, 2] = 4.0
     requests = [req("a", min_tokens=4), req("b", min_tokens=4), req("c")]
     sampler = Sampler(V, [END])
-    assert sampler.sample(logits, requests).token_ids == [2, 2, END]      # processed here
-    graph_ids = torch.tensor([6, 6, END])                 # what a graph's banned argmax gave
+    assert sampler.sample(logits, requests).token_ids == [2, 2, END]  # processed here
+    graph_ids = torch.tensor([6, 6, END])  # what a graph's banned argmax gave
     assert sampler.sample(logits, requests, argmax_ids=graph_ids).token_ids == [6, 6, END]
     penalised = [req("a", min_tokens=4), req("b", min_tokens=4, repetition_penalty=1.5), req("c")]
     assert sampler.sample(logits, penalised, argmax_ids=graph_ids).token_ids == [2, 2, END]
@@ -127,9 +147,9 @@ def test_a_ban_only_greedy_row_takes_the_argmax_that_skipped_its_ban():
 def test_bans_steer_greedy_to_the_next_best_token():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]]).repeat(3, 1)
     requests = [
-        req("a", output=[3], min_tokens=5),                        # bans END=9 -> 8
+        req("a", output=[3], min_tokens=5),  # bans END=9 -> 8
         req("b", output=[3], bad_token_ids=[[9], [3, 8], [4, 7]]),  # bans 9 and 8 -> 7
-        req("c", output=[3], min_tokens=5, end_id=-1),             # "no end id": nothing -> 9
+        req("c", output=[3], min_tokens=5, end_id=-1),  # "no end id": nothing -> 9
     ]
     out = Sampler(V, [END]).sample(logits, requests)
     assert out.token_ids == [8, 7, 9]
@@ -147,10 +167,12 @@ def test_embedding_bias_shifts_the_choice():
 def test_logprobs_are_log_softmax_of_raw_logits():
     torch.manual_seed(1)
     logits = torch.randn(4, 30) * 3
-    requests = [req("a", return_log_probs=True, repetition_penalty=1.7, embedding_bias={3: 30.0}),
-                req("b", temperature=0.7, top_k=5, seed=11),
-                req("c"),
-                req("d", temperature=1.2, top_p=0.8, min_p=0.05, bad_token_ids=[[2]])]
+    requests = [
+        req("a", return_log_probs=True, repetition_penalty=1.7, embedding_bias={3: 30.0}),
+        req("b", temperature=0.7, top_k=5, seed=11),
+        req("c"),
+        req("d", temperature=1.2, top_p=0.8, min_p=0.05, bad_token_ids=[[2]]),
+    ]
     raw = logits.clone()
     out = Sampler(30, [END]).sample(logits, requests)
     assert torch.equal(logits, raw)  # the caller's logits are not modified
@@ -190,8 +212,12 @@ def test_filters_restrict_the_support(probs, params, allowed):
 
 def test_filters_apply_per_row():
     logits = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04]).log().expand(4, -1)
-    kept = filter_logits(logits, top_k=torch.tensor([0, 1, 2, 0]),
-                         top_p=torch.tensor([1.0, 1.0, 1.0, 0.5]), min_p=None)
+    kept = filter_logits(
+        logits,
+        top_k=torch.tensor([0, 1, 2, 0]),
+        top_p=torch.tensor([1.0, 1.0, 1.0, 0.5]),
+        min_p=None,
+    )
     assert torch.isfinite(kept).sum(dim=-1).tolist() == [5, 1, 2, 2]
 
 

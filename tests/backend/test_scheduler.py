@@ -5,6 +5,7 @@ cache keyed by (block, offset); when a chunk samples it reads the request's whol
 through the block table. Wrong block tables, stale blocks after preemption or wrong prefix reuse
 all show up as a mismatch.
 """
+
 from __future__ import annotations
 
 import random
@@ -20,8 +21,9 @@ SYSTEM_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [5, 5, 5, 5, 6, 6, 6, 6])
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 4) -> Request:
-    return Request(request_id=rid, prompt_ids=list(prompt),
-                   sampling=SamplingParams(max_tokens=max_tokens))
+    return Request(
+        request_id=rid, prompt_ids=list(prompt), sampling=SamplingParams(max_tokens=max_tokens)
+    )
 
 
 def make_scheduler(num_blocks: int = 64, tokens_per_block: int = 4, **config) -> Scheduler:
@@ -38,7 +40,7 @@ class FakeModel:
         self.scheduler = scheduler
         self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
         self.num_steps = 0
-        self.admitted: list[str] = []        # request ids in order of first admission
+        self.admitted: list[str] = []  # request ids in order of first admission
 
     def step(self) -> list[Request]:
         """One executor iteration; returns the requests that finished."""
@@ -62,13 +64,13 @@ class FakeModel:
             for pos in range(chunk.start, chunk.start + chunk.num_tokens):
                 block = request.block_ids[pos // size]
                 assert sched.kv.pool.ref_count(block) == 1, "writing into a shared block"
-                self.slots[(block, pos % size)] = tuple(tokens[:pos + 1])
+                self.slots[(block, pos % size)] = tuple(tokens[: pos + 1])
         for chunk in out.chunks:
             if chunk.samples:
                 request = chunk.request
                 for pos in range(request.num_tokens):
                     slot = (request.block_ids[pos // size], pos % size)
-                    assert self.slots[slot] == tuple(request.all_ids[:pos + 1])
+                    assert self.slots[slot] == tuple(request.all_ids[: pos + 1])
         sched.complete_step(out)
         finished = []
         for chunk in out.chunks:
@@ -90,15 +92,22 @@ def expected_outputs(request: Request) -> list[int]:
     return clone.output_ids
 
 
-def random_request(rng: random.Random, rid: str, max_prompt: int = 30,
-                   max_tokens: int = 12) -> Request:
+def random_request(
+    rng: random.Random, rid: str, max_prompt: int = 30, max_tokens: int = 12
+) -> Request:
     prompt = list(rng.choice(SYSTEM_PROMPTS)) if rng.random() < 0.5 else []
     prompt += [rng.randrange(11) for _ in range(rng.randint(1, max_prompt))]
     return make_request(rid, prompt, rng.randint(1, max_tokens))
 
 
-def simulate(scheduler: Scheduler, num_requests: int, seed: int, arrival_prob: float = 0.5,
-             max_prompt: int = 30, max_steps: int = 20_000):
+def simulate(
+    scheduler: Scheduler,
+    num_requests: int,
+    seed: int,
+    arrival_prob: float = 0.5,
+    max_prompt: int = 30,
+    max_steps: int = 20_000,
+):
     """Random arrivals until num_requests were added, then drain. Returns (requests, latency)."""
     rng = random.Random(seed)
     model = FakeModel(scheduler)
@@ -116,7 +125,7 @@ def simulate(scheduler: Scheduler, num_requests: int, seed: int, arrival_prob: f
         assert request.output_ids == expected_outputs(request)
         assert request.block_ids == []
     assert scheduler.kv_stats().used_blocks == 0 and not scheduler.has_work()
-    assert model.admitted == [r.request_id for r in requests]      # FCFS: nobody overtook
+    assert model.admitted == [r.request_id for r in requests]  # FCFS: nobody overtook
     latency = {rid: done[rid] - arrival[rid] for rid in done}
     return requests, latency
 
@@ -128,17 +137,28 @@ POLICIES = ("guaranteed_no_evict", "max_utilization")
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("reuse", [True, False])
 def test_random_simulation_respects_budget_and_completes(policy, chunked, reuse):
-    scheduler = make_scheduler(num_blocks=40, tokens_per_block=4, max_num_tokens=48,
-                               max_batch_size=6, batch_scheduler_policy=policy,
-                               enable_chunked_context=chunked, enable_kv_cache_reuse=reuse)
+    scheduler = make_scheduler(
+        num_blocks=40,
+        tokens_per_block=4,
+        max_num_tokens=48,
+        max_batch_size=6,
+        batch_scheduler_policy=policy,
+        enable_chunked_context=chunked,
+        enable_kv_cache_reuse=reuse,
+    )
     requests, _ = simulate(scheduler, 60, seed=len(policy) + 2 * chunked + 4 * reuse)
     assert all(r.status is RequestStatus.FINISHED for r in requests)
     assert (scheduler.kv_stats().reused_blocks > 0) == reuse
 
 
 def test_guaranteed_no_evict_never_preempts_with_a_tight_pool():
-    scheduler = make_scheduler(num_blocks=14, tokens_per_block=4, max_num_tokens=32,
-                               max_batch_size=8, batch_scheduler_policy="guaranteed_no_evict")
+    scheduler = make_scheduler(
+        num_blocks=14,
+        tokens_per_block=4,
+        max_num_tokens=32,
+        max_batch_size=8,
+        batch_scheduler_policy="guaranteed_no_evict",
+    )
     model, rng = FakeModel(scheduler), random.Random(1)
     requests = [random_request(rng, f"r{i}", max_prompt=24, max_tokens=20) for i in range(150)]
     for request in requests:
@@ -147,36 +167,52 @@ def test_guaranteed_no_evict_never_preempts_with_a_tight_pool():
     while scheduler.has_work():
         model.step()
         out = model.last_output
-        steps_short_of_blocks += bool(scheduler.waiting and scheduler.num_running < 8
-                                      and out.num_batched_tokens < 32)
-    assert steps_short_of_blocks > 100                   # the pool really was the bottleneck
+        steps_short_of_blocks += bool(
+            scheduler.waiting and scheduler.num_running < 8 and out.num_batched_tokens < 32
+        )
+    assert steps_short_of_blocks > 100  # the pool really was the bottleneck
     assert all(r.num_preemptions == 0 for r in requests)
     assert all(r.output_ids == expected_outputs(r) for r in requests)
 
 
 def test_max_utilization_preempts_under_a_tight_pool_and_still_completes():
-    scheduler = make_scheduler(num_blocks=14, tokens_per_block=4, max_num_tokens=32,
-                               max_batch_size=8, batch_scheduler_policy="max_utilization")
+    scheduler = make_scheduler(
+        num_blocks=14,
+        tokens_per_block=4,
+        max_num_tokens=32,
+        max_batch_size=8,
+        batch_scheduler_policy="max_utilization",
+    )
     requests, _ = simulate(scheduler, 120, seed=2, arrival_prob=0.8, max_prompt=24)
     assert sum(r.num_preemptions for r in requests) > 0
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_no_starvation_every_request_finishes_within_a_bound(policy):
-    scheduler = make_scheduler(num_blocks=24, tokens_per_block=4, max_num_tokens=32,
-                               max_batch_size=8, batch_scheduler_policy=policy)
-    _, latency = simulate(scheduler, 400, seed=3, arrival_prob=0.3)   # also checks FCFS
+    scheduler = make_scheduler(
+        num_blocks=24,
+        tokens_per_block=4,
+        max_num_tokens=32,
+        max_batch_size=8,
+        batch_scheduler_policy=policy,
+    )
+    _, latency = simulate(scheduler, 400, seed=3, arrival_prob=0.3)  # also checks FCFS
     assert len(latency) == 400
     assert max(latency.values()) <= 120, max(latency.values())
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_large_request_is_not_overtaken_by_a_stream_of_small_ones(policy):
-    scheduler = make_scheduler(num_blocks=16, tokens_per_block=4, max_num_tokens=64,
-                               max_batch_size=16, batch_scheduler_policy=policy)
+    scheduler = make_scheduler(
+        num_blocks=16,
+        tokens_per_block=4,
+        max_num_tokens=64,
+        max_batch_size=16,
+        batch_scheduler_policy=policy,
+    )
     model = FakeModel(scheduler)
-    big = make_request("big", list(range(40)), 20)       # 15 of the 16 blocks for its life
-    for step in range(200):                               # a new small request every step
+    big = make_request("big", list(range(40)), 20)  # 15 of the 16 blocks for its life
+    for step in range(200):  # a new small request every step
         scheduler.add(make_request(f"s{step}", [step % 11, 1, 2], 6))
         if step == 3:
             scheduler.add(big)
@@ -187,17 +223,21 @@ def test_a_large_request_is_not_overtaken_by_a_stream_of_small_ones(policy):
 
 
 def test_max_utilization_preempts_the_newest_and_requeues_it_at_the_front():
-    scheduler = make_scheduler(num_blocks=4, tokens_per_block=2, max_num_tokens=64,
-                               batch_scheduler_policy="max_utilization")
+    scheduler = make_scheduler(
+        num_blocks=4,
+        tokens_per_block=2,
+        max_num_tokens=64,
+        batch_scheduler_policy="max_utilization",
+    )
     old, new = make_request("old", [1, 2, 3], 5), make_request("new", [4, 5, 6], 5)
     later = make_request("later", [7], 1)
     for request in (old, new):
         scheduler.add(request)
     model = FakeModel(scheduler)
-    model.step()                        # both prefilled: 2 blocks each, pool full
+    model.step()  # both prefilled: 2 blocks each, pool full
     scheduler.add(later)
-    model.step()                        # both decode into their second block's free slot
-    out = scheduler.schedule()          # old needs a third block: new is preempted
+    model.step()  # both decode into their second block's free slot
+    out = scheduler.schedule()  # old needs a third block: new is preempted
     assert out.preempted == [new] and [c.request for c in out.chunks] == [old]
     assert new.status is RequestStatus.WAITING and new.block_ids == []
     assert new.num_computed_tokens == 0 and new.num_preemptions == 1
@@ -205,25 +245,34 @@ def test_max_utilization_preempts_the_newest_and_requeues_it_at_the_front():
 
 
 def test_nothing_is_admitted_in_a_step_that_preempted():
-    scheduler = make_scheduler(num_blocks=4, tokens_per_block=2, max_num_tokens=3,
-                               batch_scheduler_policy="max_utilization",
-                               enable_kv_cache_reuse=False)
+    scheduler = make_scheduler(
+        num_blocks=4,
+        tokens_per_block=2,
+        max_num_tokens=3,
+        batch_scheduler_policy="max_utilization",
+        enable_kv_cache_reuse=False,
+    )
     old, new = make_request("old", [1], 5), make_request("new", [2], 5)
     scheduler.add(old)
     scheduler.add(new)
     model = FakeModel(scheduler)
-    for _ in range(4):                  # 4 tokens each: the pool is full
+    for _ in range(4):  # 4 tokens each: the pool is full
         model.step()
-    out = scheduler.schedule()          # old preempts new, which frees 2 blocks
+    out = scheduler.schedule()  # old preempts new, which frees 2 blocks
     assert out.preempted == [new] and [c.request for c in out.chunks] == [old]
     assert scheduler.kv.num_free_blocks == 1 and scheduler.waiting[0] is new
     # A 2-token chunk of new's recompute would fit the budget and the free block; it waits.
 
 
 def test_recompute_longer_than_the_budget_is_chunked_even_without_chunked_context():
-    scheduler = make_scheduler(num_blocks=8, tokens_per_block=2, max_num_tokens=8,
-                               batch_scheduler_policy="max_utilization",
-                               enable_chunked_context=False, enable_kv_cache_reuse=False)
+    scheduler = make_scheduler(
+        num_blocks=8,
+        tokens_per_block=2,
+        max_num_tokens=8,
+        batch_scheduler_policy="max_utilization",
+        enable_chunked_context=False,
+        enable_kv_cache_reuse=False,
+    )
     older, newer = make_request("older", [2], 6), make_request("newer", [1] * 7, 6)
     scheduler.add(older)
     scheduler.add(newer)
@@ -236,15 +285,20 @@ def test_recompute_longer_than_the_budget_is_chunked_even_without_chunked_contex
 
 
 def test_a_request_preempts_itself_when_it_is_the_newest():
-    scheduler = make_scheduler(num_blocks=3, tokens_per_block=2, max_num_tokens=64,
-                               batch_scheduler_policy="max_utilization", max_batch_size=1)
+    scheduler = make_scheduler(
+        num_blocks=3,
+        tokens_per_block=2,
+        max_num_tokens=64,
+        batch_scheduler_policy="max_utilization",
+        max_batch_size=1,
+    )
     first = make_request("a", [1, 2, 3], 3)
     scheduler.add(first)
     model = FakeModel(scheduler)
-    model.step()                                          # a: 2 blocks, one free left
+    model.step()  # a: 2 blocks, one free left
     filler = make_request("f", [9, 9])
-    scheduler.kv.allocate(filler, 2)                      # someone else takes the last block
-    model.step()                                          # a decodes into its 2nd block
+    scheduler.kv.allocate(filler, 2)  # someone else takes the last block
+    model.step()  # a decodes into its 2nd block
     out = scheduler.schedule()
     assert out.preempted == [first] and out.chunks == []
 
@@ -263,7 +317,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_decodes_go_first():
         chunk = out.chunks[1]
         sizes.append((chunk.num_tokens, chunk.samples))
         scheduler.complete_step(out)
-        assert chunk.samples == (long.num_computed_tokens == 20)     # frozen when scheduled
+        assert chunk.samples == (long.num_computed_tokens == 20)  # frozen when scheduled
         for c in out.chunks:
             if c.samples:
                 c.request.output_ids.append(0)
@@ -282,21 +336,22 @@ def test_without_chunked_context_a_prefill_waits_for_room_and_long_prompts_are_r
     assert [(c.request, c.num_tokens) for c in out.chunks] == [(first, 5)]
     scheduler.complete_step(out)
     first.output_ids.append(0)
-    out = scheduler.schedule()                            # 1 decode + 5 tokens fit in 8
+    out = scheduler.schedule()  # 1 decode + 5 tokens fit in 8
     assert [(c.request, c.num_tokens) for c in out.chunks] == [(first, 1), (second, 5)]
 
 
 def test_guaranteed_no_evict_reserves_whole_lives_and_the_queue_head_blocks_others():
-    scheduler = make_scheduler(num_blocks=6, tokens_per_block=4,
-                               batch_scheduler_policy="guaranteed_no_evict")
-    big = make_request("big", [1] * 4, 12)                # 16 tokens: 4 blocks for its life
-    head = make_request("head", [2] * 4, 8)               # 3 blocks: do not fit next to big
-    small = make_request("small", [3] * 2, 2)             # 1 block: would fit, must not jump
+    scheduler = make_scheduler(
+        num_blocks=6, tokens_per_block=4, batch_scheduler_policy="guaranteed_no_evict"
+    )
+    big = make_request("big", [1] * 4, 12)  # 16 tokens: 4 blocks for its life
+    head = make_request("head", [2] * 4, 8)  # 3 blocks: do not fit next to big
+    small = make_request("small", [3] * 2, 2)  # 1 block: would fit, must not jump
     for request in (big, head, small):
         scheduler.add(request)
     model = FakeModel(scheduler)
     model.step()
-    assert scheduler.kv_stats().used_blocks == 1          # only this step's block is allocated
+    assert scheduler.kv_stats().used_blocks == 1  # only this step's block is allocated
     while not big.is_finished:
         assert head.status is RequestStatus.WAITING and small.status is RequestStatus.WAITING
         model.step()
@@ -305,8 +360,9 @@ def test_guaranteed_no_evict_reserves_whole_lives_and_the_queue_head_blocks_othe
 
 
 def test_max_utilization_admits_greedily():
-    scheduler = make_scheduler(num_blocks=6, tokens_per_block=4,
-                               batch_scheduler_policy="max_utilization")
+    scheduler = make_scheduler(
+        num_blocks=6, tokens_per_block=4, batch_scheduler_policy="max_utilization"
+    )
     for rid in ("big", "head", "small"):
         scheduler.add(make_request(rid, [1, 2, 3, 4], 12))
     out = scheduler.schedule()
@@ -329,8 +385,9 @@ def test_prefix_reuse_through_the_scheduler():
 
 
 def test_queue_full_raises_and_preempted_requests_do_not_count():
-    scheduler = make_scheduler(num_blocks=2, tokens_per_block=2, max_queue_size=2,
-                               batch_scheduler_policy="max_utilization")
+    scheduler = make_scheduler(
+        num_blocks=2, tokens_per_block=2, max_queue_size=2, batch_scheduler_policy="max_utilization"
+    )
     a, b = make_request("a", [1], 3), make_request("b", [2], 3)
     scheduler.add(a)
     scheduler.add(b)
@@ -338,7 +395,7 @@ def test_queue_full_raises_and_preempted_requests_do_not_count():
         scheduler.add(make_request("c", [3], 1))
     assert issubclass(QueueFullError, RuntimeError)
     model = FakeModel(scheduler)
-    for _ in range(3):                                    # the third step preempts b
+    for _ in range(3):  # the third step preempts b
         model.step()
     assert b.num_preemptions == 1 and list(scheduler.waiting) == [b]
     scheduler.add(make_request("c", [3], 1))
@@ -363,7 +420,7 @@ def test_cancel_frees_blocks_and_forgets_the_request():
     assert scheduler.cancel("wait") is waiting and scheduler.cancel("wait") is None
     assert scheduler.cancel("unknown") is None
     assert not scheduler.has_work() and scheduler.num_running == scheduler.num_waiting == 0
-    scheduler.finish(running)                             # idempotent
+    scheduler.finish(running)  # idempotent
     assert scheduler.kv_stats().free_blocks == 8
 
 
@@ -373,7 +430,7 @@ def test_add_refuses_duplicates_and_requests_that_can_never_fit():
     with pytest.raises(ValueError, match="already"):
         scheduler.add(make_request("a", [1]))
     with pytest.raises(ValueError, match="KV cache blocks"):
-        scheduler.add(make_request("b", [1] * 6, 4))      # 10 tokens > 8 slots
+        scheduler.add(make_request("b", [1] * 6, 4))  # 10 tokens > 8 slots
     assert scheduler.blocks_needed(9) == 3 and scheduler.total_blocks == 2
 
 
@@ -383,12 +440,12 @@ def test_an_in_flight_token_is_scheduled_without_its_value_and_a_final_one_not_a
     scheduler.add(a)
     scheduler.add(b)
     scheduler.complete_step(scheduler.schedule())
-    a.in_flight_row, b.in_flight_row = 0, 1           # the step's tokens, still on the device
+    a.in_flight_row, b.in_flight_row = 0, 1  # the step's tokens, still on the device
     assert (a.num_tokens, a.num_output_tokens, a.output_ids) == (4, 1, [])
     out = scheduler.schedule()
     # a decodes its in-flight token; b's is its last (max_tokens 1): nothing would read its KV.
     assert [(c.request, c.start, c.num_tokens, c.samples) for c in out.chunks] == [(a, 3, 1, True)]
-    a.in_flight_row = None                            # the step is finished: the value arrives
+    a.in_flight_row = None  # the step is finished: the value arrives
     a.output_ids.append(9)
     assert (a.num_tokens, a.num_output_tokens) == (4, 1)
 

@@ -1,4 +1,6 @@
-"""Launch configs as data: the per-device tables, their lookup, and their entries run in the kernels."""
+"""Launch configs as data: the per-device tables, their lookup, and their entries run in the
+kernels."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,25 +16,34 @@ from backend.attention.split_partials import SplitPartials  # noqa: E402
 from backend.attention.kernels import decode, prefill  # noqa: E402
 from backend.kernels import gemv, tuning  # noqa: E402
 from tests.backend.test_attention_kernels import (  # noqa: E402
-    assert_matches_reference, make_batch, random_query)
+    assert_matches_reference,
+    make_batch,
+    random_query,
+)
 
 pytestmark = [
     pytest.mark.usefixtures("interpretable_triton_language"),
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
 ]
-MEASURED = ("NVIDIA H100 80GB HBM3", "NVIDIA H200")      # as benchmarks/results/*.json name them
+MEASURED = ("NVIDIA H100 80GB HBM3", "NVIDIA H200")  # as benchmarks/results/*.json name them
 UNKNOWN = "NVIDIA A100-SXM4-80GB"
 
 # kernel -> (its launch config for a key's fields on a named device, its default rule)
 KERNELS = {
-    "gemv": (lambda f, device: gemv.launch_config(f["n"], f["k"], bool(f["merge"]), device),
-             lambda f: gemv.default_launch_config(f["n"], f["k"], bool(f["merge"]))),
+    "gemv": (
+        lambda f, device: gemv.launch_config(f["n"], f["k"], bool(f["merge"]), device),
+        lambda f: gemv.default_launch_config(f["n"], f["k"], bool(f["merge"])),
+    ),
     "decode_attention": (
         lambda f, device: decode.launch_config(f["head_dim"], bool(f["few_programs"]), device),
-        lambda f: decode.default_launch_config(f["head_dim"], bool(f["few_programs"]))),
+        lambda f: decode.default_launch_config(f["head_dim"], bool(f["few_programs"])),
+    ),
     "prefill_attention": (
-        lambda f, device: prefill.launch_config(f["group"], f["head_dim"], f["element_size"], device),
-        lambda f: prefill.default_launch_config(f["group"], f["head_dim"], f["element_size"])),
+        lambda f, device: prefill.launch_config(
+            f["group"], f["head_dim"], f["element_size"], device
+        ),
+        lambda f: prefill.default_launch_config(f["group"], f["head_dim"], f["element_size"]),
+    ),
 }
 
 
@@ -47,8 +58,10 @@ def entries(kernel: str, device: str) -> dict[str, dict]:
 @pytest.fixture
 def on_device(monkeypatch):
     """Make the kernels look their configs up under the given device name."""
+
     def use(name: str | None):
         monkeypatch.setattr(tuning, "device_name", lambda device: name)
+
     return use
 
 
@@ -59,8 +72,8 @@ def test_lookup_on_a_measured_device_returns_its_entries(kernel, device):
     assert entries(kernel, device), "no entries"
     assert tuning.table(kernel)[device]["source"]
     for key, entry in entries(kernel, device).items():
-        assert tuning.shape_key(**fields(key)) == key                  # well-formed key
-        assert set(entry) == set(default(fields(key))), key            # the same launch parameters
+        assert tuning.shape_key(**fields(key)) == key  # well-formed key
+        assert set(entry) == set(default(fields(key))), key  # the same launch parameters
         assert dict(lookup(fields(key), device)) == entry
 
 
@@ -75,7 +88,9 @@ def test_unknown_device_and_cpu_get_the_default_rule(kernel):
 
 def test_a_shape_missing_from_the_table_gets_the_default_rule():
     assert gemv.tuning_key(576, 576) not in entries("gemv", MEASURED[0])
-    assert gemv.launch_config(576, 576, device_name=MEASURED[0]) == gemv.default_launch_config(576, 576)
+    assert gemv.launch_config(576, 576, device_name=MEASURED[0]) == gemv.default_launch_config(
+        576, 576
+    )
 
 
 def test_the_kernel_call_reuses_one_cached_config_per_shape(on_device):
@@ -84,11 +99,12 @@ def test_the_kernel_call_reuses_one_cached_config_per_shape(on_device):
     assert gemv.checked_config(2048, 2048, None, device=torch.device(DEVICE)) is first
     assert dict(first) == entries("gemv", MEASURED[0])["n=2048,k=2048,merge=0"]
     with pytest.raises(TypeError):
-        first["BLOCK_N"] = 1                      # shared by every call: read-only
+        first["BLOCK_N"] = 1  # shared by every call: read-only
 
 
 def _merged_operand(parts: torch.Tensor, lse: torch.Tensor, dtype) -> torch.Tensor:
-    """Split partials [1, H, S, D] with base-2 lse [1, H, S] merged to [1, H * D], as attention's output."""
+    """Split partials [1, H, S, D] with base-2 lse [1, H, S] merged to [1, H * D], as attention's
+    output."""
     weight = torch.exp2(lse - lse.amax(-1, keepdim=True))
     merged = (parts * weight[..., None]).sum(2) / weight.sum(-1)[..., None]
     return merged.reshape(1, -1).to(dtype)
@@ -102,7 +118,7 @@ def test_gemv_entries_run_and_match_torch(device):
         shape = fields(key)
         n, k = 2 * entry["BLOCK_N"] + 1, shape["k"]
         torch.manual_seed(n + k)
-        weight = (torch.randn(n, k, device=DEVICE) / k ** 0.5).to(dtype)
+        weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
         if shape["merge"]:
             head_dim = 64
             parts = torch.randn(1, k // head_dim, 2, head_dim, device=DEVICE)
@@ -125,16 +141,33 @@ def test_decode_entries_are_used_and_match_the_reference(device, on_device, monk
     for key, entry in entries("decode_attention", device).items():
         shape = fields(key)
         head_dim = shape["head_dim"]
-        sms = decode.num_sms(torch.device(DEVICE))       # 8 nominal ones on CPU
-        num_seqs = 1 if shape["few_programs"] else sms // decode.FEW_PAIRS_PER_SM + 1   # one kv head each
-        k_cache, v_cache, meta = make_batch([1] * num_seqs, [300 - 7 * i for i in range(num_seqs)],
-                                            num_kv_heads=1, head_dim=head_dim, block_size=32,
-                                            dtype=torch.float16, seed=5)
+        sms = decode.num_sms(torch.device(DEVICE))  # 8 nominal ones on CPU
+        num_seqs = (
+            1 if shape["few_programs"] else sms // decode.FEW_PAIRS_PER_SM + 1
+        )  # one kv head each
+        k_cache, v_cache, meta = make_batch(
+            [1] * num_seqs,
+            [300 - 7 * i for i in range(num_seqs)],
+            num_kv_heads=1,
+            head_dim=head_dim,
+            block_size=32,
+            dtype=torch.float16,
+            seed=5,
+        )
         query = random_query(num_seqs, 4, head_dim, dtype=torch.float16, seed=6)
-        out = decode.decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      meta.query_start_loc, meta.max_seq_len, head_dim ** -0.5, num_splits=2)
+        out = decode.decode_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_seq_len,
+            head_dim**-0.5,
+            num_splits=2,
+        )
         assert dict(used[-1]) == entry, key
-        assert_matches_reference(out, query, k_cache, v_cache, meta, head_dim ** -0.5, atol=2e-3)
+        assert_matches_reference(out, query, k_cache, v_cache, meta, head_dim**-0.5, atol=2e-3)
 
 
 @pytest.mark.parametrize("device", MEASURED)
@@ -147,13 +180,27 @@ def test_prefill_entries_are_used_and_match_the_reference(device, on_device, mon
         shape = fields(key)
         assert shape["element_size"] == 2
         head_dim, kv_heads = shape["head_dim"], 2
-        k_cache, v_cache, meta = make_batch([70, 1], [100, 40], num_kv_heads=kv_heads, head_dim=head_dim,
-                                            block_size=16, dtype=torch.float16, seed=7)
+        k_cache, v_cache, meta = make_batch(
+            [70, 1],
+            [100, 40],
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            block_size=16,
+            dtype=torch.float16,
+            seed=7,
+        )
         query = random_query(71, shape["group"] * kv_heads, head_dim, dtype=torch.float16, seed=8)
-        out = prefill.prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                        meta.query_start_loc, head_dim ** -0.5)
+        out = prefill.prefill_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            head_dim**-0.5,
+        )
         assert dict(used[-1]) == entry, key
-        assert_matches_reference(out, query, k_cache, v_cache, meta, head_dim ** -0.5, atol=2e-3)
+        assert_matches_reference(out, query, k_cache, v_cache, meta, head_dim**-0.5, atol=2e-3)
 
 
 def test_write_merges_into_the_table(tmp_path, monkeypatch):
@@ -176,11 +223,14 @@ def test_write_merges_into_the_table(tmp_path, monkeypatch):
 
 def test_attention_sweep_keeps_the_least_total_time_over_complete_runs():
     from benchmarks.attention_kernels import fastest
-    timings = {"head_dim=64,few_programs=0": {
-        '{"BLOCK_N": 64}': {(8, 2048): 10.0, (64, 2048): 30.0},
-        '{"BLOCK_N": 128}': {(8, 2048): 8.0, (64, 2048): 35.0},
-        '{"BLOCK_N": 32}': {(8, 2048): 1.0},                       # failed a case: not eligible
-    }}
+
+    timings = {
+        "head_dim=64,few_programs=0": {
+            '{"BLOCK_N": 64}': {(8, 2048): 10.0, (64, 2048): 30.0},
+            '{"BLOCK_N": 128}': {(8, 2048): 8.0, (64, 2048): 35.0},
+            '{"BLOCK_N": 32}': {(8, 2048): 1.0},  # failed a case: not eligible
+        }
+    }
     assert fastest(timings) == {"head_dim=64,few_programs=0": {"BLOCK_N": 64}}
 
 
@@ -191,38 +241,59 @@ def test_an_entry_unlike_the_rule_is_what_the_kernels_run(tmp_path, monkeypatch,
     caches = (tuning.table, gemv._tuned_config, decode.launch_config, prefill.launch_config)
     for cache in caches:
         cache.cache_clear()
-    gemv_tiles = dict(BLOCK_N=8, BLOCK_K=64, num_warps=2, num_stages=1, EARLY_LAUNCH=False, PREFETCH_K=128)
+    gemv_tiles = dict(
+        BLOCK_N=8, BLOCK_K=64, num_warps=2, num_stages=1, EARLY_LAUNCH=False, PREFETCH_K=128
+    )
     decode_tiles = dict(BLOCK_N=32, num_warps=2, num_stages=1)
     prefill_tiles = dict(BLOCK_M=16, BLOCK_N=32, num_warps=2, num_stages=1)
     tuning.write("gemv", "Test GPU", {gemv.tuning_key(40, 192): gemv_tiles}, "test")
-    tuning.write("decode_attention", "Test GPU", {decode.tuning_key(32, True): decode_tiles}, "test")
-    tuning.write("prefill_attention", "Test GPU", {prefill.tuning_key(2, 32, 4): prefill_tiles}, "test")
+    tuning.write(
+        "decode_attention", "Test GPU", {decode.tuning_key(32, True): decode_tiles}, "test"
+    )
+    tuning.write(
+        "prefill_attention", "Test GPU", {prefill.tuning_key(2, 32, 4): prefill_tiles}, "test"
+    )
     on_device("Test GPU")
     used = []
     for module in (decode, prefill):
         lookup = module.launch_config
-        monkeypatch.setattr(module, "launch_config",
-                            lambda *a, lookup=lookup: used.append(lookup(*a)) or used[-1])
+        monkeypatch.setattr(
+            module, "launch_config", lambda *a, lookup=lookup: used.append(lookup(*a)) or used[-1]
+        )
     try:
         assert gemv_tiles != gemv.default_launch_config(40, 192)
         assert dict(gemv.checked_config(40, 192, None, device=torch.device(DEVICE))) == gemv_tiles
         x = torch.randn(1, 192, device=DEVICE).half()
         weight = (torch.randn(40, 192, device=DEVICE) / 14).half()
-        torch.testing.assert_close(gemv.gemv(x, weight), F.linear(x.float(), weight.float()).half(),
-                                   atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(
+            gemv.gemv(x, weight), F.linear(x.float(), weight.float()).half(), atol=2e-3, rtol=2e-3
+        )
 
-        k_cache, v_cache, meta = make_batch([1], [150], num_kv_heads=1, head_dim=32, block_size=16, seed=9)
+        k_cache, v_cache, meta = make_batch(
+            [1], [150], num_kv_heads=1, head_dim=32, block_size=16, seed=9
+        )
         query = random_query(1, 3, 32, seed=10)
-        out = decode.decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                      meta.query_start_loc, meta.max_seq_len, 0.2, num_splits=2)
+        out = decode.decode_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_seq_len,
+            0.2,
+            num_splits=2,
+        )
         assert dict(used[-1]) == decode_tiles
         assert_matches_reference(out, query, k_cache, v_cache, meta, 0.2)
 
-        k_cache, v_cache, meta = make_batch([40, 1], [60, 20], num_kv_heads=2, head_dim=32, block_size=16,
-                                            seed=11)
+        k_cache, v_cache, meta = make_batch(
+            [40, 1], [60, 20], num_kv_heads=2, head_dim=32, block_size=16, seed=11
+        )
         query = random_query(41, 4, 32, seed=12)
-        out = prefill.prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                        meta.query_start_loc, 0.2)
+        out = prefill.prefill_attention(
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.2
+        )
         assert dict(used[-1]) == prefill_tiles
         assert_matches_reference(out, query, k_cache, v_cache, meta, 0.2)
     finally:

@@ -4,6 +4,7 @@ Import this before any module that defines kernels: it sets TRITON_INTERPRET=1 w
 GPU, so kernels decorated afterwards are interpreted. Test modules add
 `pytestmark = pytest.mark.usefixtures("interpretable_triton_language")`.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,6 +33,7 @@ def interpretable_triton_language():
         yield
         return
     from triton.runtime.interpreter import InterpretedFunction
+
     for name, fn in compiled.items():
         setattr(tl, name, InterpretedFunction(fn.fn))
     yield

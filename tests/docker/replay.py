@@ -5,6 +5,7 @@ context (honouring .dockerignore), ENV and WORKDIR apply, and each RUN step's `p
 run there under this interpreter. `pip install` commands are recorded, not run (this environment
 already holds what they install, as CPU builds); their pins are checked by the tests.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -55,8 +56,11 @@ def dockerignore_patterns(context: Path = PROJECT_ROOT) -> list[str]:
     path = context / ".dockerignore"
     if not path.exists():
         return []
-    patterns = [p.strip().rstrip("/") for p in path.read_text().splitlines()
-                if p.strip() and not p.startswith("#")]
+    patterns = [
+        p.strip().rstrip("/")
+        for p in path.read_text().splitlines()
+        if p.strip() and not p.startswith("#")
+    ]
     if any(p.startswith("!") for p in patterns):
         raise ReplayError(".dockerignore exceptions (!pattern) are not replayed")
     return patterns
@@ -66,22 +70,25 @@ def ignored(relative: str, patterns: list[str]) -> bool:
     """Whether a context path (posix, relative) or one of its parents is excluded."""
     parts = relative.split("/")
     prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    return any(fnmatch.fnmatchcase(prefix, p) or
-               (p.startswith("**/") and fnmatch.fnmatchcase(prefix.split("/")[-1], p[3:]))
-               for prefix in prefixes for p in patterns)
+    return any(
+        fnmatch.fnmatchcase(prefix, p)
+        or (p.startswith("**/") and fnmatch.fnmatchcase(prefix.split("/")[-1], p[3:]))
+        for prefix in prefixes
+        for p in patterns
+    )
 
 
 @dataclass
 class Image:
-    root: Path                                   # stands for the image's "/"
+    root: Path  # stands for the image's "/"
     context: Path = PROJECT_ROOT
     base: str = ""
     workdir: str = "/"
     env: dict[str, str] = field(default_factory=dict)
-    pip_installs: list[list[str]] = field(default_factory=list)   # arguments after `pip install`
-    ran: list[list[str]] = field(default_factory=list)            # python3 commands, as written
+    pip_installs: list[list[str]] = field(default_factory=list)  # arguments after `pip install`
+    ran: list[list[str]] = field(default_factory=list)  # python3 commands, as written
     cmd: list[str] = field(default_factory=list)
-    execute: bool = True                          # False: only record (for the pin checks)
+    execute: bool = True  # False: only record (for the pin checks)
 
     def path(self, image_path: str) -> Path:
         """An image path (absolute, or relative to WORKDIR) -> the replay's copy of it."""
@@ -105,18 +112,28 @@ class Image:
         if not self.execute:
             return
         local = [sys.executable] + [self.local(a) for a in argv[1:]]
-        result = subprocess.run(local, cwd=self.path(self.workdir), env=self.environment(),
-                                capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run(
+            local,
+            cwd=self.path(self.workdir),
+            env=self.environment(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if result.returncode != 0:
-            raise ReplayError(f"Dockerfile line {line}: {shlex.join(argv)} failed "
-                              f"(exit {result.returncode}):\n{result.stderr[-3000:]}")
+            raise ReplayError(
+                f"Dockerfile line {line}: {shlex.join(argv)} failed "
+                f"(exit {result.returncode}):\n{result.stderr[-3000:]}"
+            )
 
     def run_shell(self, command: str, line: int = 0) -> None:
         """A RUN step: `&&`-chained commands; python3 ones run, pip installs are recorded."""
         for part in re.split(r"\s*&&\s*", command.strip()):
             argv = shlex.split(part)
             if argv[:1] != ["python3"]:
-                raise ReplayError(f"Dockerfile line {line}: only python3 commands are replayed: {part}")
+                raise ReplayError(
+                    f"Dockerfile line {line}: only python3 commands are replayed: {part}"
+                )
             if argv[1:4] == ["-m", "pip", "install"]:
                 self.pip_installs.append(argv[4:])
             else:
@@ -134,8 +151,10 @@ class Image:
         for source in sources:
             src = self.context / source
             if not src.exists() or ignored(source.rstrip("/"), patterns):
-                raise ReplayError(f"Dockerfile line {line}: COPY {source}: not in the build context")
-            if src.is_dir():        # Docker copies a directory's contents into the destination
+                raise ReplayError(
+                    f"Dockerfile line {line}: COPY {source}: not in the build context"
+                )
+            if src.is_dir():  # Docker copies a directory's contents into the destination
                 shutil.copytree(src, target, dirs_exist_ok=True, ignore=self._ignore(patterns))
             else:
                 into = dest.endswith("/") or len(sources) > 1
@@ -147,6 +166,7 @@ class Image:
         def skip(directory: str, names: list[str]) -> list[str]:
             rel = Path(directory).resolve().relative_to(self.context.resolve()).as_posix()
             return [n for n in names if ignored(n if rel == "." else f"{rel}/{n}", patterns)]
+
         return skip
 
     def set_env(self, args: str, line: int) -> None:
@@ -162,8 +182,9 @@ class Image:
             self.env[key] = value
 
 
-def replay(root: Path, dockerfile: Path = DOCKERFILE, context: Path = PROJECT_ROOT,
-           execute: bool = True) -> Image:
+def replay(
+    root: Path, dockerfile: Path = DOCKERFILE, context: Path = PROJECT_ROOT, execute: bool = True
+) -> Image:
     """Build the image's filesystem under `root` as `docker build` would (see the module doc)."""
     image = Image(root=root, context=context, execute=execute)
     args: dict[str, str] = {}

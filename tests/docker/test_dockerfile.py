@@ -5,6 +5,7 @@ The replay copies what the Dockerfile COPYs, runs its Python build steps (model 
 does (model directory + the real triton_python_backend_utils on sys.path, the image's
 environment), so a file the image lacks or a package the stubs cannot import fails here.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,8 @@ from ensemble.render import MODEL_NAMES
 from tests.docker.replay import DOCKERFILE, PROJECT_ROOT, Image, ReplayError, replay
 
 BASE_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
-BASE_PYTHON = "3.10"              # Ubuntu 22.04's, in the 24.10 image
-BASE_CUDA = (12, 6)               # 24.10 is built on CUDA 12.6.2 (driver 560+, or R525/R535 compat)
+BASE_PYTHON = "3.10"  # Ubuntu 22.04's, in the 24.10 image
+BASE_CUDA = (12, 6)  # 24.10 is built on CUDA 12.6.2 (driver 560+, or R525/R535 compat)
 OUR_PACKAGES = ("backend", "ensemble", "preprocessing", "postprocessing")
 
 STUB_LOAD = """
@@ -81,8 +82,11 @@ def pyproject_field(pattern: str) -> str:
 
 
 def project_install_index(image: Image) -> int:
-    found = [i for i, args in enumerate(image.pip_installs) if "-e" in args or "." in
-             [a.split("[")[0].strip("\"'") for a in args]]
+    found = [
+        i
+        for i, args in enumerate(image.pip_installs)
+        if "-e" in args or "." in [a.split("[")[0].strip("\"'") for a in args]
+    ]
     assert len(found) == 1, f"one pip install of the project expected: {image.pip_installs}"
     return found[0]
 
@@ -105,36 +109,50 @@ def test_served_repository_is_complete(image):
         if 'backend: "python"' in config:
             assert (repository / name / "1" / "model.py").is_file(), f"{name}/1/model.py missing"
     llm = (repository / "tensorrt_llm" / "config.pbtxt").read_text()
-    assert re.search(r'key: "device"\s+value: \{ string_value: "cuda" \}', llm), "not built for CUDA"
+    assert re.search(r'key: "device"\s+value: \{ string_value: "cuda" \}', llm), (
+        "not built for CUDA"
+    )
 
 
 def test_stubs_load_every_model_from_the_image(image, tmp_path):
     from ensemble.server import locate_tritonserver
+
     try:
         backend_utils = locate_tritonserver().root / "backends" / "python"
     except RuntimeError as exc:
         pytest.skip(str(exc))
-    script = tmp_path / "stub_load.py"          # outside the image: sys.path[0] adds nothing
+    script = tmp_path / "stub_load.py"  # outside the image: sys.path[0] adds nothing
     script.write_text(STUB_LOAD)
     repository = served_repository(image)
     models = sorted(repository.glob("*/1/model.py"))
     assert len(models) == 4, models
     for model_py in models:
-        result = subprocess.run([sys.executable, str(script), str(model_py), str(backend_utils)],
-                                cwd=image.path(image.workdir), env=image.environment(),
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, str(script), str(model_py), str(backend_utils)],
+            cwd=image.path(image.workdir),
+            env=image.environment(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 0, f"{model_py.parent.parent.name}: {result.stderr[-2000:]}"
         files = json.loads(result.stdout.strip().splitlines()[-1])
         outside = {n: f for n, f in files.items() if f and not Path(f).is_relative_to(image.root)}
-        assert not outside, (f"{model_py.parent.parent.name} imports our packages from outside "
-                             f"the image (the stub would not find them there): {outside}")
+        assert not outside, (
+            f"{model_py.parent.parent.name} imports our packages from outside "
+            f"the image (the stub would not find them there): {outside}"
+        )
 
 
 def test_documented_docker_run_serves_another_model(image, tmp_path):
     """The header's `docker run ... sh -c "..."` (another model) builds a servable repository."""
     from backend.model_paths import resolve_model
-    text = " ".join(line.lstrip("# ").rstrip("\\ ") for line in DOCKERFILE.read_text().splitlines()
-                    if line.startswith("#"))
+
+    text = " ".join(
+        line.lstrip("# ").rstrip("\\ ")
+        for line in DOCKERFILE.read_text().splitlines()
+        if line.startswith("#")
+    )
     match = re.search(r'-v (\S+):(\S+) .*?sh -c "([^"]+)"', text)
     assert match, "no documented docker run for another model"
     mount, commands = match.group(2), match.group(3)
@@ -146,7 +164,7 @@ def test_documented_docker_run_serves_another_model(image, tmp_path):
             return f"{flag}={local(value)}"
         for path, replacement in here.items():
             if arg == path or arg.startswith(path + "/"):
-                return replacement + arg[len(path):]
+                return replacement + arg[len(path) :]
         return arg
 
     served = None
@@ -161,8 +179,11 @@ def test_documented_docker_run_serves_another_model(image, tmp_path):
 
 
 def test_torch_is_a_pinned_cuda_build_the_base_image_can_run(recipe):
-    installs = [(i, args) for i, args in enumerate(recipe.pip_installs)
-                if any(r.name == "torch" for r in pip_requirements(args))]
+    installs = [
+        (i, args)
+        for i, args in enumerate(recipe.pip_installs)
+        if any(r.name == "torch" for r in pip_requirements(args))
+    ]
     assert len(installs) == 1, recipe.pip_installs
     index, args = installs[0]
     (torch,) = [r for r in pip_requirements(args) if r.name == "torch"]
@@ -170,16 +191,23 @@ def test_torch_is_a_pinned_cuda_build_the_base_image_can_run(recipe):
     assert "--index-url" in args, "a PyPI torch is a CUDA 13 build: newer than the image's driver"
     url = args[args.index("--index-url") + 1]
     cuda = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d\d)(\d+)", url)
-    assert cuda and (int(cuda.group(1)), int(cuda.group(2))) <= BASE_CUDA \
-        and int(cuda.group(1)) == BASE_CUDA[0], f"{url}: not a CUDA {BASE_CUDA} build"
+    assert (
+        cuda
+        and (int(cuda.group(1)), int(cuda.group(2))) <= BASE_CUDA
+        and int(cuda.group(1)) == BASE_CUDA[0]
+    ), f"{url}: not a CUDA {BASE_CUDA} build"
     assert index < project_install_index(recipe), "installing the project first pulls a PyPI torch"
 
 
 def test_stub_numpy_is_pinned_below_2(recipe):
     """The 24.10 stub (tritonserver 2.51) reads tensors through numpy 1.x."""
     project = project_install_index(recipe)
-    numpys = [r for args in recipe.pip_installs[project:] for r in pip_requirements(args)
-              if r.name == "numpy"]
+    numpys = [
+        r
+        for args in recipe.pip_installs[project:]
+        for r in pip_requirements(args)
+        if r.name == "numpy"
+    ]
     assert numpys, "numpy not pinned where the project's dependencies are installed"
     for numpy in numpys:
         assert not numpy.specifier.contains("2.0.0") and numpy.specifier.contains("1.26.4"), numpy

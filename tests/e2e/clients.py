@@ -1,4 +1,5 @@
 """Small clients for the e2e tests: what a user's script does with tritonclient and plain HTTP."""
+
 from __future__ import annotations
 
 import json
@@ -15,23 +16,51 @@ from tritonclient.utils import np_to_triton_dtype
 
 # ensemble input -> numpy dtype (what tensorrtllm_backend clients send)
 ENSEMBLE_DTYPES = {
-    "text_input": np.object_, "max_tokens": np.int32, "stream": np.bool_, "end_id": np.int32,
-    "pad_id": np.int32, "top_k": np.int32, "top_p": np.float32, "temperature": np.float32,
-    "repetition_penalty": np.float32, "presence_penalty": np.float32,
-    "frequency_penalty": np.float32, "length_penalty": np.float32, "min_tokens": np.int32,
-    "min_length": np.int32, "seed": np.uint64, "random_seed": np.uint64, "bad_words": np.object_,
-    "stop_words": np.object_, "exclude_input_in_output": np.bool_, "return_log_probs": np.bool_,
-    "return_perf_metrics": np.bool_, "beam_width": np.int32, "num_return_sequences": np.int32,
-    "embedding_bias_words": np.object_, "embedding_bias_weights": np.float32,
-    "return_generation_logits": np.bool_, "return_context_logits": np.bool_,
+    "text_input": np.object_,
+    "max_tokens": np.int32,
+    "stream": np.bool_,
+    "end_id": np.int32,
+    "pad_id": np.int32,
+    "top_k": np.int32,
+    "top_p": np.float32,
+    "temperature": np.float32,
+    "repetition_penalty": np.float32,
+    "presence_penalty": np.float32,
+    "frequency_penalty": np.float32,
+    "length_penalty": np.float32,
+    "min_tokens": np.int32,
+    "min_length": np.int32,
+    "seed": np.uint64,
+    "random_seed": np.uint64,
+    "bad_words": np.object_,
+    "stop_words": np.object_,
+    "exclude_input_in_output": np.bool_,
+    "return_log_probs": np.bool_,
+    "return_perf_metrics": np.bool_,
+    "beam_width": np.int32,
+    "num_return_sequences": np.int32,
+    "embedding_bias_words": np.object_,
+    "embedding_bias_weights": np.float32,
+    "return_generation_logits": np.bool_,
+    "return_context_logits": np.bool_,
     "apply_chat_template": np.bool_,
 }
 LLM_DTYPES = {
-    "input_ids": np.int32, "input_lengths": np.int32, "request_output_len": np.int32,
-    "end_id": np.int32, "streaming": np.bool_, "stop": np.bool_, "runtime_top_k": np.int32,
-    "runtime_top_p": np.float32, "temperature": np.float32, "return_log_probs": np.bool_,
-    "stop_words_list": np.int32, "bad_words_list": np.int32, "embedding_bias": np.float32,
-    "exclude_input_in_output": np.bool_, "beam_width": np.int32,
+    "input_ids": np.int32,
+    "input_lengths": np.int32,
+    "request_output_len": np.int32,
+    "end_id": np.int32,
+    "streaming": np.bool_,
+    "stop": np.bool_,
+    "runtime_top_k": np.int32,
+    "runtime_top_p": np.float32,
+    "temperature": np.float32,
+    "return_log_probs": np.bool_,
+    "stop_words_list": np.int32,
+    "bad_words_list": np.int32,
+    "embedding_bias": np.float32,
+    "exclude_input_in_output": np.bool_,
+    "beam_width": np.int32,
 }
 
 
@@ -50,19 +79,26 @@ def tensor(name: str, value, dtype=None, client=grpcclient):
     return inp
 
 
-def infer(protocol: str, url: str, model: str, inputs: dict, request_id: str = "",
-          timeout: float = 120.0) -> dict[str, np.ndarray]:
+def infer(
+    protocol: str, url: str, model: str, inputs: dict, request_id: str = "", timeout: float = 120.0
+) -> dict[str, np.ndarray]:
     """One plain `infer()` call (not a stream) with tritonclient's "http" or "grpc" client: what
     a client of a model that is not decoupled does. Raises InferenceServerException on errors."""
     client_module = httpclient if protocol == "http" else grpcclient
     options = {"network_timeout": timeout} if protocol == "http" else {}
     client = client_module.InferenceServerClient(url, **options)
     try:
-        result = client.infer(model, [tensor(k, v, client=client_module) for k, v in inputs.items()],
-                              request_id=request_id)
+        result = client.infer(
+            model,
+            [tensor(k, v, client=client_module) for k, v in inputs.items()],
+            request_id=request_id,
+        )
         response = result.get_response()
-        names = ([o["name"] for o in response["outputs"]] if protocol == "http"
-                 else [o.name for o in response.outputs])
+        names = (
+            [o["name"] for o in response["outputs"]]
+            if protocol == "http"
+            else [o.name for o in response.outputs]
+        )
         return {name: result.as_numpy(name) for name in names}
     finally:
         client.close()
@@ -70,16 +106,20 @@ def infer(protocol: str, url: str, model: str, inputs: dict, request_id: str = "
 
 @dataclass
 class StreamResult:
-    responses: list[dict] = field(default_factory=list)   # output name -> numpy array
+    responses: list[dict] = field(default_factory=list)  # output name -> numpy array
     error: str | None = None
 
     def text(self) -> str:
-        return "".join(r["text_output"].reshape(-1)[0].decode("utf-8") for r in self.responses
-                       if "text_output" in r)
+        return "".join(
+            r["text_output"].reshape(-1)[0].decode("utf-8")
+            for r in self.responses
+            if "text_output" in r
+        )
 
     def ids(self) -> list[int]:
-        return [int(t) for r in self.responses if "output_ids" in r
-                for t in r["output_ids"].reshape(-1)]
+        return [
+            int(t) for r in self.responses if "output_ids" in r for t in r["output_ids"].reshape(-1)
+        ]
 
 
 class GrpcStream:
@@ -91,11 +131,17 @@ class GrpcStream:
         self.client.start_stream(callback=lambda result, error: self.events.put((result, error)))
 
     def send(self, model: str, inputs: dict, request_id: str = "", outputs=None) -> None:
-        tensors = [v if isinstance(v, grpcclient.InferInput) else tensor(k, v)
-                   for k, v in inputs.items()]
+        tensors = [
+            v if isinstance(v, grpcclient.InferInput) else tensor(k, v) for k, v in inputs.items()
+        ]
         requested = [grpcclient.InferRequestedOutput(n) for n in outputs] if outputs else None
-        self.client.async_stream_infer(model, tensors, request_id=request_id, outputs=requested,
-                                       enable_empty_final_response=True)
+        self.client.async_stream_infer(
+            model,
+            tensors,
+            request_id=request_id,
+            outputs=requested,
+            enable_empty_final_response=True,
+        )
 
     def collect(self, timeout: float = 120.0, limit: int | None = None) -> StreamResult:
         """Responses until the final flag (or an error, or `limit` data responses)."""
@@ -121,8 +167,9 @@ class GrpcStream:
         self.client.close()
 
 
-def grpc_request(url: str, model: str, inputs: dict, request_id: str = "",
-                 timeout: float = 120.0) -> StreamResult:
+def grpc_request(
+    url: str, model: str, inputs: dict, request_id: str = "", timeout: float = 120.0
+) -> StreamResult:
     stream = GrpcStream(url)
     try:
         stream.send(model, inputs, request_id)
@@ -132,22 +179,27 @@ def grpc_request(url: str, model: str, inputs: dict, request_id: str = "",
 
 
 def generate(http_url: str, model: str, payload: dict, timeout: float = 120.0) -> requests.Response:
-    return requests.post(f"http://{http_url}/v2/models/{model}/generate", json=payload,
-                         timeout=timeout)
+    return requests.post(
+        f"http://{http_url}/v2/models/{model}/generate", json=payload, timeout=timeout
+    )
 
 
 def generate_stream(http_url: str, model: str, payload: dict, timeout: float = 120.0) -> list[dict]:
     """The SSE events of /generate_stream, parsed."""
-    response = requests.post(f"http://{http_url}/v2/models/{model}/generate_stream",
-                             json=payload, stream=True, timeout=timeout)
+    response = requests.post(
+        f"http://{http_url}/v2/models/{model}/generate_stream",
+        json=payload,
+        stream=True,
+        timeout=timeout,
+    )
     events = []
     for line in response.iter_lines(decode_unicode=False):
         if line.startswith(b"data: "):
-            events.append(json.loads(line[len(b"data: "):].decode("utf-8")))
+            events.append(json.loads(line[len(b"data: ") :].decode("utf-8")))
     return events
 
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
 def metrics(url: str) -> dict[tuple[str, frozenset], float]:

@@ -3,6 +3,7 @@
 The repository is built by `ensemble` with small engine settings for a CPU (small KV cache, short
 max_seq_len) into a temporary directory, on free ports; the server is stopped at the end.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -17,9 +18,16 @@ from ensemble.server import TritonServer, free_port
 from ensemble.settings import ServeSettings
 
 E2E_SETTINGS = dict(
-    device="cpu", max_batch_size=16, max_num_tokens=1024, max_seq_len=512, tokens_per_block=16,
-    max_tokens_in_paged_kv_cache=8192, triton_max_batch_size=8, default_max_tokens=32,
-    cancellation_check_period_ms=50, stats_check_period_ms=100,
+    device="cpu",
+    max_batch_size=16,
+    max_num_tokens=1024,
+    max_seq_len=512,
+    tokens_per_block=16,
+    max_tokens_in_paged_kv_cache=8192,
+    triton_max_batch_size=8,
+    default_max_tokens=32,
+    cancellation_check_period_ms=50,
+    stats_check_period_ms=100,
 )
 
 
@@ -53,13 +61,19 @@ def running_triton(tmp: Path, **settings_overrides) -> Iterator[Triton]:
     """A tritonserver on free ports with E2E_SETTINGS (and the overrides), stopped on exit."""
     pytest.importorskip("pytriton", reason="nvidia-pytriton (the tritonserver binary) is missing")
     from backend.model_paths import resolve_model
-    resolve_model("default")                     # convert once here, not in three stubs at once
-    settings = ServeSettings(**{**E2E_SETTINGS, **settings_overrides}, http_port=free_port(),
-                             grpc_port=free_port(), metrics_port=free_port())
+
+    resolve_model("default")  # convert once here, not in three stubs at once
+    settings = ServeSettings(
+        **{**E2E_SETTINGS, **settings_overrides},
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+    )
     repository = build_repository(settings, tmp / "model_repository")
     log_file = tmp / "tritonserver.log"
-    server = TritonServer(repository, settings.http_port, settings.grpc_port,
-                          settings.metrics_port, log_file=log_file)
+    server = TritonServer(
+        repository, settings.http_port, settings.grpc_port, settings.metrics_port, log_file=log_file
+    )
     server.start()
     try:
         server.wait_ready(timeout_s=600)
@@ -72,4 +86,5 @@ def running_triton(tmp: Path, **settings_overrides) -> Iterator[Triton]:
 def tokenizer():
     from backend.model_paths import resolve_model
     from preprocessing.tokenizer import load_tokenizer
+
     return load_tokenizer(resolve_model("default"))

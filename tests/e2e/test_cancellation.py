@@ -4,6 +4,7 @@ Each case starts a long generation (end id ignored), waits until it holds KV blo
 streamed a few pieces, cancels it one way, and checks that the `used` KV block gauge returns to
 its idle value and that the engine counted a cancelled request.
 """
+
 from __future__ import annotations
 
 import time
@@ -15,18 +16,23 @@ from tests.e2e.clients import GrpcStream, metric, metrics
 
 pytestmark = pytest.mark.e2e
 
-LONG = {"text_input": "Count from one to one thousand: one, two, three,", "max_tokens": 400,
-        "end_id": -1}
+LONG = {
+    "text_input": "Count from one to one thousand: one, two, three,",
+    "max_tokens": 400,
+    "end_id": -1,
+}
 
 
 def _used(triton) -> float:
-    return metric(metrics(triton.metrics), "nv_trt_llm_kv_cache_block_metrics",
-                  kv_cache_block_type="used")
+    return metric(
+        metrics(triton.metrics), "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used"
+    )
 
 
 def _cancelled(triton) -> float:
-    return metric(metrics(triton.metrics), "nv_llm_requests_finished_total",
-                  finish_reason="cancelled")
+    return metric(
+        metrics(triton.metrics), "nv_llm_requests_finished_total", finish_reason="cancelled"
+    )
 
 
 def _wait_for(condition, timeout: float = 20.0) -> bool:
@@ -41,8 +47,12 @@ def _wait_for(condition, timeout: float = 20.0) -> bool:
 @pytest.fixture
 def idle(triton):
     """The idle `used` value (no request running) and the cancelled count before the case."""
-    assert _wait_for(lambda: metric(metrics(triton.metrics), "nv_trt_llm_request_metrics",
-                                    request_type="active") == 0)
+    assert _wait_for(
+        lambda: (
+            metric(metrics(triton.metrics), "nv_trt_llm_request_metrics", request_type="active")
+            == 0
+        )
+    )
     assert _wait_for(lambda: _used(triton) == 0)
     return 0.0, _cancelled(triton)
 
@@ -70,8 +80,12 @@ def test_grpc_stream_cancel(triton, idle, model):
 
 
 def test_http_generate_stream_disconnect(triton, idle):
-    response = requests.post(f"http://{triton.http}/v2/models/ensemble/generate_stream",
-                             json={**LONG, "stream": True}, stream=True, timeout=60)
+    response = requests.post(
+        f"http://{triton.http}/v2/models/ensemble/generate_stream",
+        json={**LONG, "stream": True},
+        stream=True,
+        timeout=60,
+    )
     events = 0
     for line in response.iter_lines():
         events += line.startswith(b"data: ")
@@ -97,14 +111,23 @@ def test_grpc_cancel_not_streamed_bls(triton, idle):
 
 def test_stop_input(triton, tokenizer, idle):
     prompt = tokenizer.encode(LONG["text_input"])
-    stream = _start_grpc(triton, "tensorrt_llm", {
-        "input_ids": prompt, "input_lengths": len(prompt), "request_output_len": 400,
-        "end_id": -1, "streaming": True}, request_id="stop-me")
+    stream = _start_grpc(
+        triton,
+        "tensorrt_llm",
+        {
+            "input_ids": prompt,
+            "input_lengths": len(prompt),
+            "request_output_len": 400,
+            "end_id": -1,
+            "streaming": True,
+        },
+        request_id="stop-me",
+    )
     stopper = GrpcStream(triton.grpc)
     try:
         stopper.send("tensorrt_llm", {"stop": True}, request_id="stop-me")
         assert stopper.collect(timeout=30).error is None
-        rest = stream.collect(timeout=30)             # the stopped request ends with FINAL
+        rest = stream.collect(timeout=30)  # the stopped request ends with FINAL
         assert rest.error is None
         assert 3 + len(rest.ids()) < 400
         assert rest.responses[-1]["finish_reason"].reshape(-1).tolist() == [b"cancelled"]

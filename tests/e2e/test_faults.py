@@ -5,6 +5,7 @@ signal (SIGTERM, SIGHUP) ends the requests in flight with "shutting down" and st
 fast and clean; a taken port or a bad model path is refused before anything starts; the LLM's
 processes do not grow under a stream of short requests.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,18 @@ from tests.e2e.clients import grpc_request
 
 pytestmark = pytest.mark.e2e
 PROJECT = Path(__file__).resolve().parents[2]
-SMALL = ["--device", "cpu", "--max-batch-size", "8", "--max-seq-len", "512",
-         "--max-tokens-in-paged-kv-cache", "4096", "--cancellation-check-period-ms", "50"]
+SMALL = [
+    "--device",
+    "cpu",
+    "--max-batch-size",
+    "8",
+    "--max-seq-len",
+    "512",
+    "--max-tokens-in-paged-kv-cache",
+    "4096",
+    "--cancellation-check-period-ms",
+    "50",
+]
 LONG = {"text_input": "Count from one to one thousand:", "max_tokens": 480, "end_id": -1}
 
 
@@ -42,9 +53,24 @@ class Launcher:
         self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
         self.log = tmp_path / "serve.log"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ensemble", "serve", *SMALL, "--http-port", str(self.http),
-             "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics), *args],
-            cwd=PROJECT, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "ensemble",
+                "serve",
+                *SMALL,
+                "--http-port",
+                str(self.http),
+                "--grpc-port",
+                str(self.grpc),
+                "--metrics-port",
+                str(self.metrics),
+                *args,
+            ],
+            cwd=PROJECT,
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
 
     def ready(self) -> bool:
         try:
@@ -63,8 +89,9 @@ class Launcher:
         return next(p for p in descendants(self.process.pid) if "tritonserver" in _cmdline(p))
 
     def stub(self, model: str) -> int:
-        return next(p for p in descendants(self.server_pid())
-                    if f"/{model}/1/model.py" in _cmdline(p))
+        return next(
+            p for p in descendants(self.server_pid()) if f"/{model}/1/model.py" in _cmdline(p)
+        )
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -79,6 +106,7 @@ def launcher(tmp_path):
     def start(*args: str) -> Launcher:
         started.append(Launcher(tmp_path, *args))
         return started[-1]
+
     yield start
     for each in started:
         each.close()
@@ -89,6 +117,7 @@ def _stream_in_background(url: str, results: list, model: str = "ensemble") -> t
         start = time.monotonic()
         result = grpc_request(url, model, LONG, timeout=120)
         results.append((result, time.monotonic() - start))
+
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
@@ -139,7 +168,9 @@ def test_a_signal_drains_and_stops_fast_and_clean(launcher, signum):
     served = launcher()
     served.wait_ready()
     server_pid = served.server_pid()
-    repository = next(a for a in _cmdline(server_pid).split() if a.startswith("--model-repository="))
+    repository = next(
+        a for a in _cmdline(server_pid).split() if a.startswith("--model-repository=")
+    )
     shm_before = set(SHM_DIR.glob(SHM_PATTERN))
     results: list = []
     threads = [_stream_in_background(f"localhost:{served.grpc}", results) for _ in range(3)]
@@ -173,9 +204,22 @@ def test_a_taken_port_is_refused_before_starting(launcher):
 
 def test_a_bad_model_path_is_refused_before_building(tmp_path):
     out = tmp_path / "repository"
-    result = subprocess.run([sys.executable, "-m", "ensemble", "build", "--model",
-                             "/does/not/exist", "--out", str(out)], cwd=PROJECT,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ensemble",
+            "build",
+            "--model",
+            "/does/not/exist",
+            "--out",
+            str(out),
+        ],
+        cwd=PROJECT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "model '/does/not/exist' not found" in result.stderr
     assert not out.exists()
@@ -190,12 +234,17 @@ def test_the_llm_processes_do_not_grow_under_short_requests(triton):
     server = triton.server.process.pid
     stub = next(p for p in descendants(server) if "/tensorrt_llm/1/model.py" in _cmdline(p))
     engine = next(p for p in descendants(stub) if "backend.engine_process" in _cmdline(p))
-    request = {"input_ids": [1, 2, 3, 4, 5], "input_lengths": 5, "request_output_len": 4,
-               "end_id": -1}
+    request = {
+        "input_ids": [1, 2, 3, 4, 5],
+        "input_lengths": 5,
+        "request_output_len": 4,
+        "end_id": -1,
+    }
 
-    def send(i: int) -> None:      # distinct prompts: each takes fresh KV blocks
+    def send(i: int) -> None:  # distinct prompts: each takes fresh KV blocks
         result = grpc_request(triton.grpc, "tensorrt_llm", dict(request, input_ids=[i, 2, 3, 4, 5]))
         assert result.error is None, result.error
+
     sizes = {}
     with ThreadPoolExecutor(max_workers=6) as pool:
         for start, end in ((1, 51), (51, 301)):
@@ -212,25 +261,33 @@ def test_a_full_queue_reads_try_again_later_and_is_counted(launcher):
     threads = [_stream_in_background(f"localhost:{served.grpc}", results) for _ in range(2)]
     _wait_streaming(served, 1)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:     # one running, one waiting: the queue is full
+    while time.monotonic() < deadline:  # one running, one waiting: the queue is full
         text = requests.get(f"http://localhost:{served.metrics}/metrics", timeout=2).text
         if 'request_type="waiting"} 1' in text:
             break
         time.sleep(0.2)
-    response = requests.post(f"http://localhost:{served.http}/v2/models/ensemble/generate",
-                             json={"text_input": "Hi", "max_tokens": 4}, timeout=60)
+    response = requests.post(
+        f"http://localhost:{served.http}/v2/models/ensemble/generate",
+        json={"text_input": "Hi", "max_tokens": 4},
+        timeout=60,
+    )
     # Triton 2.51's generate endpoints answer every model error with 400: the text says why.
     assert response.status_code == 400, (response.status_code, response.text)
     assert "maximum queue size" in response.json()["error"]
     assert "retry later" in response.json()["error"]
-    refused = grpc_request(f"localhost:{served.grpc}", "ensemble", {"text_input": "Hi", "max_tokens": 4})
+    refused = grpc_request(
+        f"localhost:{served.grpc}", "ensemble", {"text_input": "Hi", "max_tokens": 4}
+    )
     # A gRPC stream carries an error's text only, not its code.
     assert refused.error is not None and "retry later" in refused.error, refused.error
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         text = requests.get(f"http://localhost:{served.metrics}/metrics", timeout=2).text
-        counted = [line for line in text.splitlines()
-                   if line.startswith("nv_llm_requests_rejected_total") and "queue_full" in line]
+        counted = [
+            line
+            for line in text.splitlines()
+            if line.startswith("nv_llm_requests_rejected_total") and "queue_full" in line
+        ]
         if counted and float(counted[0].split()[-1]) >= 2:
             break
         time.sleep(0.2)

@@ -5,6 +5,7 @@ One extra server for the module (the session's decoupled server is the reference
 applies the chat template by default (apply_chat_template=true), so the text requests here send
 apply_chat_template=false, the per-request override.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,8 +26,11 @@ PROTOCOLS = ["http", "grpc"]
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     """A server whose tensorrt_llm and tensorrt_llm_bls are not decoupled (nor is the ensemble)."""
-    with running_triton(tmp_path_factory.mktemp("triton-not-decoupled"),
-                        decoupled_mode=False, apply_chat_template=True) as server:
+    with running_triton(
+        tmp_path_factory.mktemp("triton-not-decoupled"),
+        decoupled_mode=False,
+        apply_chat_template=True,
+    ) as server:
         yield server
 
 
@@ -38,9 +42,16 @@ def _url(server, protocol: str) -> str:
 def streamed(triton, tokenizer):
     """(prompt ids, generated ids, text) streamed by the decoupled server's LLM model."""
     prompt_ids = tokenizer.encode(PROMPT)
-    result = grpc_request(triton.grpc, "tensorrt_llm", {
-        "input_ids": prompt_ids, "input_lengths": len(prompt_ids),
-        "request_output_len": MAX_TOKENS, "streaming": True})
+    result = grpc_request(
+        triton.grpc,
+        "tensorrt_llm",
+        {
+            "input_ids": prompt_ids,
+            "input_lengths": len(prompt_ids),
+            "request_output_len": MAX_TOKENS,
+            "streaming": True,
+        },
+    )
     assert result.error is None, result.error
     assert len(result.responses) > 1
     ids = result.ids()
@@ -50,39 +61,67 @@ def streamed(triton, tokenizer):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_llm_infer_returns_every_token_in_one_response(plain, streamed, protocol):
     prompt_ids, ids, _ = streamed
-    out = infer(protocol, _url(plain, protocol), "tensorrt_llm", {
-        "input_ids": prompt_ids, "input_lengths": len(prompt_ids),
-        "request_output_len": MAX_TOKENS})
+    out = infer(
+        protocol,
+        _url(plain, protocol),
+        "tensorrt_llm",
+        {
+            "input_ids": prompt_ids,
+            "input_lengths": len(prompt_ids),
+            "request_output_len": MAX_TOKENS,
+        },
+    )
     assert out["output_ids"].reshape(-1).tolist() == ids
     assert out["sequence_length"].reshape(-1).tolist() == [len(ids)]
-    assert out["finish_reason"].reshape(-1).tolist() == [b"length" if len(ids) == MAX_TOKENS
-                                                        else b"end_id"]
+    assert out["finish_reason"].reshape(-1).tolist() == [
+        b"length" if len(ids) == MAX_TOKENS else b"end_id"
+    ]
 
 
 @pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
 def test_text_infer_equals_the_streamed_text(triton, plain, streamed, model):
     text = streamed[2]
-    assert grpc_request(triton.grpc, model, {"text_input": PROMPT, "max_tokens": MAX_TOKENS,
-                                             "stream": True}).text() == text
+    assert (
+        grpc_request(
+            triton.grpc, model, {"text_input": PROMPT, "max_tokens": MAX_TOKENS, "stream": True}
+        ).text()
+        == text
+    )
     for protocol in PROTOCOLS:
         out = infer(protocol, _url(plain, protocol), model, PLAIN)
         assert out["text_output"].reshape(-1)[0].decode() == text, protocol
-        assert out["finish_reason"].reshape(-1).tolist() == [b"length" if len(streamed[1]) ==
-                                                            MAX_TOKENS else b"end_id"]
+        assert out["finish_reason"].reshape(-1).tolist() == [
+            b"length" if len(streamed[1]) == MAX_TOKENS else b"end_id"
+        ]
 
 
 def test_rows_of_one_request_come_back_together(plain, tokenizer):
     prompts = [tokenizer.encode(PROMPT), tokenizer.encode("def fib(n):")]
-    singles = [infer("grpc", plain.grpc, "tensorrt_llm", {
-        "input_ids": p, "input_lengths": len(p), "request_output_len": 8})["output_ids"]
-        .reshape(-1).tolist() for p in prompts]
+    singles = [
+        infer(
+            "grpc",
+            plain.grpc,
+            "tensorrt_llm",
+            {"input_ids": p, "input_lengths": len(p), "request_output_len": 8},
+        )["output_ids"]
+        .reshape(-1)
+        .tolist()
+        for p in prompts
+    ]
     width = max(len(p) for p in prompts)
     ids = np.zeros((2, width), dtype=np.int32)
     for i, p in enumerate(prompts):
-        ids[i, :len(p)] = p
-    out = infer("http", plain.http, "tensorrt_llm", {
-        "input_ids": ids, "input_lengths": np.array([[len(p)] for p in prompts], dtype=np.int32),
-        "request_output_len": np.array([[8], [8]], dtype=np.int32)})
+        ids[i, : len(p)] = p
+    out = infer(
+        "http",
+        plain.http,
+        "tensorrt_llm",
+        {
+            "input_ids": ids,
+            "input_lengths": np.array([[len(p)] for p in prompts], dtype=np.int32),
+            "request_output_len": np.array([[8], [8]], dtype=np.int32),
+        },
+    )
     lengths = out["sequence_length"].reshape(-1).tolist()
     assert out["batch_index"].reshape(-1).tolist() == [0, 1]
     assert [out["output_ids"][i, 0, :n].tolist() for i, n in enumerate(lengths)] == singles

@@ -1,5 +1,6 @@
 """`python -m ensemble.token_client` against the real server: the ids it gets from `tensorrt_llm`
 detokenize to the text the ensemble returns for the same prompt."""
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,24 @@ MAX_TOKENS = 16
 
 
 def token_client(triton, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ensemble.token_client", "--url", triton.grpc,
-                           "--text", PROMPT, "--max-tokens", str(MAX_TOKENS), *args],
-                          capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ensemble.token_client",
+            "--url",
+            triton.grpc,
+            "--text",
+            PROMPT,
+            "--max-tokens",
+            str(MAX_TOKENS),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=PROJECT_ROOT,
+    )
 
 
 @pytest.fixture(scope="module")

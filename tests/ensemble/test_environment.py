@@ -1,5 +1,6 @@
 """The stubs' environment: numpy the 2.51 stub can read, else a serving environment or a refusal
 that says what to install; the engine under the launching Python."""
+
 from __future__ import annotations
 
 import sys
@@ -18,8 +19,12 @@ from ensemble.server import TritonInstall, TritonServer
 def test_numpy_2_is_refused_with_what_to_install():
     assert stub_numpy_problem("1.26.4") is None
     problem = stub_numpy_problem("2.1.3")
-    assert "numpy 2.1.3" in problem and "'numpy<2'" in problem and "python -m ensemble serve" in problem
-    check_stub_numpy()                                     # this environment's numpy is 1.x
+    assert (
+        "numpy 2.1.3" in problem
+        and "'numpy<2'" in problem
+        and "python -m ensemble serve" in problem
+    )
+    check_stub_numpy()  # this environment's numpy is 1.x
 
 
 def test_every_model_checks_the_numpy_before_loading():
@@ -40,11 +45,15 @@ def test_a_numpy_2_launcher_without_numpy_1_to_install_refuses_to_start(tmp_path
     (launcher / "numpy").mkdir(parents=True)
     (launcher / "numpy" / "__init__.py").write_text('__version__ = "2.2.0"\n')
     monkeypatch.setattr(numpy, "__version__", "2.2.0")
-    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"purelib": str(launcher), "platlib": str(launcher)})
+    monkeypatch.setattr(
+        sysconfig, "get_paths", lambda: {"purelib": str(launcher), "platlib": str(launcher)}
+    )
     monkeypatch.setenv("TRITONLLM_CACHE", str(tmp_path))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels-here"))
-    with pytest.raises(RuntimeError, match=r"could not install numpy<2 into the serving environment"):
+    with pytest.raises(
+        RuntimeError, match=r"could not install numpy<2 into the serving environment"
+    ):
         environment.stub_environment(log=lambda *a, **k: None)
     made = tmp_path / f"serving-env-py{sys.version_info.major}.{sys.version_info.minor}"
     assert (made / "bin" / "python3").exists()
@@ -65,6 +74,7 @@ def test_the_backends_directory_is_per_python_version_under_the_cache(tmp_path, 
     """A 3.12 checkout must not overwrite the stub a running 3.11 server executes."""
     pytest.importorskip("pytriton")
     from ensemble.server import default_backends_dir, locate_tritonserver, prepare_backends
+
     monkeypatch.setenv("TRITONLLM_CACHE", str(tmp_path))
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     assert default_backends_dir() == tmp_path / f"backends-py{version}"

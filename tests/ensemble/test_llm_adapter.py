@@ -1,5 +1,6 @@
 """The LLM model's tensor conversions (no Triton needed): inputs -> engine requests, engine
 outputs -> response tensors whose detokenization windows rebuild the exact text."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +13,10 @@ from tests.adapters import load_adapter
 llm_inputs = load_adapter("tensorrt_llm", "llm_inputs")
 llm_outputs = load_adapter("tensorrt_llm", "llm_outputs")
 Defaults, convert_request, is_stop_request = (
-    llm_inputs.Defaults, llm_inputs.convert_request, llm_inputs.is_stop_request)
+    llm_inputs.Defaults,
+    llm_inputs.convert_request,
+    llm_inputs.is_stop_request,
+)
 RowStream, stack_rows = llm_outputs.RowStream, llm_outputs.stack_rows
 
 VOCAB = 1000
@@ -22,9 +26,18 @@ def _request(**inputs) -> dict[str, np.ndarray]:
     """One batch row; scalars as [1, 1] tensors like tritonclient sends them."""
     tensors = {"input_ids": np.array([[5, 6, 7]], dtype=np.int32)}
     for name, value in inputs.items():
-        tensors[name] = value if isinstance(value, np.ndarray) else np.array(
-            [[value]], dtype=np.bool_ if isinstance(value, bool)
-            else np.float32 if isinstance(value, float) else np.int32)
+        tensors[name] = (
+            value
+            if isinstance(value, np.ndarray)
+            else np.array(
+                [[value]],
+                dtype=np.bool_
+                if isinstance(value, bool)
+                else np.float32
+                if isinstance(value, float)
+                else np.int32,
+            )
+        )
     return tensors
 
 
@@ -35,7 +48,7 @@ def _sampling(**inputs):
 def test_greedy_unless_sampling_is_asked():
     assert _sampling().temperature == 0.0
     assert _sampling(runtime_top_k=1).temperature == 0.0
-    assert _sampling(runtime_top_p=0.0).temperature == 0.0          # <= 0 means unset
+    assert _sampling(runtime_top_p=0.0).temperature == 0.0  # <= 0 means unset
     assert _sampling(temperature=0.0, runtime_top_p=1.0).temperature == 0.0
     top_k = _sampling(runtime_top_k=40)
     assert (top_k.temperature, top_k.top_k) == (1.0, 40)
@@ -45,7 +58,9 @@ def test_greedy_unless_sampling_is_asked():
 
 
 def test_defaults_and_aliases():
-    row = convert_request(_request(), Defaults(max_tokens=7, exclude_input_in_output=True), VOCAB)[0]
+    row = convert_request(_request(), Defaults(max_tokens=7, exclude_input_in_output=True), VOCAB)[
+        0
+    ]
     assert row.sampling.max_tokens == 7 and row.exclude_input_in_output and not row.streaming
     assert _sampling(min_length=3).min_tokens == 3
     assert _sampling(min_tokens=4, min_length=3).min_tokens == 4
@@ -60,36 +75,42 @@ def test_word_lists_bias_and_trimming():
     stop = np.array([[[8, 9, 10], [2, 3, -1]]], dtype=np.int32)
     bias = np.zeros((1, 20), dtype=np.float32)
     bias[0, 4] = -2.5
-    row = convert_request(_request(stop_words_list=stop, embedding_bias=bias,
-                                   input_lengths=2), Defaults(), VOCAB)[0]
+    row = convert_request(
+        _request(stop_words_list=stop, embedding_bias=bias, input_lengths=2), Defaults(), VOCAB
+    )[0]
     assert row.sampling.stop_token_ids == [[8, 9], [10]]
     assert row.sampling.embedding_bias == {4: -2.5}
     assert row.prompt_ids == [5, 6]
 
 
 def test_batch_rows():
-    tensors = {"input_ids": np.array([[5, 6, 0], [7, 8, 9]], dtype=np.int32),
-               "input_lengths": np.array([[2], [3]], dtype=np.int32)}
+    tensors = {
+        "input_ids": np.array([[5, 6, 0], [7, 8, 9]], dtype=np.int32),
+        "input_lengths": np.array([[2], [3]], dtype=np.int32),
+    }
     rows = convert_request(tensors, Defaults(), VOCAB)
     assert [r.prompt_ids for r in rows] == [[5, 6], [7, 8, 9]]
     assert [r.batch_index for r in rows] == [0, 1]
 
 
-@pytest.mark.parametrize("inputs, message", [
-    (dict(beam_width=4), "beam_width must be 1"),
-    (dict(num_return_sequences=2), "num_return_sequences must be 1"),
-    (dict(runtime_top_p=1.5), "top_p (input runtime_top_p) must be in (0, 1], got 1.5"),
-    (dict(runtime_top_k=-1), "top_k (input runtime_top_k) must be >= 0"),
-    (dict(request_output_len=0), "max_tokens (input request_output_len) must be >= 1"),
-    (dict(temperature=-0.5), "temperature must be >= 0"),
-    (dict(temperature=float("nan")), "temperature must be finite"),
-    (dict(input_lengths=9), "input_lengths must be in [0, 3]"),
-    (dict(input_lengths=0), "input_ids must not be empty"),
-    (dict(end_id=5000), "end_id must be < vocab size"),
-    (dict(return_context_logits=True), "return_context_logits is not supported"),
-    (dict(embedding_bias=np.zeros((1, 2000), dtype=np.float32)), "at most vocab size"),
-    (dict(stop_words_list=np.array([[[1, 2], [2, 1]]], dtype=np.int32)), "stop_words_list"),
-])
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        (dict(beam_width=4), "beam_width must be 1"),
+        (dict(num_return_sequences=2), "num_return_sequences must be 1"),
+        (dict(runtime_top_p=1.5), "top_p (input runtime_top_p) must be in (0, 1], got 1.5"),
+        (dict(runtime_top_k=-1), "top_k (input runtime_top_k) must be >= 0"),
+        (dict(request_output_len=0), "max_tokens (input request_output_len) must be >= 1"),
+        (dict(temperature=-0.5), "temperature must be >= 0"),
+        (dict(temperature=float("nan")), "temperature must be finite"),
+        (dict(input_lengths=9), "input_lengths must be in [0, 3]"),
+        (dict(input_lengths=0), "input_ids must not be empty"),
+        (dict(end_id=5000), "end_id must be < vocab size"),
+        (dict(return_context_logits=True), "return_context_logits is not supported"),
+        (dict(embedding_bias=np.zeros((1, 2000), dtype=np.float32)), "at most vocab size"),
+        (dict(stop_words_list=np.array([[[1, 2], [2, 1]]], dtype=np.int32)), "stop_words_list"),
+    ],
+)
 def test_rejections_name_the_field(inputs, message):
     with pytest.raises(ValueError) as err:
         convert_request(_request(**inputs), Defaults(), VOCAB)
@@ -105,16 +126,25 @@ def test_stop_request():
 def _outputs(ids: list[int], steps: list[int]) -> list[RequestOutput]:
     outs, start = [], 0
     for i, n in enumerate(steps):
-        new = ids[start:start + n]
+        new = ids[start : start + n]
         start += n
-        outs.append(RequestOutput("r", new, [], start, finished=i == len(steps) - 1,
-                                  finish_reason=FinishReason.LENGTH if i == len(steps) - 1 else None))
+        outs.append(
+            RequestOutput(
+                "r",
+                new,
+                [],
+                start,
+                finished=i == len(steps) - 1,
+                finish_reason=FinishReason.LENGTH if i == len(steps) - 1 else None,
+            )
+        )
     return outs
 
 
 @pytest.mark.parametrize("echo", [False, True])
 def test_streamed_windows_rebuild_the_text(smollm2, echo):
     from postprocessing.detokenizer import text_delta
+
     tokenizer = smollm2
     prompt = tokenizer.encode("Say it:")
     generated = tokenizer.encode(" こんにちは 🌊 café déjà vu, 你好！", add_special_tokens=False)
@@ -130,8 +160,12 @@ def test_streamed_windows_rebuild_the_text(smollm2, echo):
                 t = stream.take(out)
                 ids += t["output_ids"][0].tolist()
                 assert t["detok_window_length"][0] == t["detok_window_ids"].shape[1]
-                text += text_delta(tokenizer, t["detok_window_ids"][0].tolist(),
-                                   int(t["detok_context_length"][0]), bool(t["detok_final"][0]))
+                text += text_delta(
+                    tokenizer,
+                    t["detok_window_ids"][0].tolist(),
+                    int(t["detok_context_length"][0]),
+                    bool(t["detok_final"][0]),
+                )
         return text, ids
 
     streamed, streamed_ids = run(True)
@@ -146,19 +180,34 @@ LLM_OUTPUTS = {t.name for t in TENSORRT_LLM.outputs}
 
 @pytest.mark.parametrize("log_probs, perf", [(False, False), (True, True)])
 def test_each_response_holds_every_output_asked_for(log_probs, perf):
-    stream = RowStream.start("r", 3, True, [5, 6], echo_prompt=False, log_probs=log_probs,
-                             perf_metrics=perf)
-    outs = [RequestOutput("r", [10 + i], [-0.5 * i] if log_probs else [], i + 1, i == 4,
-                          FinishReason.LENGTH if i == 4 else None, num_prompt_tokens=2,
-                          num_new_blocks=1 + i // 2, cum_logprob=-0.5 * i, arrival_time=100.0,
-                          first_scheduled_time=100.5, first_token_time=101.0,
-                          last_token_time=101.0 + i) for i in range(5)]
-    left_out = (set() if log_probs else {"cum_log_probs", "output_log_probs"}) \
-        | (set() if perf else {t.name for t in PERF_OUTPUTS})
+    stream = RowStream.start(
+        "r", 3, True, [5, 6], echo_prompt=False, log_probs=log_probs, perf_metrics=perf
+    )
+    outs = [
+        RequestOutput(
+            "r",
+            [10 + i],
+            [-0.5 * i] if log_probs else [],
+            i + 1,
+            i == 4,
+            FinishReason.LENGTH if i == 4 else None,
+            num_prompt_tokens=2,
+            num_new_blocks=1 + i // 2,
+            cum_logprob=-0.5 * i,
+            arrival_time=100.0,
+            first_scheduled_time=100.5,
+            first_token_time=101.0,
+            last_token_time=101.0 + i,
+        )
+        for i in range(5)
+    ]
+    left_out = (set() if log_probs else {"cum_log_probs", "output_log_probs"}) | (
+        set() if perf else {t.name for t in PERF_OUTPUTS}
+    )
     for out in outs:
         stream.add(out)
         tensors = stream.take(out)
-        assert set(tensors) == LLM_OUTPUTS - left_out        # as TensorRT-LLM: only when asked
+        assert set(tensors) == LLM_OUTPUTS - left_out  # as TensorRT-LLM: only when asked
     assert tensors["batch_index"].tolist() == [3] and tensors["llm_request_id"].tolist() == [b"r"]
     if perf:
         assert tensors["arrival_time_ns"].tolist() == [100_000_000_000]
@@ -172,8 +221,16 @@ def test_rows_stacked_with_an_output_only_some_rows_asked_for():
     rows = []
     for i, perf in enumerate((False, True)):
         stream = RowStream.start(f"r{i}", i, False, [5], echo_prompt=False, perf_metrics=perf)
-        out = RequestOutput(f"r{i}", [7, 8][: i + 1], [], i + 1, True, FinishReason.LENGTH,
-                            num_prompt_tokens=1, num_new_blocks=2)
+        out = RequestOutput(
+            f"r{i}",
+            [7, 8][: i + 1],
+            [],
+            i + 1,
+            True,
+            FinishReason.LENGTH,
+            num_prompt_tokens=1,
+            num_new_blocks=2,
+        )
         stream.add(out)
         rows.append(stream.take(out))
     stacked = stack_rows(rows)
@@ -211,7 +268,7 @@ def test_rows_of_a_request_stack_into_one_batch():
         rows.append(stream.take(out))
     batch = stack_rows(rows)
     assert set(batch) == set(rows[0])
-    assert batch["output_ids"].tolist() == [[[7, 8, 9]], [[4, 0, 0]]]       # [batch, beam, n]
+    assert batch["output_ids"].tolist() == [[[7, 8, 9]], [[4, 0, 0]]]  # [batch, beam, n]
     assert batch["sequence_length"].tolist() == [[3], [1]]
     assert batch["batch_index"].tolist() == [[0], [1]]
     assert batch["finish_reason"].tolist() == [[b"end_id"], [b"end_id"]]

@@ -1,4 +1,5 @@
 """`python -m ensemble.perf_analyzer` (the README points to its --help) answers as a CLI should."""
+
 from __future__ import annotations
 
 import subprocess
@@ -8,8 +9,12 @@ import pytest
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ensemble.perf_analyzer", *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "ensemble.perf_analyzer", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])

@@ -1,4 +1,6 @@
-"""Rendering: real values, the checked-in repository is what the defaults render, build copies code."""
+"""Rendering: real values, the checked-in repository is what the defaults render, build copies
+code."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,16 +21,28 @@ def test_no_placeholders_and_every_engine_parameter_rendered():
     for text in configs.values():
         assert "${" not in text
     llm = rendered_parameters(configs["tensorrt_llm"])
-    for name in ENGINE_FIELDS + ("exclude_input_in_output", "default_max_tokens",
-                                 "cancellation_check_period_ms", "stats_check_period_ms"):
+    for name in ENGINE_FIELDS + (
+        "exclude_input_in_output",
+        "default_max_tokens",
+        "cancellation_check_period_ms",
+        "stats_check_period_ms",
+    ):
         assert name in llm, name
 
 
 def test_settings_reach_the_configs():
-    s = ServeSettings(model_path="/models/llama", max_batch_size=8, max_seq_len=512,
-                      max_tokens_in_paged_kv_cache=4096, enable_kv_cache_reuse=False,
-                      batch_scheduler_policy="max_utilization", triton_max_batch_size=16,
-                      preprocessing_instance_count=3, bls_instance_count=2, default_max_tokens=7)
+    s = ServeSettings(
+        model_path="/models/llama",
+        max_batch_size=8,
+        max_seq_len=512,
+        max_tokens_in_paged_kv_cache=4096,
+        enable_kv_cache_reuse=False,
+        batch_scheduler_policy="max_utilization",
+        triton_max_batch_size=16,
+        preprocessing_instance_count=3,
+        bls_instance_count=2,
+        default_max_tokens=7,
+    )
     configs = render_configs(s)
     llm = rendered_parameters(configs["tensorrt_llm"])
     assert llm["model_path"] == "/models/llama"
@@ -46,16 +60,20 @@ def test_settings_reach_the_configs():
     assert "decoupled: true" in configs["tensorrt_llm"]
     assert "decoupled: true" in configs["tensorrt_llm_bls"]
     # streamed pieces stay in order: one instance unbatched, or batched with preserve_ordering
-    assert "dynamic_batching" not in configs["postprocessing"] and "count: 1" in configs["postprocessing"]
-    batched = render_configs(ServeSettings(postprocessing_batching=True,
-                                           postprocessing_instance_count=4))["postprocessing"]
+    assert (
+        "dynamic_batching" not in configs["postprocessing"]
+        and "count: 1" in configs["postprocessing"]
+    )
+    batched = render_configs(
+        ServeSettings(postprocessing_batching=True, postprocessing_instance_count=4)
+    )["postprocessing"]
     assert "preserve_ordering: true" in batched and "allow_ragged_batch: true" in batched
     assert "count: 4" in batched
 
 
 def test_decoupled_mode_and_chat_template_settings():
     default = render_configs(ServeSettings())
-    assert "model_transaction_policy" not in default["ensemble"]   # Triton infers it
+    assert "model_transaction_policy" not in default["ensemble"]  # Triton infers it
     assert rendered_parameters(default["preprocessing"])["apply_chat_template"] == "false"
     plain = render_configs(ServeSettings(decoupled_mode=False, apply_chat_template=True))
     for name in ("tensorrt_llm", "tensorrt_llm_bls"):
@@ -68,8 +86,13 @@ def test_decoupled_mode_and_chat_template_settings():
 
 
 def test_rendered_parameters_read_back_as_engine_config():
-    s = ServeSettings(max_batch_size=8, max_seq_len=512, kv_cache_free_gpu_mem_fraction=0.5,
-                      enable_chunked_context=False, device="cpu")
+    s = ServeSettings(
+        max_batch_size=8,
+        max_seq_len=512,
+        kv_cache_free_gpu_mem_fraction=0.5,
+        enable_chunked_context=False,
+        device="cpu",
+    )
     text = render_configs(s)["tensorrt_llm"]
     params = {k: v for k, v in rendered_parameters(text).items()}
     kwargs = engine_kwargs(params)
@@ -78,6 +101,7 @@ def test_rendered_parameters_read_back_as_engine_config():
     assert kwargs["enable_chunked_context"] is False and kwargs["device"] == "cpu"
     assert "tokens_per_block" not in kwargs and "tokenizer_dir" not in kwargs
     from backend.config import EngineConfig
+
     EngineConfig(**kwargs).validate()
 
 
@@ -108,8 +132,9 @@ def test_build_writes_configs_and_copies_model_code(tmp_path):
     for name in MODEL_NAMES:
         assert (out / name / "config.pbtxt").exists()
         assert (out / name / "1").is_dir()
-    assert (out / "tensorrt_llm" / "1" / "model.py").read_text() == \
-        (SOURCE_REPOSITORY / "tensorrt_llm" / "1" / "model.py").read_text()
+    assert (out / "tensorrt_llm" / "1" / "model.py").read_text() == (
+        SOURCE_REPOSITORY / "tensorrt_llm" / "1" / "model.py"
+    ).read_text()
     assert 'string_value: "4"' in (out / "tensorrt_llm" / "config.pbtxt").read_text()
     assert not list(out.rglob("__pycache__"))
     # building again over an existing repository replaces it cleanly
@@ -119,8 +144,23 @@ def test_build_writes_configs_and_copies_model_code(tmp_path):
 
 def test_cli_build_and_check(tmp_path, capsys):
     from ensemble.__main__ import main
-    assert main(["build", "--out", str(tmp_path / "r"), "--max-batch-size", "3",
-                 "--enable-kv-cache-reuse", "false", "--max-seq-len", "256"]) == 0
+
+    assert (
+        main(
+            [
+                "build",
+                "--out",
+                str(tmp_path / "r"),
+                "--max-batch-size",
+                "3",
+                "--enable-kv-cache-reuse",
+                "false",
+                "--max-seq-len",
+                "256",
+            ]
+        )
+        == 0
+    )
     text = (tmp_path / "r" / "tensorrt_llm" / "config.pbtxt").read_text()
     assert rendered_parameters(text)["max_batch_size"] == "3"
     assert rendered_parameters(text)["enable_kv_cache_reuse"] == "false"

@@ -1,6 +1,7 @@
 """ServeSettings are EngineConfig's fields plus the repository's: every engine knob is served with
 the engine's default, rendered as a tensorrt_llm parameter and read back unchanged; both are
 checked when made and frozen, and a bad value is refused naming the field and the rule."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,7 @@ def test_every_engine_field_is_a_setting_with_the_engines_default():
         assert name in served, name
         assert served[name].default == f.default, name
         assert served[name].type == f.type, name
-    assert "overlap_scheduling" in ENGINE_FIELDS      # once missing from the hand-written list
+    assert "overlap_scheduling" in ENGINE_FIELDS  # once missing from the hand-written list
 
 
 def test_every_engine_field_is_rendered_and_read_back():
@@ -50,7 +51,9 @@ def test_every_engine_field_is_rendered_and_read_back():
     settings = ServeSettings(**values)
     params = rendered_parameters(render_configs(settings)["tensorrt_llm"])
     assert set(ENGINE_FIELDS) <= set(params)
-    assert EngineConfig(**engine_kwargs(params)) == settings.engine_config() == EngineConfig(**values)
+    assert (
+        EngineConfig(**engine_kwargs(params)) == settings.engine_config() == EngineConfig(**values)
+    )
     defaults = rendered_parameters(render_configs(ServeSettings())["tensorrt_llm"])
     assert EngineConfig(**engine_kwargs(defaults)) == EngineConfig()
 
@@ -69,8 +72,14 @@ def test_every_setting_is_a_command_line_option():
 
 def test_unset_parameters_read_as_the_settings_defaults():
     defaults = ServeSettings()
-    for name in ("default_max_tokens", "exclude_input_in_output", "apply_chat_template",
-                 "skip_special_tokens", "cancellation_check_period_ms", "model_path"):
+    for name in (
+        "default_max_tokens",
+        "exclude_input_in_output",
+        "apply_chat_template",
+        "skip_special_tokens",
+        "cancellation_check_period_ms",
+        "model_path",
+    ):
         assert get_setting({}, name) == getattr(defaults, name)
         assert get_setting({name: "auto"}, name) == getattr(defaults, name)
     assert get_setting({"default_max_tokens": "7"}, "default_max_tokens") == 7
@@ -79,31 +88,41 @@ def test_unset_parameters_read_as_the_settings_defaults():
 
 
 @pytest.mark.parametrize("cls", [EngineConfig, ServeSettings])
-@pytest.mark.parametrize("name, value, message", [
-    ("max_batch_size", 0, "max_batch_size must be >= 1, got 0"),
-    ("max_batch_size", "8", "max_batch_size must be an integer, got '8'"),
-    ("max_seq_len", 1.5, "max_seq_len must be an integer, got 1.5"),
-    ("max_queue_size", -1, "max_queue_size must be >= 0, got -1"),
-    ("enable_kv_cache_reuse", "yes", "enable_kv_cache_reuse must be true or false, got 'yes'"),
-    ("overlap_scheduling", 1, "overlap_scheduling must be true or false, got 1"),
-    ("cuda_graphs", None, "cuda_graphs must be true or false, got None"),
-    ("device", "", "device must be a non-empty string, got ''"),
-    ("kv_cache_free_gpu_mem_fraction", 0.0, r"kv_cache_free_gpu_mem_fraction must be in \(0, 1\]"),
-    ("kv_cache_free_gpu_mem_fraction", True, "kv_cache_free_gpu_mem_fraction must be a number"),
-    ("batch_scheduler_policy", "fifo", "batch_scheduler_policy must be one of"),
-    ("attention_backend", "flash", "attention_backend must be one of"),
-])
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("max_batch_size", 0, "max_batch_size must be >= 1, got 0"),
+        ("max_batch_size", "8", "max_batch_size must be an integer, got '8'"),
+        ("max_seq_len", 1.5, "max_seq_len must be an integer, got 1.5"),
+        ("max_queue_size", -1, "max_queue_size must be >= 0, got -1"),
+        ("enable_kv_cache_reuse", "yes", "enable_kv_cache_reuse must be true or false, got 'yes'"),
+        ("overlap_scheduling", 1, "overlap_scheduling must be true or false, got 1"),
+        ("cuda_graphs", None, "cuda_graphs must be true or false, got None"),
+        ("device", "", "device must be a non-empty string, got ''"),
+        (
+            "kv_cache_free_gpu_mem_fraction",
+            0.0,
+            r"kv_cache_free_gpu_mem_fraction must be in \(0, 1\]",
+        ),
+        ("kv_cache_free_gpu_mem_fraction", True, "kv_cache_free_gpu_mem_fraction must be a number"),
+        ("batch_scheduler_policy", "fifo", "batch_scheduler_policy must be one of"),
+        ("attention_backend", "flash", "attention_backend must be one of"),
+    ],
+)
 def test_a_bad_engine_value_is_refused_naming_the_field(cls, name, value, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         cls(**{name: value})
 
 
-@pytest.mark.parametrize("name, value, message", [
-    ("default_max_tokens", 0, "default_max_tokens must be >= 1, got 0"),
-    ("decoupled_mode", "false", "decoupled_mode must be true or false, got 'false'"),
-    ("http_port", 70000, "http_port must be <= 65535, got 70000"),
-    ("max_queue_delay_microseconds", -5, "max_queue_delay_microseconds must be >= 0, got -5"),
-])
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("default_max_tokens", 0, "default_max_tokens must be >= 1, got 0"),
+        ("decoupled_mode", "false", "decoupled_mode must be true or false, got 'false'"),
+        ("http_port", 70000, "http_port must be <= 65535, got 70000"),
+        ("max_queue_delay_microseconds", -5, "max_queue_delay_microseconds must be >= 0, got -5"),
+    ],
+)
 def test_a_bad_repository_value_is_refused_naming_the_field(name, value, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         ServeSettings(**{name: value})

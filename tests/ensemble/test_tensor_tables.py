@@ -1,5 +1,6 @@
 """The README's tensor tables list exactly the tensors ensemble/tensors.py defines (the configs'
 source), with their types and shapes."""
+
 from __future__ import annotations
 
 import re
@@ -17,7 +18,7 @@ FIX = "run: python -m ensemble.tensor_tables --write README.md"
 def readme_tables() -> dict[str, list[tuple[str, str, str]]]:
     """Title -> (name, type, shape) rows, read from the README's block."""
     text = README.read_text()
-    block = text[text.index(BEGIN):text.index(END)]
+    block = text[text.index(BEGIN) : text.index(END)]
     tables = {}
     for title, body in re.findall(r"\*\*(.+?)\*\*\n\n((?:\|.*\n)+)", block):
         rows = [line.split("|")[1:4] for line in body.splitlines()[2:]]
@@ -38,8 +39,12 @@ def test_readme_lists_exactly_the_defined_tensors():
 
 
 def test_the_tables_cover_the_models_the_clients_call():
-    assert [tensors for _, tensors in TABLES] == [ENSEMBLE.inputs, ENSEMBLE.outputs,
-                                                  TENSORRT_LLM.inputs, TENSORRT_LLM.outputs]
+    assert [tensors for _, tensors in TABLES] == [
+        ENSEMBLE.inputs,
+        ENSEMBLE.outputs,
+        TENSORRT_LLM.inputs,
+        TENSORRT_LLM.outputs,
+    ]
 
 
 def test_every_meaning_belongs_to_a_tensor():
@@ -50,6 +55,9 @@ def test_every_meaning_belongs_to_a_tensor():
 def test_write_replaces_only_the_block(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"# Title\n\nbefore\n\n{BEGIN}\n\n| old | table |\n\n{END}\n\nafter\n")
-    subprocess.run([sys.executable, "-m", "ensemble.tensor_tables", "--write", str(readme)],
-                   check=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "ensemble.tensor_tables", "--write", str(readme)],
+        check=True,
+        timeout=60,
+    )
     assert readme.read_text() == f"# Title\n\nbefore\n\n{render()}\n\nafter\n"

@@ -1,4 +1,5 @@
 """Wiring checks: the shipped ensemble is sound, and each kind of mistake is reported."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -16,19 +17,48 @@ def test_shipped_ensemble_is_sound():
 def test_ensemble_declares_the_tensorrtllm_backend_interface():
     inputs = {t.name: t for t in ENSEMBLE.inputs}
     assert inputs["text_input"].dtype == "STRING"  # required: preprocessing rejects its absence
-    assert inputs["max_tokens"].optional          # optional here, with a configured default
-    for name in ("stream", "end_id", "pad_id", "top_k", "top_p", "temperature", "min_length",
-                 "min_tokens", "seed", "random_seed", "bad_words", "stop_words",
-                 "exclude_input_in_output", "return_log_probs", "beam_width",
-                 "num_return_sequences", "embedding_bias_words", "embedding_bias_weights",
-                 "return_perf_metrics", "length_penalty", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty"):
+    assert inputs["max_tokens"].optional  # optional here, with a configured default
+    for name in (
+        "stream",
+        "end_id",
+        "pad_id",
+        "top_k",
+        "top_p",
+        "temperature",
+        "min_length",
+        "min_tokens",
+        "seed",
+        "random_seed",
+        "bad_words",
+        "stop_words",
+        "exclude_input_in_output",
+        "return_log_probs",
+        "beam_width",
+        "num_return_sequences",
+        "embedding_bias_words",
+        "embedding_bias_weights",
+        "return_perf_metrics",
+        "length_penalty",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
         assert inputs[name].optional, name
     outputs = {t.name for t in ENSEMBLE.outputs}
-    assert {"text_output", "cum_log_probs", "output_log_probs", "batch_index", "sequence_index",
-            "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
-            "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
-            "last_token_time_ns"} <= outputs
+    assert {
+        "text_output",
+        "cum_log_probs",
+        "output_log_probs",
+        "batch_index",
+        "sequence_index",
+        "kv_cache_alloc_new_blocks",
+        "kv_cache_reused_blocks",
+        "kv_cache_alloc_total_blocks",
+        "arrival_time_ns",
+        "first_scheduled_time_ns",
+        "first_token_time_ns",
+        "last_token_time_ns",
+    } <= outputs
 
 
 def _with_step(index: int, step: Step) -> ModelIO:
@@ -62,7 +92,9 @@ def test_missing_required_input_and_unknown_names():
 
 
 def test_output_not_produced():
-    extra = replace(ENSEMBLE, outputs=ENSEMBLE.outputs + (Tensor("context_logits", "FP32", (-1, -1)),))
+    extra = replace(
+        ENSEMBLE, outputs=ENSEMBLE.outputs + (Tensor("context_logits", "FP32", (-1, -1)),)
+    )
     with pytest.raises(WiringError, match="ensemble output 'context_logits' is not produced"):
         check_wiring(extra, MODELS)
 
@@ -76,7 +108,8 @@ def test_step_after_decoupled_model_reading_the_request():
 
 def test_shape_mismatch():
     post = ENSEMBLE.steps[2]
-    broken = _with_step(2, replace(post, inputs={**post.inputs,
-                                                 "TOKENS_BATCH": "_DETOK_WINDOW_LENGTH"}))
+    broken = _with_step(
+        2, replace(post, inputs={**post.inputs, "TOKENS_BATCH": "_DETOK_WINDOW_LENGTH"})
+    )
     with pytest.raises(WiringError, match="shape"):
         check_wiring(broken, MODELS)

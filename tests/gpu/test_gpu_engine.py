@@ -1,6 +1,7 @@
 """On a CUDA GPU (skipped elsewhere): the engine with Triton kernels, fused norms/rotary and decode
 CUDA graphs equals transformers token for token in fp32, on a random-weight model and on the
 default model; in bf16 its log-probs stay within 2e-2 of transformers' fp32 log-probs."""
+
 from __future__ import annotations
 
 import gc
@@ -16,7 +17,10 @@ from backend.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import TINY, make_tiny_model, random_prompts
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -28,9 +32,17 @@ def release_gpu_memory():
     gc.collect()
     torch.cuda.empty_cache()
 
-PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
-           "List three colours:", "Once upon a time, in a small village,", "Explain gravity to a child.",
-           "The quick brown fox", "What is 12 times 12?"]
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three colours:",
+    "Once upon a time, in a small village,",
+    "Explain gravity to a child.",
+    "The quick brown fox",
+    "What is 12 times 12?",
+]
 
 
 def serve(model_dir, prompts, params, **config):
@@ -53,23 +65,45 @@ def test_one_token_path_is_as_close_to_fp32_as_the_general_path(tmp_path, monkey
     from backend.models.llama import LlamaModel
     from tests.tiny_models import save_tiny_hf_model
 
-    save_tiny_hf_model(tmp_path, "qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=1000)
+    save_tiny_hf_model(
+        tmp_path,
+        "qwen2",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+    )
     prompt = random_prompts(1, 1000, seed=2, low=40, high=60)[0]
     blocks = list(range(8))
 
     def decode_logits(dtype: str, one_token: bool) -> torch.Tensor:
         # The general path runs eagerly: a decode graph is captured with the one-token layers.
-        runner = ModelRunner(EngineConfig(model_path=str(tmp_path), device="cuda", dtype=dtype,
-                                          max_batch_size=4, max_seq_len=128, tokens_per_block=16,
-                                          max_tokens_in_paged_kv_cache=4 * 128, cuda_graphs=one_token))
+        runner = ModelRunner(
+            EngineConfig(
+                model_path=str(tmp_path),
+                device="cuda",
+                dtype=dtype,
+                max_batch_size=4,
+                max_seq_len=128,
+                tokens_per_block=16,
+                max_tokens_in_paged_kv_cache=4 * 128,
+                cuda_graphs=one_token,
+            )
+        )
         with monkeypatch.context() as patch:
             if not one_token:
                 patch.setattr(LlamaModel, "takes_one_token_path", lambda self, hidden: False)
             runner.execute([Chunk.of_sequence(prompt, blocks)])
             hidden = torch.zeros(1, 256, dtype=runner.dtype, device="cuda")
-            assert runner.model.model.takes_one_token_path(hidden) == (one_token and dtype == "bfloat16")
-            logits = runner.execute([Chunk.of_sequence(prompt + [7], blocks, len(prompt))]).logits.float().clone()
+            assert runner.model.model.takes_one_token_path(hidden) == (
+                one_token and dtype == "bfloat16"
+            )
+            logits = (
+                runner.execute([Chunk.of_sequence(prompt + [7], blocks, len(prompt))])
+                .logits.float()
+                .clone()
+            )
         del runner
         torch.cuda.empty_cache()
         return logits
@@ -80,24 +114,37 @@ def test_one_token_path_is_as_close_to_fp32_as_the_general_path(tmp_path, monkey
 
     def error(x):
         return float((x - reference).norm() / reference.norm())
-    print(f"relative error vs fp32: one-token path {error(fused):.4g}, general path {error(general):.4g}")
+
+    print(
+        f"relative error vs fp32: one-token path {error(fused):.4g}, "
+        f"general path {error(general):.4g}"
+    )
     assert error(fused) < 1.5 * error(general) + 1e-3
 
 
 def test_decode_graphs_give_the_eager_steps_tokens_in_bf16(tmp_path):
     """Batch-1 bf16 decode steps replayed from CUDA graphs (inputs read from pinned memory by the
-    graph's first kernel, in-flight input ids filled on the device, ids written back to pinned memory,
-    the one-token kernels with programmatic dependent launch) give the same greedy tokens as the
-    same kernels launched eagerly, step by step, where the inputs arrive by copies. A kernel
+    graph's first kernel, in-flight input ids filled on the device, ids written back to pinned
+    memory, the one-token kernels with programmatic dependent launch) give the same greedy tokens
+    as the same kernels launched eagerly, step by step, where the inputs arrive by copies. A kernel
     that read a step input before the graph's first kernel wrote it would diverge here."""
     from tests.tiny_models import save_tiny_hf_model
 
-    save_tiny_hf_model(tmp_path, "qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=1000)
+    save_tiny_hf_model(
+        tmp_path,
+        "qwen2",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+    )
     prompts = random_prompts(6, 1000, seed=3, low=5, high=200)
     params = SamplingParams(max_tokens=64, ignore_end_id=True)
-    runs = [serve(tmp_path, prompts, params, dtype="bfloat16", max_batch_size=1, cuda_graphs=graphs)
-            for graphs in (True, False)]
+    runs = [
+        serve(tmp_path, prompts, params, dtype="bfloat16", max_batch_size=1, cuda_graphs=graphs)
+        for graphs in (True, False)
+    ]
     assert [r["token_ids"] for r in runs[0]] == [r["token_ids"] for r in runs[1]]
 
 
@@ -110,12 +157,27 @@ def test_decode_graph_launches_never_read_step_inputs_before_they_are_written(tm
     from backend.model_runner import ModelRunner
     from tests.tiny_models import save_tiny_hf_model
 
-    save_tiny_hf_model(tmp_path, "qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=1000)
+    save_tiny_hf_model(
+        tmp_path,
+        "qwen2",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+    )
     with recorded_launches() as launches:
-        runner = ModelRunner(EngineConfig(model_path=str(tmp_path), device="cuda", dtype="bfloat16",
-                                          max_batch_size=4, max_seq_len=128, tokens_per_block=16,
-                                          max_tokens_in_paged_kv_cache=4 * 128))
+        runner = ModelRunner(
+            EngineConfig(
+                model_path=str(tmp_path),
+                device="cuda",
+                dtype="bfloat16",
+                max_batch_size=4,
+                max_seq_len=128,
+                tokens_per_block=16,
+                max_tokens_in_paged_kv_cache=4 * 128,
+            )
+        )
     names = {launch.kernel for launch in launches}
     assert {"load_step_inputs", "embedding", "qkv_rope_gemv", "decode_attention", "gemv"} <= names
     check_step_input_reads(launches)
@@ -128,14 +190,28 @@ def test_min_tokens_end_ban_in_the_graphs_argmax_gives_the_eager_tokens(tmp_path
     end id before min_tokens."""
     from tests.tiny_models import save_tiny_hf_model
 
-    save_tiny_hf_model(tmp_path, "qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=1000)
+    save_tiny_hf_model(
+        tmp_path,
+        "qwen2",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+    )
     prompts = random_prompts(6, 1000, seed=4, low=5, high=200)
-    free = serve(tmp_path, prompts, SamplingParams(max_tokens=8, ignore_end_id=True), dtype="bfloat16",
-                 max_batch_size=1)
+    free = serve(
+        tmp_path,
+        prompts,
+        SamplingParams(max_tokens=8, ignore_end_id=True),
+        dtype="bfloat16",
+        max_batch_size=1,
+    )
     params = [SamplingParams(max_tokens=24, min_tokens=16, end_id=r["token_ids"][2]) for r in free]
-    runs = [serve(tmp_path, prompts, params, dtype="bfloat16", max_batch_size=1, cuda_graphs=graphs)
-            for graphs in (True, False)]
+    runs = [
+        serve(tmp_path, prompts, params, dtype="bfloat16", max_batch_size=1, cuda_graphs=graphs)
+        for graphs in (True, False)
+    ]
     assert [r["token_ids"] for r in runs[0]] == [r["token_ids"] for r in runs[1]]
     for p, r in zip(params, runs[0]):
         assert p.end_id not in r["token_ids"][:16] and len(r["token_ids"]) >= 16
@@ -145,8 +221,15 @@ def test_min_tokens_end_ban_in_the_graphs_argmax_gives_the_eager_tokens(tmp_path
 def test_random_weight_model_fp32_matches_transformers(kind, tmp_path):
     hf = make_tiny_model(kind, tmp_path).cuda()
     prompts = random_prompts(16, TINY["vocab_size"], seed=1, low=1, high=150)
-    results = serve(tmp_path, prompts, SamplingParams(max_tokens=24, ignore_end_id=True), dtype="float32",
-                    max_batch_size=16, max_num_tokens=128, tokens_per_block=16)
+    results = serve(
+        tmp_path,
+        prompts,
+        SamplingParams(max_tokens=24, ignore_end_id=True),
+        dtype="float32",
+        max_batch_size=16,
+        max_num_tokens=128,
+        tokens_per_block=16,
+    )
     for prompt, result in zip(prompts, results):
         expected, _ = hf_greedy(hf, prompt, 24)
         assert result["token_ids"] == expected
@@ -174,17 +257,28 @@ def assert_same_greedy(model, prompt, ours, expected, tie=1e-4):
     not compared past it."""
     if ours == expected:
         return
-    i = next((i for i, (a, b) in enumerate(zip(ours, expected)) if a != b), min(len(ours), len(expected)))
-    logits = model(input_ids=torch.tensor([prompt + expected[:i]], device="cuda")).logits[0, -1].float()
+    i = next(
+        (i for i, (a, b) in enumerate(zip(ours, expected)) if a != b), min(len(ours), len(expected))
+    )
+    logits = (
+        model(input_ids=torch.tensor([prompt + expected[:i]], device="cuda")).logits[0, -1].float()
+    )
     top2 = torch.topk(logits, 2).values
     gap = float(top2[0] - top2[1])
-    print(f"first difference at token {i}: ours {ours[i:i + 1]} vs {expected[i:i + 1]}, top-2 logit gap {gap:.3g}")
-    assert i < min(len(ours), len(expected)) and gap < tie, "greedy outputs differ where there is no tie"
+    print(
+        f"first difference at token {i}: ours {ours[i : i + 1]} vs {expected[i : i + 1]}, "
+        f"top-2 logit gap {gap:.3g}"
+    )
+    assert i < min(len(ours), len(expected)) and gap < tie, (
+        "greedy outputs differ where there is no tie"
+    )
 
 
 def test_default_model_fp32_matches_transformers(smollm):
     model_dir, tokenizer, model, prompts = smollm
-    results = serve(model_dir, prompts, SamplingParams(max_tokens=32), dtype="float32", max_batch_size=8)
+    results = serve(
+        model_dir, prompts, SamplingParams(max_tokens=32), dtype="float32", max_batch_size=8
+    )
     for prompt, result in zip(prompts, results):
         expected, _ = hf_greedy(model, prompt, 32, eos_ids(model))
         assert_same_greedy(model, prompt, result["token_ids"], expected)
@@ -196,8 +290,13 @@ def test_default_model_bf16_logprobs_close_to_transformers(smollm):
     are as close as transformers' own bf16 log-probs are. (A fixed bound of 2e-2 on the max is met
     by neither: on the H200, transformers bf16 vs fp32 differs by up to 0.14, mean 0.027.)"""
     model_dir, _, model, prompts = smollm
-    results = serve(model_dir, prompts, SamplingParams(max_tokens=32, return_log_probs=True), dtype="bfloat16",
-                    max_batch_size=8)
+    results = serve(
+        model_dir,
+        prompts,
+        SamplingParams(max_tokens=32, return_log_probs=True),
+        dtype="bfloat16",
+        max_batch_size=8,
+    )
     model_bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     ours, theirs, between = [], [], []
     for prompt, result in zip(prompts, results):
@@ -207,11 +306,18 @@ def test_default_model_bf16_logprobs_close_to_transformers(smollm):
         bf16 = torch.log_softmax(model_bf16(input_ids=ids).logits[0].float(), dim=-1)
         reference = [float(fp32[n - 1 + i, t]) for i, t in enumerate(tokens)]
         ours += [abs(a - b) for a, b in zip(result["logprobs"], reference)]
-        theirs += [abs(float(bf16[n - 1 + i, t]) - b) for i, (t, b) in enumerate(zip(tokens, reference))]
-        between += [abs(float(bf16[n - 1 + i, t]) - a) for i, (t, a) in enumerate(zip(tokens, result["logprobs"]))]
+        theirs += [
+            abs(float(bf16[n - 1 + i, t]) - b) for i, (t, b) in enumerate(zip(tokens, reference))
+        ]
+        between += [
+            abs(float(bf16[n - 1 + i, t]) - a)
+            for i, (t, a) in enumerate(zip(tokens, result["logprobs"]))
+        ]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    print(f"|log-prob - fp32 transformers|: engine bf16 max {max(ours):.4g} mean {mean(ours):.4g}; "
-          f"transformers bf16 max {max(theirs):.4g} mean {mean(theirs):.4g}; "
-          f"|engine bf16 - transformers bf16| max {max(between):.4g} mean {mean(between):.4g}")
+    print(
+        f"|log-prob - fp32 transformers|: engine bf16 max {max(ours):.4g} mean {mean(ours):.4g}; "
+        f"transformers bf16 max {max(theirs):.4g} mean {mean(theirs):.4g}; "
+        f"|engine bf16 - transformers bf16| max {max(between):.4g} mean {mean(between):.4g}"
+    )
     assert mean(ours) <= 1.25 * mean(theirs) + 1e-3
     assert max(ours) <= 2 * max(theirs) + 1e-3

@@ -72,9 +72,11 @@ def special_ids(tokenizer):
 
 
 def text_ids(tokenizer):
-    return st.text(alphabet=ALPHABET, min_size=1, max_size=30).map(
-        lambda text: tokenizer.encode(text, add_special_tokens=False)
-    ).filter(len)
+    return (
+        st.text(alphabet=ALPHABET, min_size=1, max_size=30)
+        .map(lambda text: tokenizer.encode(text, add_special_tokens=False))
+        .filter(len)
+    )
 
 
 # ---------------------------------------------------------------- examples
@@ -132,9 +134,13 @@ def test_three_skipped_special_tokens_inside_the_last_character_of_a_response(se
     used to push the character's lead byte out of the tail that was searched)."""
     text = "a.aaaa🎉🎉🎉"
     ids = sentencepiece.encode(text, add_special_tokens=False)
-    after_lead = len(ids) - 3                    # the last emoji's bytes are the last 4 tokens
+    after_lead = len(ids) - 3  # the last emoji's bytes are the last 4 tokens
     ids[after_lead:after_lead] = [special_ids(sentencepiece)[0]] * 3
-    for cuts in ([1, len(ids) - 1, len(ids)], [len(ids) - 2, len(ids)], list(range(1, len(ids) + 1))):
+    for cuts in (
+        [1, len(ids) - 1, len(ids)],
+        [len(ids) - 2, len(ids)],
+        list(range(1, len(ids) + 1)),
+    ):
         deltas = stream(sentencepiece, ids, cuts)
         assert "".join(deltas) == text, cuts
         assert all("\ufffd" not in delta for delta in deltas), cuts
@@ -250,9 +256,7 @@ class OpaqueTokenizer:
 
 @PROPERTY
 @given(data=st.data())
-def test_unknown_token_bytes_fall_back_to_replacement_characters(
-    smollm2, smollm2_random_ids, data
-):
+def test_unknown_token_bytes_fall_back_to_replacement_characters(smollm2, smollm2_random_ids, data):
     opaque = OpaqueTokenizer(smollm2)
     ids, cuts = data.draw(streamed(st.one_of(smollm2_random_ids, text_ids(smollm2))))
     assume(within_contract(smollm2, ids, cuts))
@@ -274,4 +278,6 @@ def test_special_tokens_inside_a_split_character_at_the_window_start(smollm2):
     opaque = OpaqueTokenizer(smollm2)
     ids = [179, 112, 112, 0, 0, 0, 112, 112, 112]
     for tokenizer in (smollm2, opaque):
-        assert "".join(stream(tokenizer, ids, [9, 9])) == smollm2.decode(ids, skip_special_tokens=True)
+        assert "".join(stream(tokenizer, ids, [9, 9])) == smollm2.decode(
+            ids, skip_special_tokens=True
+        )

@@ -1,5 +1,6 @@
 """text_input -> prompt ids: plain, or in the model's chat template (the template read from the
 GGUF metadata or tokenizer_config.json, rendered as transformers renders it)."""
+
 from __future__ import annotations
 
 import json
@@ -30,10 +31,12 @@ INST_TEMPLATE = (
 )
 CONVERSATIONS = (
     [{"role": "user", "content": QUESTION}],
-    [{"role": "system", "content": "Answer in one word."},
-     {"role": "user", "content": "Capital of Italy?"},
-     {"role": "assistant", "content": "Rome."},
-     {"role": "user", "content": "And of Spain? é 🎉"}],
+    [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "Capital of Italy?"},
+        {"role": "assistant", "content": "Rome."},
+        {"role": "user", "content": "And of Spain? é 🎉"},
+    ],
 )
 
 
@@ -55,8 +58,9 @@ def templated_dir(tmp_path_factory) -> str:
 
 def test_plain_text_is_encoded_as_it_is(smollm2):
     assert encode_prompt(smollm2, QUESTION, chat=False) == encode(smollm2, QUESTION)
-    assert encode_prompt(smollm2, "Hi", chat=False, add_special_tokens=False) == \
-        encode(smollm2, "Hi", add_special_tokens=False)
+    assert encode_prompt(smollm2, "Hi", chat=False, add_special_tokens=False) == encode(
+        smollm2, "Hi", add_special_tokens=False
+    )
 
 
 def test_chat_prompt_equals_transformers_on_the_default_model():
@@ -65,7 +69,8 @@ def test_chat_prompt_equals_transformers_on_the_default_model():
     ids = encode_prompt(ours, QUESTION, chat=True)
     assert ids == _hf_ids(hf, CONVERSATIONS[0])
     assert ours.decode(ids).endswith(
-        f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+        f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
     for messages in CONVERSATIONS:
         assert ours.apply_chat_template(messages) == _hf_ids(hf, messages)
 
@@ -73,6 +78,7 @@ def test_chat_prompt_equals_transformers_on_the_default_model():
 def test_the_default_models_template_is_the_ggufs():
     gguf = pytest.importorskip("gguf")
     from backend.model_paths import default_gguf_path
+
     field = gguf.GGUFReader(default_gguf_path()).fields["tokenizer.chat_template"]
     assert load_tokenizer(smollm2_tokenizer_dir()).chat_template == field.contents()
 
@@ -87,17 +93,24 @@ def test_template_from_tokenizer_config_equals_transformers(templated_dir):
 
 def test_a_template_that_refuses_the_conversation_is_a_clear_error(templated_dir):
     tokenizer = Tokenizer.from_dir(templated_dir)
-    tokenizer.chat_template = INST_TEMPLATE.replace("message['role'] == 'user') !=",
-                                                    "message['role'] == 'user') ==")
-    with pytest.raises(ValueError, match="apply_chat_template: the model's chat template refused "
-                                         "the message: roles must alternate"):
+    tokenizer.chat_template = INST_TEMPLATE.replace(
+        "message['role'] == 'user') !=", "message['role'] == 'user') =="
+    )
+    with pytest.raises(
+        ValueError,
+        match="apply_chat_template: the model's chat template refused "
+        "the message: roles must alternate",
+    ):
         encode_prompt(tokenizer, QUESTION, chat=True)
 
 
 def test_a_model_without_a_template_names_the_input(sentencepiece):
     assert sentencepiece.chat_template is None
-    with pytest.raises(ValueError, match="apply_chat_template must be false for this model: its "
-                                         "tokenizer has no chat template"):
+    with pytest.raises(
+        ValueError,
+        match="apply_chat_template must be false for this model: its "
+        "tokenizer has no chat template",
+    ):
         encode_prompt(sentencepiece, QUESTION, chat=True)
     assert encode_prompt(sentencepiece, QUESTION, chat=False)
 

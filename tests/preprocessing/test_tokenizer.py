@@ -97,13 +97,26 @@ def test_default_ids_without_eos_name_the_field():
 
 
 # ---- the tokenizers-only Tokenizer against transformers' AutoTokenizer --------------------------
-TEXTS = [*TRAINING_TEXT, "", " ", "  leading", "a.b , c !", "<|im_start|>user\nhi<|im_end|>",
-         "</s> x <s>", "emoji 🎉🎉 and 日本", "\x00ctrl\t\n", "mixed  spaces   ."]
+TEXTS = [
+    *TRAINING_TEXT,
+    "",
+    " ",
+    "  leading",
+    "a.b , c !",
+    "<|im_start|>user\nhi<|im_end|>",
+    "</s> x <s>",
+    "emoji 🎉🎉 and 日本",
+    "\x00ctrl\t\n",
+    "mixed  spaces   .",
+]
 
 
 def _tokenizer_dirs() -> list[str]:
-    return [smollm2_tokenizer_dir(), sentencepiece_tokenizer_dir("llama2"),
-            sentencepiece_tokenizer_dir("metaspace")]
+    return [
+        smollm2_tokenizer_dir(),
+        sentencepiece_tokenizer_dir("llama2"),
+        sentencepiece_tokenizer_dir("metaspace"),
+    ]
 
 
 @pytest.mark.parametrize("index", range(3), ids=["smollm2", "sp-llama2", "sp-metaspace"])
@@ -113,17 +126,26 @@ def test_tokenizer_matches_transformers(index):
     assert len(ours) == len(hf)
     for text in TEXTS:
         for add in (True, False):
-            assert ours.encode(text, add_special_tokens=add) == hf.encode(text, add_special_tokens=add)
+            assert ours.encode(text, add_special_tokens=add) == hf.encode(
+                text, add_special_tokens=add
+            )
     rng = random.Random(index)
     for _ in range(300):
         ids = [rng.randrange(len(hf)) for _ in range(rng.randrange(1, 12))]
         for skip in (True, False):
-            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(
+                ids, skip_special_tokens=skip
+            )
         assert ours.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
     assert ours.all_special_ids == hf.all_special_ids
-    assert (ours.bos_token, ours.eos_token, ours.pad_token) == (hf.bos_token, hf.eos_token, hf.pad_token)
-    assert {i: t.special for i, t in ours.added_tokens_decoder.items()} == \
-        {i: t.special for i, t in hf.added_tokens_decoder.items()}
+    assert (ours.bos_token, ours.eos_token, ours.pad_token) == (
+        hf.bos_token,
+        hf.eos_token,
+        hf.pad_token,
+    )
+    assert {i: t.special for i, t in ours.added_tokens_decoder.items()} == {
+        i: t.special for i, t in hf.added_tokens_decoder.items()
+    }
 
 
 @given(st.text(max_size=40))
@@ -136,14 +158,22 @@ def test_tokenizer_encodes_any_text_as_transformers_does(text):
 
 @functools.lru_cache(maxsize=None)
 def _smollm2_pair():
-    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()), Tokenizer.from_dir(smollm2_tokenizer_dir())
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()), Tokenizer.from_dir(
+        smollm2_tokenizer_dir()
+    )
 
 
 def test_chat_template_matches_transformers():
     hf, ours = _smollm2_pair()
-    for messages in ([{"role": "user", "content": "What is 2+2?"}],
-                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                      {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "é 🎉"}]):
+    for messages in (
+        [{"role": "user", "content": "What is 2+2?"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "é 🎉"},
+        ],
+    ):
         expected = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         expected = expected["input_ids"] if hasattr(expected, "keys") else expected
         assert ours.apply_chat_template(messages) == list(expected)
@@ -168,11 +198,13 @@ def test_a_directory_without_tokenizer_json_is_a_clear_error(tmp_path):
 
 
 def test_the_stub_side_imports_neither_torch_nor_transformers():
-    code = ("import sys; from preprocessing.tokenizer import load_tokenizer; "
-            "import preprocessing.word_lists, preprocessing.prompt, postprocessing.detokenizer, "
-            "ensemble.params, "
-            "backend.engine_process, backend.model_paths, ensemble.environment; "
-            f"t = load_tokenizer({smollm2_tokenizer_dir()!r}); t.decode(t.encode('hi')); "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys; from preprocessing.tokenizer import load_tokenizer; "
+        "import preprocessing.word_lists, preprocessing.prompt, postprocessing.detokenizer, "
+        "ensemble.params, "
+        "backend.engine_process, backend.model_paths, ensemble.environment; "
+        f"t = load_tokenizer({smollm2_tokenizer_dir()!r}); t.decode(t.encode('hi')); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -170,8 +170,11 @@ def test_embedding_bias_errors(smollm2):
 
 def test_word_lists_are_bounded():
     from preprocessing.word_lists import MAX_WORD_CHARS, MAX_WORDS
+
     assert len(parse_words(",".join(["w"] * MAX_WORDS), "stop_words")) == MAX_WORDS
-    with pytest.raises(ValueError, match=f"bad_words has {MAX_WORDS + 1} words; at most {MAX_WORDS}"):
+    with pytest.raises(
+        ValueError, match=f"bad_words has {MAX_WORDS + 1} words; at most {MAX_WORDS}"
+    ):
         parse_words(",".join(["w"] * (MAX_WORDS + 1)), "bad_words")
     with pytest.raises(ValueError, match=f"bad_words has {MAX_WORDS + 1} words"):
         parse_words(np.array(["w"] * (MAX_WORDS + 1), dtype=object), "bad_words")

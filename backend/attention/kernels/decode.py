@@ -17,8 +17,8 @@ takes the step's own token.
 Programmatic dependent launch: the cached context was written by earlier steps and the step
 inputs before any kernel of the layers launched (by the host, or by a decode CUDA graph's first
 kernel, `backend.kernels.step_inputs`), so a program reads them, its first key tile included,
-before it waits for the previous kernel; after the wait it reads the query and the step's own key and value, which that
-kernel (the KV write, or the fused qkv projection) has just written.
+before it waits for the previous kernel; after the wait it reads the query and the step's own
+key and value, which that kernel (the KV write, or the fused qkv projection) has just written.
 
 With one split used, the program writes the output itself. Otherwise each split writes a
 normalised partial output and its log-sum-exp, and counts itself in on an arrival counter of its
@@ -33,6 +33,7 @@ programs per SM, and keeps at least MIN_TOKENS_PER_SPLIT context tokens per spli
 rounded down to a power of two so only a few kernel variants are compiled. Tiles, warps and stages
 are per device (`launch_config`). Measurements behind these choices: benchmarks/README.md.
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,11 +52,11 @@ from backend.kernels.split_merge import merge_splits
 LOG2_E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64
 MIN_TILES_PER_SPLIT = 1
-MERGE_AT_ONCE_MAX_VALUES = 8192      # partials a merging program may hold at once
+MERGE_AT_ONCE_MAX_VALUES = 8192  # partials a merging program may hold at once
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
-CPU_NOMINAL_SMS = 8      # interpreter runs: keep the heuristic meaningful
-FEW_PAIRS_PER_SM = 8     # grids of at most SMs / 8 (request, kv head) pairs take the few-programs tile
+CPU_NOMINAL_SMS = 8  # interpreter runs: keep the heuristic meaningful
+FEW_PAIRS_PER_SM = 8  # grids of at most SMs / 8 (request, kv head) pairs take the few-programs tile
 ORDERING = Ordering("decode_attention", releases="before_wait", reads_step_inputs_before_wait=True)
 
 
@@ -82,23 +83,49 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_cou
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr,
-    qk_scale, num_splits,
-    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-    stride_kc_block, stride_kc_offset, stride_kc_head,
-    stride_vc_block, stride_vc_offset, stride_vc_head,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    arrivals_ptr,
+    qk_scale,
+    num_splits,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_kc_block,
+    stride_kc_offset,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_offset,
+    stride_vc_head,
     stride_bt,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, MIN_TILES_PER_SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-    MERGE_AT_ONCE: tl.constexpr = False, GROUP_POW2: tl.constexpr = 1, PARTIALS: tl.constexpr = False,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_TILES_PER_SPLIT: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+    MERGE_AT_ONCE: tl.constexpr = False,
+    GROUP_POW2: tl.constexpr = 1,
+    PARTIALS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PDL:     # the next kernel (the o projection) may start streaming its weights now
+    if PDL:  # the next kernel (the o projection) may start streaming its weights now
         gdc_launch_dependents()
 
     # Step inputs and the cached context are written before the layers' kernels launch: read
@@ -107,20 +134,33 @@ def _decode_kernel(
     row = tl.load(query_start_ptr + seq).to(tl.int64)
     cached = tl.maximum(seq_len - 1, 0)
     cached_tiles = (cached + BLOCK_N - 1) // BLOCK_N
-    used = tl.minimum(tl.maximum((cached_tiles + MIN_TILES_PER_SPLIT - 1) // MIN_TILES_PER_SPLIT, 1),
-                      num_splits)
+    used = tl.minimum(
+        tl.maximum((cached_tiles + MIN_TILES_PER_SPLIT - 1) // MIN_TILES_PER_SPLIT, 1), num_splits
+    )
     tiles_per_split = (cached_tiles + used - 1) // used
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, cached_tiles)
     if split < used:
         block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
         first_k, first_v, first_ok = load_key_tile(
-            k_cache_ptr, v_cache_ptr, block_table_row, kv_head, tile_lo * BLOCK_N,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_row,
+            kv_head,
+            tile_lo * BLOCK_N,
             tl.minimum(tile_hi * BLOCK_N, cached),
-            stride_kc_block, stride_kc_offset, stride_kc_head,
-            stride_vc_block, stride_vc_offset, stride_vc_head,
-            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASK_KEYS=True)
-        newest_page = tl.load(block_table_row + cached // BLOCK_SIZE).to(tl.int64)   # own token
+            stride_kc_block,
+            stride_kc_offset,
+            stride_kc_head,
+            stride_vc_block,
+            stride_vc_offset,
+            stride_vc_head,
+            BLOCK_SIZE=BLOCK_SIZE,
+            BLOCK_N=BLOCK_N,
+            HEAD_DIM=HEAD_DIM,
+            MASK_KEYS=True,
+        )
+        newest_page = tl.load(block_table_row + cached // BLOCK_SIZE).to(tl.int64)  # own token
         if PDL:
             gdc_wait()
 
@@ -128,30 +168,75 @@ def _decode_kernel(
         heads = kv_head * GROUP + group_rows
         head_ok = group_rows < GROUP
         dims = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + row * stride_q_t + heads[:, None] * stride_q_h + dims[None, :],
-                    mask=head_ok[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
+        q = tl.load(
+            q_ptr + row * stride_q_t + heads[:, None] * stride_q_h + dims[None, :],
+            mask=head_ok[:, None],
+            other=0.0,
+        ).to(k_cache_ptr.dtype.element_ty)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.full([GROUP_PAD], 0, tl.float32)
         acc = tl.full([GROUP_PAD, HEAD_DIM], 0, tl.float32)
         if tile_lo < tile_hi:
             m_i, l_i, acc = attend_loaded_tile(
-                q, m_i, l_i, acc, first_k, first_v, first_ok, 0, 0, qk_scale,
-                BLOCK_N=BLOCK_N, MASK_KEYS=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
+                q,
+                m_i,
+                l_i,
+                acc,
+                first_k,
+                first_v,
+                first_ok,
+                0,
+                0,
+                qk_scale,
+                BLOCK_N=BLOCK_N,
+                MASK_KEYS=True,
+                CAUSAL=False,
+                DOT_PRECISION=DOT_PRECISION,
+            )
         for tile in range(tile_lo + 1, tile_hi):
             m_i, l_i, acc = attend_key_tile(
-                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
-                tile * BLOCK_N, cached, 0, qk_scale,
-                stride_kc_block, stride_kc_offset, stride_kc_head,
-                stride_vc_block, stride_vc_offset, stride_vc_head,
-                BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-                MASK_KEYS=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
+                q,
+                m_i,
+                l_i,
+                acc,
+                k_cache_ptr,
+                v_cache_ptr,
+                block_table_row,
+                kv_head,
+                tile * BLOCK_N,
+                cached,
+                0,
+                qk_scale,
+                stride_kc_block,
+                stride_kc_offset,
+                stride_kc_head,
+                stride_vc_block,
+                stride_vc_offset,
+                stride_vc_head,
+                BLOCK_SIZE=BLOCK_SIZE,
+                BLOCK_N=BLOCK_N,
+                HEAD_DIM=HEAD_DIM,
+                MASK_KEYS=True,
+                CAUSAL=False,
+                DOT_PRECISION=DOT_PRECISION,
+            )
         if (split == 0) & (seq_len > 0):
-            # The step's own token (position `cached`), whose key and value the previous kernel wrote.
+            # The step's own token (position `cached`): the previous kernel wrote its key and value.
             in_page = cached % BLOCK_SIZE
-            k_new = tl.load(k_cache_ptr + newest_page * stride_kc_block + in_page * stride_kc_offset
-                            + kv_head * stride_kc_head + dims)
-            v_new = tl.load(v_cache_ptr + newest_page * stride_vc_block + in_page * stride_vc_offset
-                            + kv_head * stride_vc_head + dims)
+            k_new = tl.load(
+                k_cache_ptr
+                + newest_page * stride_kc_block
+                + in_page * stride_kc_offset
+                + kv_head * stride_kc_head
+                + dims
+            )
+            v_new = tl.load(
+                v_cache_ptr
+                + newest_page * stride_vc_block
+                + in_page * stride_vc_offset
+                + kv_head * stride_vc_head
+                + dims
+            )
             score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
             m_new = tl.maximum(m_i, score)
             alpha = tl.exp2(m_i - m_new)
@@ -165,30 +250,79 @@ def _decode_kernel(
         o_rows = out_ptr + row * stride_o_t + heads[:, None] * stride_o_h + dims[None, :]
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         if PARTIALS:
-            _store_partial(part_out_ptr, part_lse_ptr, out, lse, seq, heads, head_ok, split, num_splits,
-                           NUM_HEADS, HEAD_DIM)
+            _store_partial(
+                part_out_ptr,
+                part_lse_ptr,
+                out,
+                lse,
+                seq,
+                heads,
+                head_ok,
+                split,
+                num_splits,
+                NUM_HEADS,
+                HEAD_DIM,
+            )
         elif SINGLE_SPLIT:
             tl.store(o_rows, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
         elif used == 1:
             tl.store(o_rows, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
         else:
-            _store_partial(part_out_ptr, part_lse_ptr, out, lse, seq, heads, head_ok, split, num_splits,
-                           NUM_HEADS, HEAD_DIM)
+            _store_partial(
+                part_out_ptr,
+                part_lse_ptr,
+                out,
+                lse,
+                seq,
+                heads,
+                head_ok,
+                split,
+                num_splits,
+                NUM_HEADS,
+                HEAD_DIM,
+            )
             # The last split of this (request, kv head) to arrive merges them all: every thread's
             # stores are done (barrier) before one thread's acq_rel increment publishes them.
             tl.debug_barrier()
             counter = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == used - 1:
-                tl.store(counter, 0)                 # ready for the next launch
+                tl.store(counter, 0)  # ready for the next launch
                 if MERGE_AT_ONCE:
-                    _merge_group_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, used,
-                                        num_splits, stride_o_h, stride_o_t, NUM_HEADS, GROUP,
-                                        GROUP_POW2, HEAD_DIM, SPLITS_PAD)
+                    _merge_group_splits(
+                        out_ptr,
+                        part_out_ptr,
+                        part_lse_ptr,
+                        row,
+                        seq,
+                        kv_head,
+                        used,
+                        num_splits,
+                        stride_o_h,
+                        stride_o_t,
+                        NUM_HEADS,
+                        GROUP,
+                        GROUP_POW2,
+                        HEAD_DIM,
+                        SPLITS_PAD,
+                    )
                 else:
-                    _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, used,
-                                  num_splits, stride_o_h, stride_o_t, NUM_HEADS, GROUP, HEAD_DIM,
-                                  SPLITS_PAD)
+                    _merge_splits(
+                        out_ptr,
+                        part_out_ptr,
+                        part_lse_ptr,
+                        row,
+                        seq,
+                        kv_head,
+                        used,
+                        num_splits,
+                        stride_o_h,
+                        stride_o_t,
+                        NUM_HEADS,
+                        GROUP,
+                        HEAD_DIM,
+                        SPLITS_PAD,
+                    )
     elif PARTIALS:
         # A split with no tiles of this request's context: its partial must weigh nothing. (After
         # the wait: with programmatic dependent launch an earlier kernel may still be reading
@@ -197,25 +331,56 @@ def _decode_kernel(
             gdc_wait()
         heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
         part = (seq * NUM_HEADS + heads) * num_splits + split
-        tl.store(part_lse_ptr + part, tl.full([GROUP_PAD], float("-inf"), tl.float32),
-                 mask=tl.arange(0, GROUP_PAD) < GROUP)
+        tl.store(
+            part_lse_ptr + part,
+            tl.full([GROUP_PAD], float("-inf"), tl.float32),
+            mask=tl.arange(0, GROUP_PAD) < GROUP,
+        )
 
 
 @triton.jit
-def _store_partial(part_out_ptr, part_lse_ptr, out, lse, seq, heads, head_ok, split, num_splits,
-                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _store_partial(
+    part_out_ptr,
+    part_lse_ptr,
+    out,
+    lse,
+    seq,
+    heads,
+    head_ok,
+    split,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     """One split's normalised output [GROUP_PAD, HEAD_DIM] and log-sum-exp (base 2) per head."""
-    part = (seq * NUM_HEADS + heads) * num_splits + split            # [GROUP_PAD]
+    part = (seq * NUM_HEADS + heads) * num_splits + split  # [GROUP_PAD]
     dims = tl.arange(0, HEAD_DIM)
-    tl.store(part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], out,
-             mask=head_ok[:, None])
+    tl.store(
+        part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :],
+        out,
+        mask=head_ok[:, None],
+    )
     tl.store(part_lse_ptr + part, lse, mask=head_ok)
 
 
 @triton.jit
-def _merge_group_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, used, num_splits,
-                        stride_o_h, stride_o_t, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                        GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def _merge_group_splits(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    row,
+    seq,
+    kv_head,
+    used,
+    num_splits,
+    stride_o_h,
+    stride_o_t,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
     """`_merge_splits` for the whole group at once: every head's partials are loaded together
     before anything is stored, one round trip instead of one per head (the per-head loop cannot
     hoist a head's loads above the previous head's store). For small groups x splits."""
@@ -224,20 +389,40 @@ def _merge_group_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, 
     head_ok = g < GROUP
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM)
-    ok = head_ok[:, None] & (splits < used)[None, :]                               # [G, S]
+    ok = head_ok[:, None] & (splits < used)[None, :]  # [G, S]
     part = (seq * NUM_HEADS + heads).to(tl.int64)[:, None] * num_splits + splits[None, :]
     lse = tl.load(part_lse_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    parts = tl.load(part_out_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :],
-                    mask=ok[:, :, None], other=0.0, cache_modifier=".cg")           # [G, S, D]
+    parts = tl.load(
+        part_out_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :],
+        mask=ok[:, :, None],
+        other=0.0,
+        cache_modifier=".cg",
+    )  # [G, S, D]
     out = merge_splits(parts, lse)
-    tl.store(out_ptr + row * stride_o_t + heads[:, None] * stride_o_h + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    tl.store(
+        out_ptr + row * stride_o_t + heads[:, None] * stride_o_h + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=head_ok[:, None],
+    )
 
 
 @triton.jit
-def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, used, num_splits,
-                  stride_o_h, stride_o_t, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def _merge_splits(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    row,
+    seq,
+    kv_head,
+    used,
+    num_splits,
+    stride_o_h,
+    stride_o_t,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
     """`backend.kernels.split_merge`'s formula, head by head, for groups x splits too many to
     hold at once. Loads bypass L1 (.cg): the partials were written by other programs."""
     splits = tl.arange(0, SPLITS_PAD)
@@ -246,16 +431,23 @@ def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, row, seq, kv_head, used, 
     for g in tl.static_range(GROUP):
         head = kv_head * GROUP + g
         base = (seq * NUM_HEADS + head).to(tl.int64) * num_splits
-        lse = tl.load(part_lse_ptr + base + splits, mask=split_ok, other=float("-inf"),
-                      cache_modifier=".cg")
+        lse = tl.load(
+            part_lse_ptr + base + splits, mask=split_ok, other=float("-inf"), cache_modifier=".cg"
+        )
         lse_max = tl.max(lse, 0)
         lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
         weight = tl.exp2(lse - lse_max)
         total = tl.sum(weight, 0)
-        parts = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-                        mask=split_ok[:, None], other=0.0, cache_modifier=".cg")
+        parts = tl.load(
+            part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
+            mask=split_ok[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-        tl.store(out_ptr + row * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty))
+        tl.store(
+            out_ptr + row * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty)
+        )
 
 
 def default_launch_config(head_dim: int, few_programs: bool = False) -> dict:
@@ -291,11 +483,19 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return held[-1]
 
 
-def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     query_start_loc: torch.Tensor, max_seq_len: int, scale: float,
-                     num_splits: int | None = None, out: torch.Tensor | None = None,
-                     min_tiles_per_split: int | None = None) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    min_tiles_per_split: int | None = None,
+) -> torch.Tensor:
     """One query token per request: query [T, heads, head_dim] -> [T, heads, head_dim].
 
     Request b's query row is query_start_loc[b]; its context is seq_lens[b] tokens (0 = padding
@@ -311,45 +511,100 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device))
     if num_splits == 1:
-        part_out = part_lse = arrivals = out          # unused
+        part_out = part_lse = arrivals = out  # unused
     else:
         part_out, part_lse = _partials(query, num_seqs, num_splits)
         arrivals = arrival_counters(query.device, num_seqs * num_kv_heads)
-    _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, num_splits, out,
-            part_out, part_lse, arrivals, min_tiles_per_split, partials=False)
+    _launch(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        num_splits,
+        out,
+        part_out,
+        part_lse,
+        arrivals,
+        min_tiles_per_split,
+        partials=False,
+    )
     return out
 
 
-def decode_attention_partials(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                              query_start_loc: torch.Tensor, max_seq_len: int, scale: float,
-                              num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_attention_partials(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_attention` with the splits left unmerged, for a consumer that merges them as it
     reads them (the one-token o projection, `backend.kernels.gemv`): that saves the merge's
     arrival counter and second round trip.
     Returns each split's normalised output [requests, heads, splits, head_dim] and its log-sum-exp
     in base 2 [requests, heads, splits], float32; -inf marks a split without keys (its output is
-    unset). The splits merge as out = sum_s exp2(lse_s - m) o_s / sum_s exp2(lse_s - m), m = max lse."""
+    unset). The splits merge as out = sum_s exp2(lse_s - m) o_s / sum_s exp2(lse_s - m),
+    m = max lse."""
     num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device))
     part_out, part_lse = _partials(query, num_seqs, num_splits)
     if num_seqs:
-        _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, num_splits,
-                part_out, part_out, part_lse, part_lse, None, partials=True)
+        _launch(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            num_splits,
+            part_out,
+            part_out,
+            part_lse,
+            part_lse,
+            None,
+            partials=True,
+        )
     return part_out, part_lse
 
 
-def _partials(query: torch.Tensor, num_seqs: int, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _partials(
+    query: torch.Tensor, num_seqs: int, num_splits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     num_heads, head_dim = query.shape[1:]
-    part_out = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
-                           device=query.device)
-    part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    part_out = torch.empty(
+        (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+    )
+    part_lse = torch.empty(
+        (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
+    )
     return part_out, part_lse
 
 
-def _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, num_splits, out,
-            part_out, part_lse, arrivals, min_tiles_per_split, partials: bool) -> None:
+def _launch(
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    num_splits,
+    out,
+    part_out,
+    part_lse,
+    arrivals,
+    min_tiles_per_split,
+    partials: bool,
+) -> None:
     num_heads, head_dim = query.shape[1:]
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     num_seqs = seq_lens.shape[0]
@@ -359,20 +614,47 @@ def _launch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sc
     few_programs = FEW_PAIRS_PER_SM * num_seqs * num_kv_heads <= num_sms(query.device)
     config = launch_config(head_dim, few_programs, tuning.device_name(query.device))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        out, part_out, part_lse, arrivals,
-        scale * LOG2_E, num_splits,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        part_out,
+        part_lse,
+        arrivals,
+        scale * LOG2_E,
+        num_splits,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=config["BLOCK_N"], MIN_TILES_PER_SPLIT=min_tiles_per_split or MIN_TILES_PER_SPLIT,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), SINGLE_SPLIT=num_splits == 1, PARTIALS=partials,
-        MERGE_AT_ONCE=(triton.next_power_of_2(group) * triton.next_power_of_2(num_splits) * head_dim
-                       <= MERGE_AT_ONCE_MAX_VALUES),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=config["BLOCK_N"],
+        MIN_TILES_PER_SPLIT=min_tiles_per_split or MIN_TILES_PER_SPLIT,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SINGLE_SPLIT=num_splits == 1,
+        PARTIALS=partials,
+        MERGE_AT_ONCE=(
+            triton.next_power_of_2(group) * triton.next_power_of_2(num_splits) * head_dim
+            <= MERGE_AT_ONCE_MAX_VALUES
+        ),
         GROUP_POW2=triton.next_power_of_2(group),
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **launch_options(ORDERING),
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+        **launch_options(ORDERING),
     )

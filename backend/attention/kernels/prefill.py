@@ -20,6 +20,7 @@ softmax (see tile.py). Key tiles below the first query's position need no mask; 
 up to the tile's last query position, get the causal mask; tiles fully above the diagonal are
 never visited.
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,14 +54,32 @@ def _find_request(query_start_ptr, tile_id, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    qk_scale, num_seqs,
-    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-    stride_kc_block, stride_kc_offset, stride_kc_head,
-    stride_vc_block, stride_vc_offset, stride_vc_head,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    out_ptr,
+    qk_scale,
+    num_seqs,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_kc_block,
+    stride_kc_offset,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_offset,
+    stride_vc_head,
     stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # Longest first: a request's last tiles see the most keys, so the last wave holds short tiles.
@@ -73,17 +92,20 @@ def _prefill_kernel(
     if q_tile * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    context_start = seq_len - q_len               # absolute position of the request's first query
+    context_start = seq_len - q_len  # absolute position of the request's first query
 
     rows = tl.arange(0, BLOCK_M)
-    q_idx = q_tile * BLOCK_Q + rows // GROUP      # query index within the request
+    q_idx = q_tile * BLOCK_Q + rows // GROUP  # query index within the request
     heads = kv_head * GROUP + rows % GROUP
     row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
     q_pos = context_start + q_idx
     dims = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims[None, :],
-                mask=row_ok[:, None], other=0.0).to(k_cache_ptr.dtype.element_ty)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    ).to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0, tl.float32)
@@ -95,27 +117,65 @@ def _prefill_kernel(
     unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
     for start in range(0, unmasked_end, BLOCK_N):
         m_i, l_i, acc = attend_key_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
-            start, key_end, q_pos, qk_scale,
-            stride_kc_block, stride_kc_offset, stride_kc_head,
-            stride_vc_block, stride_vc_offset, stride_vc_head,
-            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-            MASK_KEYS=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_row,
+            kv_head,
+            start,
+            key_end,
+            q_pos,
+            qk_scale,
+            stride_kc_block,
+            stride_kc_offset,
+            stride_kc_head,
+            stride_vc_block,
+            stride_vc_offset,
+            stride_vc_head,
+            BLOCK_SIZE=BLOCK_SIZE,
+            BLOCK_N=BLOCK_N,
+            HEAD_DIM=HEAD_DIM,
+            MASK_KEYS=False,
+            CAUSAL=False,
+            DOT_PRECISION=DOT_PRECISION,
+        )
     for start in range(unmasked_end, key_end, BLOCK_N):
         m_i, l_i, acc = attend_key_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, kv_head,
-            start, key_end, q_pos, qk_scale,
-            stride_kc_block, stride_kc_offset, stride_kc_head,
-            stride_vc_block, stride_vc_offset, stride_vc_head,
-            BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
-            MASK_KEYS=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION)
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_row,
+            kv_head,
+            start,
+            key_end,
+            q_pos,
+            qk_scale,
+            stride_kc_block,
+            stride_kc_offset,
+            stride_kc_head,
+            stride_vc_block,
+            stride_vc_offset,
+            stride_vc_head,
+            BLOCK_SIZE=BLOCK_SIZE,
+            BLOCK_N=BLOCK_N,
+            HEAD_DIM=HEAD_DIM,
+            MASK_KEYS=True,
+            CAUSAL=True,
+            DOT_PRECISION=DOT_PRECISION,
+        )
 
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + q_rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-SHARED_MEMORY_BUDGET = 112 * 1024   # bytes of staged tiles; the compiler adds its own buffers on top
+SHARED_MEMORY_BUDGET = 112 * 1024  # bytes of staged tiles; the compiler adds its own buffers on top
 
 
 def default_launch_config(group: int, head_dim: int, element_size: int = 2) -> dict:
@@ -135,17 +195,28 @@ def tuning_key(group: int, head_dim: int, element_size: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def launch_config(group: int, head_dim: int, element_size: int, device_name: str | None = None) -> Mapping:
+def launch_config(
+    group: int, head_dim: int, element_size: int, device_name: str | None = None
+) -> Mapping:
     """The table's config on the named device, else the default; read-only, cached."""
-    config = tuning.lookup("prefill_attention", tuning_key(group, head_dim, element_size), device_name)
+    config = tuning.lookup(
+        "prefill_attention", tuning_key(group, head_dim, element_size), device_name
+    )
     return MappingProxyType(config or default_launch_config(group, head_dim, element_size))
 
 
-def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      query_start_loc: torch.Tensor, scale: float,
-                      out: torch.Tensor | None = None,
-                      block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+def prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
     """query [T, heads, head_dim] -> [T, heads, head_dim]; any mix of query lengths (>= 0)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -157,22 +228,42 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    config = launch_config(group, head_dim, k_cache.element_size(),
-                                    tuning.device_name(query.device))
+    config = launch_config(
+        group, head_dim, k_cache.element_size(), tuning.device_name(query.device)
+    )
     block_m = block_m or config["BLOCK_M"]
     block_n = block_n or config["BLOCK_N"]
     block_q = block_m // group
     num_tiles = num_tokens // block_q + num_seqs
     _prefill_kernel[(num_tiles, num_kv_heads)](
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * LOG2_E, num_seqs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        scale * LOG2_E,
+        num_seqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )
     return out

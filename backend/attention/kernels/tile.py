@@ -16,6 +16,7 @@ MASK_KEYS masks tokens at or past `key_end` (loads return 0 so stale cache rows,
 reach the sums); CAUSAL additionally hides keys above each row's absolute position `q_pos`.
 Tiles that need neither run without masks.
 """
+
 from __future__ import annotations
 
 import triton
@@ -24,10 +25,22 @@ import triton.language as tl
 
 @triton.jit
 def load_key_tile(
-    k_cache_ptr, v_cache_ptr, block_table_row, kv_head, tile_start, key_end,
-    stride_kc_block, stride_kc_offset, stride_kc_head,
-    stride_vc_block, stride_vc_offset, stride_vc_head,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASK_KEYS: tl.constexpr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_row,
+    kv_head,
+    tile_start,
+    key_end,
+    stride_kc_block,
+    stride_kc_offset,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_offset,
+    stride_vc_head,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASK_KEYS: tl.constexpr,
 ):
     """Keys and values [BLOCK_N, HEAD_DIM] of context tokens tile_start.. (zeros at or past
     key_end when MASK_KEYS), and which tokens are real ([BLOCK_N] bool)."""
@@ -39,10 +52,20 @@ def load_key_tile(
     else:
         page = tl.load(block_table_row + tokens // BLOCK_SIZE).to(tl.int64)
     in_page = tokens % BLOCK_SIZE
-    k_ptrs = (k_cache_ptr + page[:, None] * stride_kc_block + in_page[:, None] * stride_kc_offset
-              + kv_head * stride_kc_head + dims[None, :])
-    v_ptrs = (v_cache_ptr + page[:, None] * stride_vc_block + in_page[:, None] * stride_vc_offset
-              + kv_head * stride_vc_head + dims[None, :])
+    k_ptrs = (
+        k_cache_ptr
+        + page[:, None] * stride_kc_block
+        + in_page[:, None] * stride_kc_offset
+        + kv_head * stride_kc_head
+        + dims[None, :]
+    )
+    v_ptrs = (
+        v_cache_ptr
+        + page[:, None] * stride_vc_block
+        + in_page[:, None] * stride_vc_offset
+        + kv_head * stride_vc_head
+        + dims[None, :]
+    )
     if MASK_KEYS:
         k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
@@ -54,11 +77,23 @@ def load_key_tile(
 
 @triton.jit
 def attend_loaded_tile(
-    q, m_i, l_i, acc, k, v, key_ok, tile_start, q_pos, qk_scale,
-    BLOCK_N: tl.constexpr, MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q,
+    m_i,
+    l_i,
+    acc,
+    k,
+    v,
+    key_ok,
+    tile_start,
+    q_pos,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASK_KEYS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """The online-softmax update with one loaded tile (`load_key_tile`)."""
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [M, BLOCK_N]
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N]
     if CAUSAL:
         tokens = tile_start + tl.arange(0, BLOCK_N)
         visible = tokens[None, :] <= q_pos[:, None]
@@ -78,19 +113,63 @@ def attend_loaded_tile(
 
 @triton.jit
 def attend_key_tile(
-    q, m_i, l_i, acc,
-    k_cache_ptr, v_cache_ptr, block_table_row, kv_head, tile_start, key_end, q_pos, qk_scale,
-    stride_kc_block, stride_kc_offset, stride_kc_head,
-    stride_vc_block, stride_vc_offset, stride_vc_head,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_row,
+    kv_head,
+    tile_start,
+    key_end,
+    q_pos,
+    qk_scale,
+    stride_kc_block,
+    stride_kc_offset,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_offset,
+    stride_vc_head,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASK_KEYS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Load one tile and update the state with it."""
     k, v, key_ok = load_key_tile(
-        k_cache_ptr, v_cache_ptr, block_table_row, kv_head, tile_start, key_end,
-        stride_kc_block, stride_kc_offset, stride_kc_head,
-        stride_vc_block, stride_vc_offset, stride_vc_head,
-        BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, MASK_KEYS=MASK_KEYS)
-    return attend_loaded_tile(q, m_i, l_i, acc, k, v, key_ok, tile_start, q_pos, qk_scale,
-                              BLOCK_N=BLOCK_N, MASK_KEYS=MASK_KEYS, CAUSAL=CAUSAL,
-                              DOT_PRECISION=DOT_PRECISION)
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table_row,
+        kv_head,
+        tile_start,
+        key_end,
+        stride_kc_block,
+        stride_kc_offset,
+        stride_kc_head,
+        stride_vc_block,
+        stride_vc_offset,
+        stride_vc_head,
+        BLOCK_SIZE=BLOCK_SIZE,
+        BLOCK_N=BLOCK_N,
+        HEAD_DIM=HEAD_DIM,
+        MASK_KEYS=MASK_KEYS,
+    )
+    return attend_loaded_tile(
+        q,
+        m_i,
+        l_i,
+        acc,
+        k,
+        v,
+        key_ok,
+        tile_start,
+        q_pos,
+        qk_scale,
+        BLOCK_N=BLOCK_N,
+        MASK_KEYS=MASK_KEYS,
+        CAUSAL=CAUSAL,
+        DOT_PRECISION=DOT_PRECISION,
+    )

@@ -6,6 +6,7 @@ shown (WINDOW_CONTEXT_LENGTH) and whether it is the last piece (IS_FINAL). Witho
 inputs it decodes the whole sequence, as TensorRT-LLM's postprocessing does. LLM_REQUEST_ID lets
 it stop the LLM when the ensemble request was cancelled (see stop_forwarder.py).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -43,12 +44,13 @@ class TritonPythonModel:
         if "LLM_REQUEST_ID" in tensors:
             handle = tensors["LLM_REQUEST_ID"].reshape(-1)[0]
             final = bool(tensors.get("IS_FINAL", np.ones(1, np.bool_)).reshape(-1)[0])
-            self.stop_forwarder.observe(request, handle.decode() if isinstance(handle, bytes)
-                                        else str(handle), final)
+            self.stop_forwarder.observe(
+                request, handle.decode() if isinstance(handle, bytes) else str(handle), final
+            )
 
     def convert(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        tokens = tensors["TOKENS_BATCH"]                  # [batch, beams, n]
-        lengths = tensors["SEQUENCE_LENGTH"]              # [batch, beams]
+        tokens = tensors["TOKENS_BATCH"]  # [batch, beams, n]
+        lengths = tensors["SEQUENCE_LENGTH"]  # [batch, beams]
         batch, beams = tokens.shape[0], tokens.shape[1]
         context = tensors.get("WINDOW_CONTEXT_LENGTH", np.zeros((batch, 1), np.int32))
         final = tensors.get("IS_FINAL", np.ones((batch, 1), np.bool_))
@@ -59,8 +61,12 @@ class TritonPythonModel:
                 if not 0 <= n <= tokens.shape[2]:
                     raise ValueError(f"SEQUENCE_LENGTH must be in [0, {tokens.shape[2]}], got {n}")
                 ids = [int(t) for t in tokens[b, k, :n]]
-                text = text_delta(self.tokenizer, ids, int(context[b].reshape(-1)[0]),
-                                  bool(final[b].reshape(-1)[0]),
-                                  skip_special_tokens=self.skip_special_tokens)
+                text = text_delta(
+                    self.tokenizer,
+                    ids,
+                    int(context[b].reshape(-1)[0]),
+                    bool(final[b].reshape(-1)[0]),
+                    skip_special_tokens=self.skip_special_tokens,
+                )
                 out[b, k] = text.encode("utf-8")
         return out

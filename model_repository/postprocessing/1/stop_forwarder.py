@@ -6,6 +6,7 @@ requests created for the LLM's later responses do arrive cancelled. So this step
 stop, with the `stop` input and the engine request id the LLM sends along (`llm_request_id`).
 Checks are throttled per request: each `is_cancelled()` is an IPC round trip.
 """
+
 from __future__ import annotations
 
 import time
@@ -33,16 +34,21 @@ class StopForwarder:
             return
         self.last_check[llm_request_id] = now
         if request.is_cancelled():
-            self.last_check[llm_request_id] = now + FORGET_AFTER_S   # stop once
+            self.last_check[llm_request_id] = now + FORGET_AFTER_S  # stop once
             self.stop(llm_request_id)
         if len(self.last_check) > 10000:
             self.last_check = {k: t for k, t in self.last_check.items() if now - t < FORGET_AFTER_S}
 
     def stop(self, llm_request_id: str) -> None:
         request = pb_utils.InferenceRequest(
-            model_name=self.llm_model, request_id=llm_request_id, requested_output_names=[],
-            inputs=[pb_utils.Tensor("stop", np.array([[True]], dtype=np.bool_))])
+            model_name=self.llm_model,
+            request_id=llm_request_id,
+            requested_output_names=[],
+            inputs=[pb_utils.Tensor("stop", np.array([[True]], dtype=np.bool_))],
+        )
         for response in request.exec(decoupled=True):
             if response.has_error():
-                pb_utils.Logger.log_warn(f"postprocessing: stopping {llm_request_id} failed: "
-                                         f"{response.error().message()}")
+                pb_utils.Logger.log_warn(
+                    f"postprocessing: stopping {llm_request_id} failed: "
+                    f"{response.error().message()}"
+                )

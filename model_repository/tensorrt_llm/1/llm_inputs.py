@@ -8,6 +8,7 @@ runtime_top_k > 1, or 0 < runtime_top_p < 1; when sampling is asked through top_
 temperature defaults to 1.0. runtime_top_p <= 0 means unset. len_penalty only affects beam search,
 so it is accepted and has no effect at beam_width 1. end_id -1 means "no end id".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -73,19 +74,22 @@ def is_stop_request(tensors: dict[str, np.ndarray]) -> bool:
     return stop is not None and stop.size > 0 and bool(np.asarray(stop).reshape(-1)[0])
 
 
-def convert_request(tensors: dict[str, np.ndarray], defaults: Defaults,
-                    vocab_size: int | None = None) -> list[RowRequest]:
+def convert_request(
+    tensors: dict[str, np.ndarray], defaults: Defaults, vocab_size: int | None = None
+) -> list[RowRequest]:
     if "input_ids" not in tensors:
         raise ValueError("input_ids is required")
     rows = []
     for i in range(batch_size(tensors)):
-        rows.append(convert_row({name: arr[i] for name, arr in tensors.items()}, i, defaults,
-                                vocab_size))
+        rows.append(
+            convert_row({name: arr[i] for name, arr in tensors.items()}, i, defaults, vocab_size)
+        )
     return rows
 
 
-def convert_row(row: dict[str, np.ndarray], index: int, defaults: Defaults,
-                vocab_size: int | None) -> RowRequest:
+def convert_row(
+    row: dict[str, np.ndarray], index: int, defaults: Defaults, vocab_size: int | None
+) -> RowRequest:
     ints = {name: _scalar(row, name, int) for name in INT_INPUTS}
     floats = {name: _scalar(row, name, float) for name in FLOAT_INPUTS}
     bools = {name: _scalar(row, name, bool) for name in BOOL_INPUTS}
@@ -93,15 +97,19 @@ def convert_row(row: dict[str, np.ndarray], index: int, defaults: Defaults,
 
     for name in ("beam_width", "num_return_sequences"):
         if ints[name] is not None and ints[name] != 1:
-            raise ValueError(f"{name} must be 1 (beam search and multiple sequences are not "
-                             f"supported), got {ints[name]}")
+            raise ValueError(
+                f"{name} must be 1 (beam search and multiple sequences are not "
+                f"supported), got {ints[name]}"
+            )
     for name in ("return_context_logits", "return_generation_logits"):
         if bools[name]:
             raise ValueError(f"{name} is not supported; send false or leave it out")
     if bools["streaming"] and not defaults.decoupled:
-        raise ValueError(f"{label('streaming')} must be false: this model is not decoupled "
-                         "(decoupled_mode=false) and answers each request with one response; "
-                         "stream from a server built with decoupled_mode=true")
+        raise ValueError(
+            f"{label('streaming')} must be false: this model is not decoupled "
+            "(decoupled_mode=false) and answers each request with one response; "
+            "stream from a server built with decoupled_mode=true"
+        )
 
     prompt = _prompt(row, ints["input_lengths"])
     max_tokens = ints["request_output_len"]
@@ -110,7 +118,11 @@ def convert_row(row: dict[str, np.ndarray], index: int, defaults: Defaults,
     elif max_tokens < 1:
         raise ValueError(f"{label('request_output_len')} must be >= 1, got {max_tokens}")
 
-    temperature, top_k, top_p = floats["temperature"], ints["runtime_top_k"], floats["runtime_top_p"]
+    temperature, top_k, top_p = (
+        floats["temperature"],
+        ints["runtime_top_k"],
+        floats["runtime_top_p"],
+    )
     if top_k is not None and top_k < 0:
         raise ValueError(f"{label('runtime_top_k')} must be >= 0, got {top_k}")
     if top_p is not None and top_p == 0:
@@ -153,10 +165,13 @@ def convert_row(row: dict[str, np.ndarray], index: int, defaults: Defaults,
     sampling.validate(vocab_size)
     exclude = bools["exclude_input_in_output"]
     return RowRequest(
-        batch_index=index, prompt_ids=prompt, sampling=sampling,
+        batch_index=index,
+        prompt_ids=prompt,
+        sampling=sampling,
         streaming=bool(bools["streaming"]),
         exclude_input_in_output=defaults.exclude_input_in_output if exclude is None else exclude,
-        return_perf_metrics=bool(bools["return_perf_metrics"]))
+        return_perf_metrics=bool(bools["return_perf_metrics"]),
+    )
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -170,8 +185,9 @@ def _scalar(row: dict[str, np.ndarray], name: str, kind: type):
         return None
     arr = np.asarray(row[name])
     if arr.size != 1:
-        raise ValueError(f"{label(name)} must hold exactly one value per batch row, got shape "
-                         f"{list(arr.shape)}")
+        raise ValueError(
+            f"{label(name)} must hold exactly one value per batch row, got shape {list(arr.shape)}"
+        )
     value = arr.reshape(-1)[0]
     if kind is bool:
         if arr.dtype != np.bool_:
@@ -196,8 +212,9 @@ def _prompt(row: dict[str, np.ndarray], length: int | None) -> list[int]:
     ids = ids.reshape(-1)
     if length is not None:
         if not 0 <= length <= ids.size:
-            raise ValueError(f"input_lengths must be in [0, {ids.size}] (the number of "
-                             f"input_ids), got {length}")
+            raise ValueError(
+                f"input_lengths must be in [0, {ids.size}] (the number of input_ids), got {length}"
+            )
         ids = ids[:length]
     if ids.size == 0:
         raise ValueError("input_ids must not be empty")
@@ -208,7 +225,7 @@ def _words(row: dict[str, np.ndarray], name: str) -> list[list[int]]:
     if name not in row:
         return []
     arr = np.asarray(row[name])
-    if arr.ndim == 3 and arr.shape[0] == 1:          # [1, 2, N] from a client without batching
+    if arr.ndim == 3 and arr.shape[0] == 1:  # [1, 2, N] from a client without batching
         arr = arr[0]
     return decode_word_list(arr, name)
 
@@ -220,8 +237,9 @@ def _embedding_bias(row: dict[str, np.ndarray], vocab_size: int | None) -> dict[
     if bias.size == 0:
         return {}
     if vocab_size is not None and bias.size > vocab_size:
-        raise ValueError(f"embedding_bias must have at most vocab size ({vocab_size}) entries, "
-                         f"got {bias.size}")
+        raise ValueError(
+            f"embedding_bias must have at most vocab size ({vocab_size}) entries, got {bias.size}"
+        )
     if not np.all(np.isfinite(bias)):
         raise ValueError("embedding_bias must be finite")
     nonzero = np.nonzero(bias)[0]

@@ -15,6 +15,7 @@ makes no metric IPC). Families and label values:
   nv_llm_time_to_first_token_seconds, nv_llm_inter_token_latency_seconds (mean per request),
   nv_llm_request_latency_seconds  histograms
 """
+
 from __future__ import annotations
 
 import queue
@@ -24,8 +25,25 @@ from dataclasses import dataclass
 import triton_python_backend_utils as pb_utils
 
 TOKEN_BUCKETS = [10, 50, 100, 500, 1000]
-LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
 FINISH_REASONS = ("length", "stop", "end_id", "cancelled", "error")
 REJECT_REASONS = ("queue_full", "shutting_down", "invalid")
 
@@ -39,7 +57,7 @@ class FinishedRequest:
     first_token_time: float | None
     last_token_time: float | None
     end_time: float
-    rejected: str | None = None     # why the engine refused it (see REJECT_REASONS)
+    rejected: str | None = None  # why the engine refused it (see REJECT_REASONS)
 
 
 class LlmMetrics:
@@ -49,38 +67,75 @@ class LlmMetrics:
         self._finished: queue.SimpleQueue[FinishedRequest] = queue.SimpleQueue()
         self._gauge_values: dict[int, float] = {}
         self._families = []
-        self.request = self._gauges("nv_trt_llm_request_metrics", "TRT LLM request metrics",
-                                    "request_type", ("active", "max", "scheduled", "context",
-                                                     "waiting"))
-        self.kv = self._gauges("nv_trt_llm_kv_cache_block_metrics", "TRT LLM KV cache block metrics",
-                               "kv_cache_block_type",
-                               ("max", "free", "used", "tokens_per", "reused", "fraction"))
-        self.ifb = self._gauges("nv_trt_llm_inflight_batcher_metrics",
-                                "TRT LLM inflight batcher metrics", "inflight_batcher_specific_metric",
-                                ("total_context_tokens", "generation_requests", "micro_batch_id",
-                                 "preemptions"))
-        self.general = self._gauges("nv_trt_llm_general_metrics", "General TRT LLM metrics",
-                                    "general_type", ("iteration_counter", "timestamp"))
-        self.input_len = self._histogram("nv_llm_input_token_len", "TRT LLM response metrics",
-                                         {"response_metric_type": "total_input_tokens"}, TOKEN_BUCKETS)
-        self.output_len = self._histogram("nv_llm_output_token_len", "TRT LLM response metrics",
-                                          {"response_metric_type": "total_output_tokens"},
-                                          TOKEN_BUCKETS)
-        self.ttft = self._histogram("nv_llm_time_to_first_token_seconds",
-                                    "Time from arrival to the first generated token", {},
-                                    LATENCY_BUCKETS)
-        self.itl = self._histogram("nv_llm_inter_token_latency_seconds",
-                                   "Mean time between generated tokens, per request", {},
-                                   LATENCY_BUCKETS)
-        self.latency = self._histogram("nv_llm_request_latency_seconds",
-                                       "Time from arrival to the last response", {}, LATENCY_BUCKETS)
+        self.request = self._gauges(
+            "nv_trt_llm_request_metrics",
+            "TRT LLM request metrics",
+            "request_type",
+            ("active", "max", "scheduled", "context", "waiting"),
+        )
+        self.kv = self._gauges(
+            "nv_trt_llm_kv_cache_block_metrics",
+            "TRT LLM KV cache block metrics",
+            "kv_cache_block_type",
+            ("max", "free", "used", "tokens_per", "reused", "fraction"),
+        )
+        self.ifb = self._gauges(
+            "nv_trt_llm_inflight_batcher_metrics",
+            "TRT LLM inflight batcher metrics",
+            "inflight_batcher_specific_metric",
+            ("total_context_tokens", "generation_requests", "micro_batch_id", "preemptions"),
+        )
+        self.general = self._gauges(
+            "nv_trt_llm_general_metrics",
+            "General TRT LLM metrics",
+            "general_type",
+            ("iteration_counter", "timestamp"),
+        )
+        self.input_len = self._histogram(
+            "nv_llm_input_token_len",
+            "TRT LLM response metrics",
+            {"response_metric_type": "total_input_tokens"},
+            TOKEN_BUCKETS,
+        )
+        self.output_len = self._histogram(
+            "nv_llm_output_token_len",
+            "TRT LLM response metrics",
+            {"response_metric_type": "total_output_tokens"},
+            TOKEN_BUCKETS,
+        )
+        self.ttft = self._histogram(
+            "nv_llm_time_to_first_token_seconds",
+            "Time from arrival to the first generated token",
+            {},
+            LATENCY_BUCKETS,
+        )
+        self.itl = self._histogram(
+            "nv_llm_inter_token_latency_seconds",
+            "Mean time between generated tokens, per request",
+            {},
+            LATENCY_BUCKETS,
+        )
+        self.latency = self._histogram(
+            "nv_llm_request_latency_seconds",
+            "Time from arrival to the last response",
+            {},
+            LATENCY_BUCKETS,
+        )
         counter = pb_utils.MetricFamily.COUNTER
-        self.finished = self._labelled("nv_llm_requests_finished_total",
-                                       "Finished engine requests by finish reason",
-                                       "finish_reason", FINISH_REASONS, counter)
-        self.rejected = self._labelled("nv_llm_requests_rejected_total",
-                                       "Requests the engine refused, by reason", "reason",
-                                       REJECT_REASONS, counter)
+        self.finished = self._labelled(
+            "nv_llm_requests_finished_total",
+            "Finished engine requests by finish reason",
+            "finish_reason",
+            FINISH_REASONS,
+            counter,
+        )
+        self.rejected = self._labelled(
+            "nv_llm_requests_rejected_total",
+            "Requests the engine refused, by reason",
+            "reason",
+            REJECT_REASONS,
+            counter,
+        )
 
     # ---- called from the response thread: cheap, no IPC ----------------------------------------
     def record_finished(self, item: FinishedRequest) -> None:
@@ -90,17 +145,35 @@ class LlmMetrics:
     def update(self, stats) -> None:
         kv = stats.kv
         scheduled = stats.last_num_context_requests + stats.last_num_generation_requests
-        self._set(self.request, active=stats.num_running, max=self._max_batch_size, scheduled=scheduled,
-             context=stats.last_num_context_requests, waiting=stats.num_waiting)
-        self._set(self.kv, max=kv.max_blocks, free=kv.free_blocks, used=kv.used_blocks,
-             tokens_per=kv.tokens_per_block, reused=kv.reused_blocks,
-             fraction=kv.used_blocks / kv.max_blocks if kv.max_blocks else 0.0)
-        self._set(self.ifb, generation_requests=stats.last_num_generation_requests, micro_batch_id=0,
-             total_context_tokens=max(0, stats.last_num_scheduled_tokens
-                                      - stats.last_num_generation_requests),
-             preemptions=stats.num_preemptions)
-        self._set(self.general, iteration_counter=stats.num_iterations,
-             timestamp=int(time.time() * 1e6))
+        self._set(
+            self.request,
+            active=stats.num_running,
+            max=self._max_batch_size,
+            scheduled=scheduled,
+            context=stats.last_num_context_requests,
+            waiting=stats.num_waiting,
+        )
+        self._set(
+            self.kv,
+            max=kv.max_blocks,
+            free=kv.free_blocks,
+            used=kv.used_blocks,
+            tokens_per=kv.tokens_per_block,
+            reused=kv.reused_blocks,
+            fraction=kv.used_blocks / kv.max_blocks if kv.max_blocks else 0.0,
+        )
+        self._set(
+            self.ifb,
+            generation_requests=stats.last_num_generation_requests,
+            micro_batch_id=0,
+            total_context_tokens=max(
+                0, stats.last_num_scheduled_tokens - stats.last_num_generation_requests
+            ),
+            preemptions=stats.num_preemptions,
+        )
+        self._set(
+            self.general, iteration_counter=stats.num_iterations, timestamp=int(time.time() * 1e6)
+        )
         self.observe_finished()
 
     def observe_finished(self) -> None:
@@ -118,24 +191,28 @@ class LlmMetrics:
             if item.first_token_time:
                 self.ttft.observe(max(0.0, item.first_token_time - item.arrival_time))
                 if item.num_output_tokens > 1 and item.last_token_time:
-                    self.itl.observe(max(0.0, item.last_token_time - item.first_token_time)
-                                     / (item.num_output_tokens - 1))
+                    self.itl.observe(
+                        max(0.0, item.last_token_time - item.first_token_time)
+                        / (item.num_output_tokens - 1)
+                    )
             self.latency.observe(max(0.0, item.end_time - item.arrival_time))
 
     # ---- construction --------------------------------------------------------------------------
     def _gauges(self, name: str, description: str, label: str, values: tuple[str, ...]) -> dict:
         return self._labelled(name, description, label, values, pb_utils.MetricFamily.GAUGE)
 
-    def _labelled(self, name: str, description: str, label: str, values: tuple[str, ...],
-                  kind) -> dict:
+    def _labelled(
+        self, name: str, description: str, label: str, values: tuple[str, ...], kind
+    ) -> dict:
         """One metric per value of `label`, in a family of `kind`."""
         family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
         self._families.append(family)
         return {v: family.Metric(labels={**self._labels, label: v}) for v in values}
 
     def _histogram(self, name: str, description: str, labels: dict, buckets: list):
-        family = pb_utils.MetricFamily(name=name, description=description,
-                                       kind=pb_utils.MetricFamily.HISTOGRAM)
+        family = pb_utils.MetricFamily(
+            name=name, description=description, kind=pb_utils.MetricFamily.HISTOGRAM
+        )
         self._families.append(family)
         return family.Metric(labels={**self._labels, **labels}, buckets=buckets)
 

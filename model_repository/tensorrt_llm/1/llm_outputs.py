@@ -10,6 +10,7 @@ As in TensorRT-LLM, the optional outputs are left out unless asked: the perf met
 return_perf_metrics, the log-probs without return_log_probs. The ensemble then leaves them out of
 its responses too, and every response costs the sender half the tensors.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,22 +25,36 @@ from postprocessing.detokenizer import window_start
 class RowStream:
     """What has been shown of one row so far. Only the response thread touches it."""
 
-    handle: str                                         # the engine request id
+    handle: str  # the engine request id
     batch_index: int
     streaming: bool
-    log_probs: bool = False                             # return_log_probs
-    perf_metrics: bool = False                          # return_perf_metrics
-    shown: list[int] = field(default_factory=list)     # prompt (if echoed) + generated ids so far
-    num_sent: int = 0                                   # of `shown`, already sent
+    log_probs: bool = False  # return_log_probs
+    perf_metrics: bool = False  # return_perf_metrics
+    shown: list[int] = field(default_factory=list)  # prompt (if echoed) + generated ids so far
+    num_sent: int = 0  # of `shown`, already sent
     logprobs: list[float] = field(default_factory=list)
     num_logprobs_sent: int = 0
     num_generated: int = 0
 
     @classmethod
-    def start(cls, handle: str, batch_index: int, streaming: bool, prompt_ids: list[int],
-              echo_prompt: bool, log_probs: bool = False, perf_metrics: bool = False) -> "RowStream":
-        return cls(handle, batch_index, streaming, log_probs, perf_metrics,
-                   shown=list(prompt_ids) if echo_prompt else [])
+    def start(
+        cls,
+        handle: str,
+        batch_index: int,
+        streaming: bool,
+        prompt_ids: list[int],
+        echo_prompt: bool,
+        log_probs: bool = False,
+        perf_metrics: bool = False,
+    ) -> "RowStream":
+        return cls(
+            handle,
+            batch_index,
+            streaming,
+            log_probs,
+            perf_metrics,
+            shown=list(prompt_ids) if echo_prompt else [],
+        )
 
     def add(self, out: RequestOutput) -> None:
         self.shown += out.new_token_ids
@@ -47,7 +62,8 @@ class RowStream:
         self.num_generated += len(out.new_token_ids)
 
     def ready(self, out: RequestOutput) -> bool:
-        """Whether a response is due after `out`: every step when streaming, else only at the end."""
+        """Whether a response is due after `out`: every step when streaming, else only at the
+        end."""
         return out.finished or (self.streaming and len(self.shown) > self.num_sent)
 
     def take(self, out: RequestOutput) -> dict[str, np.ndarray]:
@@ -69,7 +85,9 @@ class RowStream:
             "llm_request_id": np.array([self.handle.encode()], dtype=np.object_),
         }
         if self.log_probs:
-            new_logprobs = self.logprobs[self.num_logprobs_sent:] if self.streaming else self.logprobs
+            new_logprobs = (
+                self.logprobs[self.num_logprobs_sent :] if self.streaming else self.logprobs
+            )
             tensors["cum_log_probs"] = np.array([out.cum_logprob], dtype=np.float32)
             tensors["output_log_probs"] = np.array([new_logprobs], dtype=np.float32).reshape(1, -1)
         if self.perf_metrics:

@@ -18,6 +18,7 @@ TRITONBACKEND_ResponseFactoryIsCancelled, seen once under 32 concurrent streams)
 final send take the request's lock, so they never overlap. Each poll is a round trip too: at
 most CANCEL_CHECKS_PER_S of them a second, in turn over the live requests.
 """
+
 from __future__ import annotations
 
 import collections
@@ -41,7 +42,11 @@ from llm_outputs import RowStream, stack_rows
 log = logging.getLogger(__name__)
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # Why the engine refused a request (RequestOutput.rejected) -> the Triton error code.
-ERROR_CODES = {"queue_full": "UNAVAILABLE", "shutting_down": "UNAVAILABLE", "invalid": "INVALID_ARG"}
+ERROR_CODES = {
+    "queue_full": "UNAVAILABLE",
+    "shutting_down": "UNAVAILABLE",
+    "invalid": "INVALID_ARG",
+}
 CANCEL_CHECKS_PER_S = 1000
 
 
@@ -49,17 +54,17 @@ CANCEL_CHECKS_PER_S = 1000
 class LiveRequest:
     """One Triton request: its sender and how many of its rows are still running."""
 
-    request: object                        # the pb_utils.InferenceRequest, polled for cancellation
+    request: object  # the pb_utils.InferenceRequest, polled for cancellation
     sender: object
     user_id: str
-    requested: frozenset[str]              # empty = every output
+    requested: frozenset[str]  # empty = every output
     engine_ids: list[str] = field(default_factory=list)
     pending: int = 0
-    closed: bool = False                   # its FINAL response was sent
+    closed: bool = False  # its FINAL response was sent
     # not decoupled: each finished row's tensors (by batch row), the first failure (message, code)
     finished_rows: dict[int, dict] = field(default_factory=dict)
     error: tuple[str, str] | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)   # a cancellation poll vs FINAL
+    lock: threading.Lock = field(default_factory=threading.Lock)  # a cancellation poll vs FINAL
 
 
 @dataclass
@@ -79,7 +84,7 @@ class ResponseDispatcher:
         self._requests: dict[int, LiveRequest] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._prefix = f"llm-{uuid.uuid4().hex[:8]}-"          # engine ids never look like users'
+        self._prefix = f"llm-{uuid.uuid4().hex[:8]}-"  # engine ids never look like users'
         self._poll_turn = 0
         self._thread = threading.Thread(target=self._run, name="llm-responses", daemon=True)
         self._thread.start()
@@ -89,15 +94,25 @@ class ResponseDispatcher:
         """Queue every row in the engine. Raises ValueError (bad input) or RuntimeError (no engine)
         when no row was queued."""
         number = next(self._ids)
-        live = LiveRequest(request, sender, request.request_id(),
-                           frozenset(request.requested_output_names()), pending=len(rows))
+        live = LiveRequest(
+            request,
+            sender,
+            request.request_id(),
+            frozenset(request.requested_output_names()),
+            pending=len(rows),
+        )
         entries = []
         for i, row in enumerate(rows):
             engine_id = f"{self._prefix}{number}.{i}"
-            stream = RowStream.start(engine_id, row.batch_index, row.streaming, row.prompt_ids,
-                                     echo_prompt=not row.exclude_input_in_output,
-                                     log_probs=row.sampling.return_log_probs,
-                                     perf_metrics=row.return_perf_metrics)
+            stream = RowStream.start(
+                engine_id,
+                row.batch_index,
+                row.streaming,
+                row.prompt_ids,
+                echo_prompt=not row.exclude_input_in_output,
+                log_probs=row.sampling.return_log_probs,
+                perf_metrics=row.return_perf_metrics,
+            )
             entries.append((engine_id, row, LiveRow(live, stream, len(row.prompt_ids))))
         with self._lock:
             for engine_id, _, entry in entries:
@@ -111,8 +126,8 @@ class ResponseDispatcher:
                 submitted.append(engine_id)
         except (ValueError, RuntimeError) as exc:
             with self._lock:
-                live.pending = len(submitted)          # the cancelled rows still end normally
-                for engine_id, _, _ in entries[len(submitted):]:
+                live.pending = len(submitted)  # the cancelled rows still end normally
+                for engine_id, _, _ in entries[len(submitted) :]:
                     self._rows.pop(engine_id, None)
                     live.engine_ids.remove(engine_id)
                 if not submitted:
@@ -121,9 +136,14 @@ class ResponseDispatcher:
                 raise
             # Some rows run already: report the error now, their ends carry the FINAL flag.
             if self._decoupled:
-                self._send(live, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), 0)
+                self._send(
+                    live, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), 0
+                )
             else:
-                live.error = (str(exc), "INVALID_ARG" if isinstance(exc, ValueError) else "INTERNAL")
+                live.error = (
+                    str(exc),
+                    "INVALID_ARG" if isinstance(exc, ValueError) else "INTERNAL",
+                )
             for engine_id in submitted:
                 self._engine.cancel(engine_id)
 
@@ -134,8 +154,12 @@ class ResponseDispatcher:
             if request_id in self._rows:
                 ids = [request_id]
             else:
-                ids = [e for r in self._requests.values() if r.user_id == request_id
-                       for e in r.engine_ids]
+                ids = [
+                    e
+                    for r in self._requests.values()
+                    if r.user_id == request_id
+                    for e in r.engine_ids
+                ]
         return sum(self._engine.cancel(engine_id) for engine_id in ids)
 
     # ---- from the poll thread ------------------------------------------------------------------
@@ -172,15 +196,15 @@ class ResponseDispatcher:
     # ---- the sender thread ---------------------------------------------------------------------
     def _run(self) -> None:
         """Answer outputs, each row's in order, urgent rows first (see the module docstring)."""
-        waiting: dict[str, RequestOutput] = {}   # row -> its newest unanswered output, oldest first
-        urgent: collections.deque[str] = collections.deque()   # rows finished or not answered yet
+        waiting: dict[str, RequestOutput] = {}  # row -> its newest unanswered output, oldest first
+        urgent: collections.deque[str] = collections.deque()  # rows finished or not answered yet
         while True:
             for out in self._arrived(wait=not waiting):
                 if out is None:
                     return
                 older = waiting.get(out.request_id)
                 if older is not None:
-                    self._answer(older, send=False)      # its tokens ride with the newer output
+                    self._answer(older, send=False)  # its tokens ride with the newer output
                 if out.finished or self._unanswered(out.request_id):
                     urgent.append(out.request_id)
                 waiting[out.request_id] = out
@@ -226,11 +250,18 @@ class ResponseDispatcher:
         else:
             self._answer_whole(live, row, out, last)
         if out.finished and self._metrics is not None:
-            self._metrics.record_finished(FinishedRequest(
-                num_input_tokens=row.num_prompt_tokens, num_output_tokens=stream.num_generated,
-                finish_reason=out.finish_reason.value if out.finish_reason else "error",
-                arrival_time=out.arrival_time, first_token_time=out.first_token_time,
-                last_token_time=out.last_token_time, end_time=time.time(), rejected=out.rejected))
+            self._metrics.record_finished(
+                FinishedRequest(
+                    num_input_tokens=row.num_prompt_tokens,
+                    num_output_tokens=stream.num_generated,
+                    finish_reason=out.finish_reason.value if out.finish_reason else "error",
+                    arrival_time=out.arrival_time,
+                    first_token_time=out.first_token_time,
+                    last_token_time=out.last_token_time,
+                    end_time=time.time(),
+                    rejected=out.rejected,
+                )
+            )
 
     def _answer_row(self, live: LiveRequest, row: LiveRow, out: RequestOutput, flags: int) -> None:
         if out.finish_reason == FinishReason.ERROR or out.rejected:
@@ -242,11 +273,15 @@ class ResponseDispatcher:
         elif flags & FINAL:
             self._send(live, None, flags)
 
-    def _answer_whole(self, live: LiveRequest, row: LiveRow, out: RequestOutput, last: bool) -> None:
+    def _answer_whole(
+        self, live: LiveRequest, row: LiveRow, out: RequestOutput, last: bool
+    ) -> None:
         """Not decoupled: keep each finished row; after the last, send one response with all."""
         if out.finish_reason == FinishReason.ERROR or out.rejected:
-            live.error = live.error or (out.error or "generation failed",
-                                        ERROR_CODES.get(out.rejected, "INTERNAL"))
+            live.error = live.error or (
+                out.error or "generation failed",
+                ERROR_CODES.get(out.rejected, "INTERNAL"),
+            )
         elif out.finished:
             live.finished_rows[row.stream.batch_index] = row.stream.take(out)
         if not last:
@@ -255,16 +290,28 @@ class ResponseDispatcher:
             self._send(live, pb_utils.InferenceResponse(error=triton_error(*live.error)), FINAL)
             return
         tensors = stack_rows([live.finished_rows[i] for i in sorted(live.finished_rows)])
-        self._send(live, pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor(name, value) for name, value in tensors.items()
-            if not live.requested or name in live.requested]), FINAL)
+        self._send(
+            live,
+            pb_utils.InferenceResponse(
+                output_tensors=[
+                    pb_utils.Tensor(name, value)
+                    for name, value in tensors.items()
+                    if not live.requested or name in live.requested
+                ]
+            ),
+            FINAL,
+        )
 
     @staticmethod
     def _response(row: LiveRow, out: RequestOutput):
         requested = row.request.requested
-        return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor(name, value[np.newaxis, ...]) for name, value in row.stream.take(out).items()
-            if not requested or name in requested])
+        return pb_utils.InferenceResponse(
+            output_tensors=[
+                pb_utils.Tensor(name, value[np.newaxis, ...])
+                for name, value in row.stream.take(out).items()
+                if not requested or name in requested
+            ]
+        )
 
     def _send(self, live: LiveRequest, response, flags: int) -> None:
         if flags & FINAL:

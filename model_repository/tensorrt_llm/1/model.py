@@ -7,6 +7,7 @@ interpreter. execute() converts each request's tensors into engine requests and 
 responses are sent from the response thread (llm_responses.py) as the engine's outputs arrive. A
 poll thread checks client cancellation and refreshes the metrics.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,25 +34,30 @@ class TritonPythonModel:
         params = parameters(args["model_config"])
         self.config = EngineConfig(**engine_kwargs(params))
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(
-            json.loads(args["model_config"]))
+            json.loads(args["model_config"])
+        )
         self.defaults = Defaults(
             max_tokens=get_setting(params, "default_max_tokens"),
             exclude_input_in_output=get_setting(params, "exclude_input_in_output"),
-            decoupled=self.decoupled)
+            decoupled=self.decoupled,
+        )
         self.cancel_period_s = get_setting(params, "cancellation_check_period_ms") / 1000
         self.stats_period_s = get_setting(params, "stats_check_period_ms") / 1000
         self.engine = EngineProcess(self.config)
-        self.metrics = LlmMetrics(args["model_name"], args["model_version"],
-                                  self.config.max_batch_size)
+        self.metrics = LlmMetrics(
+            args["model_name"], args["model_version"], self.config.max_batch_size
+        )
         self.dispatcher = ResponseDispatcher(self.engine, self.metrics, self.decoupled)
         self.stopping = threading.Event()
         self.poller = threading.Thread(target=self._poll, name="llm-poll", daemon=True)
         self.poller.start()
         info = self.engine.info
         pb_utils.Logger.log_info(
-            f"tensorrt_llm ready: engine process {info.pid} on {info.device}, model {info.model_dir}, "
+            f"tensorrt_llm ready: engine process {info.pid} on {info.device}, "
+            f"model {info.model_dir}, "
             f"vocab {info.vocab_size}, max_seq_len {info.max_seq_len}, "
-            f"config {json.dumps(vars(self.config))}")
+            f"config {json.dumps(vars(self.config))}"
+        )
         self.stub_watch = watch_stub(args["model_name"])  # last: a failed load is not a death
 
     def execute(self, requests):

@@ -6,6 +6,7 @@ serves many requests at once; a watcher stops the LLM request of a client that w
 transaction policy is tensorrt_llm's (both rendered from decoupled_mode): when not decoupled it
 calls the LLM once and answers with one response.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,11 +32,17 @@ class StepError(Exception):
 
 def call(step, tensors: dict[str, np.ndarray], request_id: str = "", decoupled: bool = False):
     """Run one ensemble step on the tensors available so far (by ensemble tensor name)."""
-    inputs = [pb_utils.Tensor(model_input, tensors[name])
-              for model_input, name in step.inputs.items() if name in tensors]
-    request = pb_utils.InferenceRequest(model_name=step.model, inputs=inputs,
-                                        requested_output_names=list(step.outputs),
-                                        request_id=request_id)
+    inputs = [
+        pb_utils.Tensor(model_input, tensors[name])
+        for model_input, name in step.inputs.items()
+        if name in tensors
+    ]
+    request = pb_utils.InferenceRequest(
+        model_name=step.model,
+        inputs=inputs,
+        requested_output_names=list(step.outputs),
+        request_id=request_id,
+    )
     return request.exec(decoupled=decoupled)
 
 
@@ -54,9 +61,10 @@ class TritonPythonModel:
     def initialize(self, args):
         check_stub_numpy()
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(
-            json.loads(args["model_config"]))
+            json.loads(args["model_config"])
+        )
         self.threads: set[threading.Thread] = set()
-        self.live: dict[str, object] = {}          # LLM request id -> the client's sender
+        self.live: dict[str, object] = {}  # LLM request id -> the client's sender
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.watcher = threading.Thread(target=self.watch, name="bls-cancel", daemon=True)
@@ -77,7 +85,12 @@ class TritonPythonModel:
         try:
             self.generate(tensors, sender, llm_id)
         except StepError as exc:
-            self.send(sender, pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), FINAL, llm_id)
+            self.send(
+                sender,
+                pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))),
+                FINAL,
+                llm_id,
+            )
         except Exception as exc:  # never leave a request without its FINAL flag
             pb_utils.Logger.log_error(f"tensorrt_llm_bls: {exc!r}")
             error = pb_utils.TritonError(f"internal error: {exc}")
@@ -94,13 +107,15 @@ class TritonPythonModel:
         responses = call(LLM, tensors, request_id=llm_id, decoupled=self.decoupled)
         for response in responses if self.decoupled else [responses]:
             if len(response.output_tensors()) == 0 and not response.has_error():
-                continue                                    # a flag-only final response
+                continue  # a flag-only final response
             step_tensors = outputs_of(LLM, response)
             merged = {**step_tensors, **outputs_of(POST, call(POST, step_tensors))}
-            answer = pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor(name, merged[name]) for name in OUTPUT_NAMES
-                if name in merged])                         # optional ones only when asked
-            if not self.decoupled:                          # its one response carries FINAL
+            answer = pb_utils.InferenceResponse(
+                output_tensors=[
+                    pb_utils.Tensor(name, merged[name]) for name in OUTPUT_NAMES if name in merged
+                ]
+            )  # optional ones only when asked
+            if not self.decoupled:  # its one response carries FINAL
                 self.send(sender, answer, FINAL, llm_id)
                 return
             self.send(sender, answer, 0)
@@ -130,8 +145,11 @@ class TritonPythonModel:
 
     def stop(self, llm_id: str) -> None:
         request = pb_utils.InferenceRequest(
-            model_name=LLM.model, request_id=llm_id, requested_output_names=[],
-            inputs=[pb_utils.Tensor("stop", np.array([[True]], dtype=np.bool_))])
+            model_name=LLM.model,
+            request_id=llm_id,
+            requested_output_names=[],
+            inputs=[pb_utils.Tensor("stop", np.array([[True]], dtype=np.bool_))],
+        )
         if not self.decoupled:
             request.exec()
             return
