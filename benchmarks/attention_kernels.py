@@ -34,13 +34,13 @@ from backend.kernels import tuning
 from benchmarks.graph_timing import graph_us_per_call
 from benchmarks.provenance import provenance
 
-BLOCK_SIZE = 32
+TOKENS_PER_BLOCK = 32
 CACHE_TOKENS = 1 << 20
 
 
 def make_meta(query_lens, seq_lens, num_blocks, device, gen):
     """Random (shuffled) block tables into a cache of num_blocks blocks."""
-    per_seq = [math.ceil(s / BLOCK_SIZE) for s in seq_lens]
+    per_seq = [math.ceil(s / TOKENS_PER_BLOCK) for s in seq_lens]
     physical = torch.randperm(num_blocks, generator=gen)[: sum(per_seq)].tolist()
     tables = torch.zeros(len(seq_lens), max(per_seq), dtype=torch.int32)
     for b, n in enumerate(per_seq):
@@ -82,14 +82,14 @@ class Setup:
     def __init__(self, heads, kv_heads, head_dim):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.scale = head_dim**-0.5
-        self.num_blocks = CACHE_TOKENS // BLOCK_SIZE
-        shape = (self.num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+        self.num_blocks = CACHE_TOKENS // TOKENS_PER_BLOCK
+        shape = (self.num_blocks, TOKENS_PER_BLOCK, kv_heads, head_dim)
         self.k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         self.v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         self.gen = torch.Generator().manual_seed(0)
 
     def name(self):
-        return f"H={self.heads} KV={self.kv_heads} D={self.head_dim} bf16 block {BLOCK_SIZE}"
+        return f"H={self.heads} KV={self.kv_heads} D={self.head_dim} bf16 block {TOKENS_PER_BLOCK}"
 
     def meta(self, q_lens, s_lens):
         return make_meta(q_lens, s_lens, self.num_blocks, "cuda", self.gen)

@@ -7,7 +7,7 @@ import pytest
 
 # Before any test module imports a kernel module: on a machine without a GPU, kernels are
 # decorated for Triton's interpreter only if TRITON_INTERPRET=1 is already set.
-import tests.backend.triton_cpu  # noqa: F401
+import tests.kernels.triton_cpu  # noqa: F401
 from tests.tiny_models import save_tiny_hf_model
 from tests.tokenizer_fixtures import sentencepiece, smollm2  # noqa: F401 - fixtures
 

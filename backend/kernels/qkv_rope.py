@@ -148,7 +148,7 @@ def qkv_rope_gemv(
 ) -> torch.Tensor:
     """x [1, hidden], weight [(heads + 2 kv_heads) * D, hidden] -> qkv [1, (heads + 2 kv_heads) * D]
     with q and k rotated for `positions` [1]; the rotated keys and the values are also stored at
-    `slot_mapping` [1] in k_cache / v_cache ([blocks, block_size, kv_heads, D]).
+    `slot_mapping` [1] in k_cache / v_cache ([blocks, tokens_per_block, kv_heads, D]).
     `norm_weight`/`eps`: RMSNorm x first. cos_sin [P, 2, D] float32 (`RotaryEmbedding.cos_sin`)."""
     n, k = weight.shape
     head_dim = cos_sin.shape[-1]

@@ -86,7 +86,7 @@ def _rope_kernel(
     KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
     WRITE_KV: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    TOKENS_PER_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -114,8 +114,8 @@ def _rope_kernel(
     )
     slot = tl.load(slot_ptr + token).to(tl.int64)
     in_cache = tl.where(slot >= 0, slot, 0)
-    cache_offset = (in_cache // BLOCK_SIZE) * stride_c_block + (
-        in_cache % BLOCK_SIZE
+    cache_offset = (in_cache // TOKENS_PER_BLOCK) * stride_c_block + (
+        in_cache % TOKENS_PER_BLOCK
     ) * stride_c_offset
     _rotate_heads(
         k_ptr,
@@ -155,7 +155,7 @@ def apply_rotary_(
     """Rotate q [T, heads, D] and k [T, kv_heads, D] in place; cos_sin [P, 2, D] float32.
 
     kv_write = (v [T, kv_heads, D], k_cache, v_cache, slot_mapping [T]): also store the rotated
-    keys and the values in the paged cache ([blocks, block_size, kv_heads, D] each).
+    keys and the values in the paged cache ([blocks, tokens_per_block, kv_heads, D] each).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -194,7 +194,7 @@ def apply_rotary_(
             KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
             HALF=head_dim // 2,
             WRITE_KV=kv_write is not None,
-            BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1,
+            TOKENS_PER_BLOCK=k_cache.shape[1] if kv_write is not None else 1,
             num_warps=4,
             **launch_options(ORDERING),
         )

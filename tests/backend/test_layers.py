@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 # Sets TRITON_INTERPRET=1 without a GPU; must come before the kernel modules are imported.
-from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # noqa: F401
+from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # noqa: F401
 
 pytest.importorskip("triton")
 
@@ -189,12 +189,12 @@ def test_attention_partials_come_from_the_backend_and_the_o_projection_reads_any
     """Split partials are the Triton backend's (the torch reference has none); the o projection
     reads them through their strides, so another layout of the same values gives the same
     result."""
-    from tests.backend.test_attention_kernels import make_batch, random_query
+    from tests.kernels.test_attention_kernels import make_batch, random_query
 
     assert get_attention_backend("torch").decode_partials is None
     backend = get_attention_backend("triton", DEVICE)
     k_cache, v_cache, meta = make_batch(
-        [1], [150], num_kv_heads=2, head_dim=32, block_size=16, dtype=HALF, seed=3
+        [1], [150], num_kv_heads=2, head_dim=32, tokens_per_block=16, dtype=HALF, seed=3
     )
     query = random_query(1, 4, 32, dtype=HALF)
     partials = backend.decode_partials(query, k_cache, v_cache, meta, 0.2)

@@ -111,7 +111,7 @@ def _decode_kernel(
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    TOKENS_PER_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MIN_TILES_PER_SPLIT: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
@@ -155,12 +155,14 @@ def _decode_kernel(
             stride_vc_block,
             stride_vc_offset,
             stride_vc_head,
-            BLOCK_SIZE=BLOCK_SIZE,
+            TOKENS_PER_BLOCK=TOKENS_PER_BLOCK,
             BLOCK_N=BLOCK_N,
             HEAD_DIM=HEAD_DIM,
             MASK_KEYS=True,
         )
-        newest_page = tl.load(block_table_row + cached // BLOCK_SIZE).to(tl.int64)  # own token
+        newest_page = tl.load(block_table_row + cached // TOKENS_PER_BLOCK).to(
+            tl.int64
+        )  # own token
         if PDL:
             gdc_wait()
 
@@ -213,7 +215,7 @@ def _decode_kernel(
                 stride_vc_block,
                 stride_vc_offset,
                 stride_vc_head,
-                BLOCK_SIZE=BLOCK_SIZE,
+                TOKENS_PER_BLOCK=TOKENS_PER_BLOCK,
                 BLOCK_N=BLOCK_N,
                 HEAD_DIM=HEAD_DIM,
                 MASK_KEYS=True,
@@ -222,7 +224,7 @@ def _decode_kernel(
             )
         if (split == 0) & (seq_len > 0):
             # The step's own token (position `cached`): the previous kernel wrote its key and value.
-            in_page = cached % BLOCK_SIZE
+            in_page = cached % TOKENS_PER_BLOCK
             k_new = tl.load(
                 k_cache_ptr
                 + newest_page * stride_kc_block
@@ -606,7 +608,7 @@ def _launch(
     partials: bool,
 ) -> None:
     num_heads, head_dim = query.shape[1:]
-    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+    num_blocks, tokens_per_block, num_kv_heads = k_cache.shape[:3]
     num_seqs = seq_lens.shape[0]
     assert num_heads % num_kv_heads == 0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16
     assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -642,7 +644,7 @@ def _launch(
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
+        TOKENS_PER_BLOCK=tokens_per_block,
         BLOCK_N=config["BLOCK_N"],
         MIN_TILES_PER_SPLIT=min_tiles_per_split or MIN_TILES_PER_SPLIT,
         SPLITS_PAD=triton.next_power_of_2(num_splits),

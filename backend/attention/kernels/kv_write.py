@@ -1,7 +1,7 @@
 """KV-cache write: store the new tokens' keys and values at their cache slots.
 
-One program per token. The token's slot is `block * block_size + offset`; the program copies all
-kv heads of that token (a [kv_heads, head_dim] tile, contiguous along head_dim) into
+One program per token. The token's slot is `block * tokens_per_block + offset`; the program
+copies all kv heads of that token (a [kv_heads, head_dim] tile, contiguous along head_dim) into
 `cache[block, offset]`, converting to the cache dtype. Slot -1 marks a padded row (CUDA-graph
 batches are padded to a captured size) and is skipped.
 """
@@ -30,7 +30,7 @@ def _kv_write_kernel(
     stride_vc_block,
     stride_vc_offset,
     stride_vc_head,
-    BLOCK_SIZE: tl.constexpr,
+    TOKENS_PER_BLOCK: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -39,8 +39,8 @@ def _kv_write_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
         return
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
+    block = slot // TOKENS_PER_BLOCK
+    offset = slot % TOKENS_PER_BLOCK
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HEAD_DIM)[None, :]
     mask = heads < NUM_KV_HEADS
@@ -73,7 +73,7 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """key/value [T, kv_heads, head_dim] -> k_cache/v_cache
-    [blocks, block_size, kv_heads, head_dim]."""
+    [blocks, tokens_per_block, kv_heads, head_dim]."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -98,7 +98,7 @@ def write_kv(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
-        BLOCK_SIZE=k_cache.shape[1],
+        TOKENS_PER_BLOCK=k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,

@@ -5,10 +5,11 @@ running state of the online (streaming) softmax, in fp32 and in base 2:
     m_i  [M]            running max of the scaled scores,
     l_i  [M]            running sum of exp2(score - m_i),
     acc  [M, head_dim]  running sum of exp2(score - m_i) * value.
-`attend_key_tile` gathers BLOCK_N consecutive context tokens from the paged cache (token j lives in
-physical block `block_table[j // BLOCK_SIZE]` at offset `j % BLOCK_SIZE`, so a tile may span several
-pages), scores them, rescales the state to the new max and adds the tile's contribution.
-The caller divides acc by l_i at the end (or keeps m_i + log2(l_i) as the log-sum-exp of a split).
+`attend_key_tile` gathers BLOCK_N consecutive context tokens from the paged cache (token j lives
+in physical block `block_table[j // TOKENS_PER_BLOCK]` at offset `j % TOKENS_PER_BLOCK`, so a tile
+may span several pages), scores them, rescales the state to the new max and adds the tile's
+contribution. The caller divides acc by l_i at the end (or keeps m_i + log2(l_i) as the
+log-sum-exp of a split).
 `load_key_tile` and `attend_loaded_tile` are the two halves, for a caller that loads a tile early
 (the decode kernel reads its first tile before waiting for the previous kernel).
 
@@ -37,7 +38,7 @@ def load_key_tile(
     stride_vc_block,
     stride_vc_offset,
     stride_vc_head,
-    BLOCK_SIZE: tl.constexpr,
+    TOKENS_PER_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     MASK_KEYS: tl.constexpr,
@@ -48,10 +49,12 @@ def load_key_tile(
     dims = tl.arange(0, HEAD_DIM)
     key_ok = tokens < key_end
     if MASK_KEYS:
-        page = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        page = tl.load(block_table_row + tokens // TOKENS_PER_BLOCK, mask=key_ok, other=0).to(
+            tl.int64
+        )
     else:
-        page = tl.load(block_table_row + tokens // BLOCK_SIZE).to(tl.int64)
-    in_page = tokens % BLOCK_SIZE
+        page = tl.load(block_table_row + tokens // TOKENS_PER_BLOCK).to(tl.int64)
+    in_page = tokens % TOKENS_PER_BLOCK
     k_ptrs = (
         k_cache_ptr
         + page[:, None] * stride_kc_block
@@ -131,7 +134,7 @@ def attend_key_tile(
     stride_vc_block,
     stride_vc_offset,
     stride_vc_head,
-    BLOCK_SIZE: tl.constexpr,
+    TOKENS_PER_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     MASK_KEYS: tl.constexpr,
@@ -152,7 +155,7 @@ def attend_key_tile(
         stride_vc_block,
         stride_vc_offset,
         stride_vc_head,
-        BLOCK_SIZE=BLOCK_SIZE,
+        TOKENS_PER_BLOCK=TOKENS_PER_BLOCK,
         BLOCK_N=BLOCK_N,
         HEAD_DIM=HEAD_DIM,
         MASK_KEYS=MASK_KEYS,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 # Sets TRITON_INTERPRET=1 without a GPU; must come before the kernel modules are imported.
-from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # noqa: F401
+from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # noqa: F401
 
 pytest.importorskip("triton")
 
@@ -34,19 +34,19 @@ pytestmark = [
 
 
 def make_batch(
-    query_lens, seq_lens, *, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0
+    query_lens, seq_lens, *, num_kv_heads, head_dim, tokens_per_block, dtype=torch.float32, seed=0
 ):
     """A paged cache holding every request's full context, and the step's metadata.
 
     Physical blocks are handed out in shuffled order; slots that hold no token stay NaN.
     """
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    blocks_per_seq = [math.ceil(s / tokens_per_block) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3  # a few blocks nobody owns
     physical = torch.randperm(num_blocks, generator=gen).tolist()
     max_blocks = max(blocks_per_seq + [1])
     block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_blocks, tokens_per_block, num_kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype)
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
     new_slots = []
@@ -54,7 +54,10 @@ def make_batch(
         table = [physical.pop() for _ in range(blocks_per_seq[b])]
         block_tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
         slots = torch.tensor(
-            [table[p // block_size] * block_size + p % block_size for p in range(s_len)],
+            [
+                table[p // tokens_per_block] * tokens_per_block + p % tokens_per_block
+                for p in range(s_len)
+            ],
             dtype=torch.int64,
         )
         keys = torch.randn(s_len, num_kv_heads, head_dim, generator=gen)
@@ -108,17 +111,17 @@ def meta_on_cpu(meta):
 
 
 @pytest.mark.parametrize(
-    "num_kv_heads,head_dim,block_size", [(2, 32, 16), (3, 64, 32), (8, 32, 16)]
+    "num_kv_heads,head_dim,tokens_per_block", [(2, 32, 16), (3, 64, 32), (8, 32, 16)]
 )
-def test_write_kv_matches_reference_and_skips_padding(num_kv_heads, head_dim, block_size):
+def test_write_kv_matches_reference_and_skips_padding(num_kv_heads, head_dim, tokens_per_block):
     torch.manual_seed(0)
     num_blocks, num_tokens = 6, 11
     # key/value as strided views of one packed tensor, the way they come out of a fused QKV.
     packed = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, device=DEVICE)
     key, value = packed[:, :num_kv_heads], packed[:, num_kv_heads : 2 * num_kv_heads]
-    slots = torch.randperm(num_blocks * block_size)[:num_tokens].to(DEVICE)
+    slots = torch.randperm(num_blocks * tokens_per_block)[:num_tokens].to(DEVICE)
     slots[[2, 7]] = -1
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
+    k_cache = torch.randn(num_blocks, tokens_per_block, num_kv_heads, head_dim, device=DEVICE)
     v_cache = torch.randn_like(k_cache)
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
     keep = slots >= 0
@@ -150,11 +153,11 @@ DECODE_SEQ_LENS = [1, 16, 23, 70, 65, 66, 129, 130, 300]
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("tokens_per_block", [16, 32])
 @pytest.mark.parametrize("num_splits,min_tiles_per_split", [(1, 2), (3, 1), (3, 2), (8, 1)])
 @pytest.mark.parametrize("sms", [1, 10000], ids=["64-key tiles", "128-key tiles"])
 def test_decode_matches_reference(
-    num_heads, num_kv_heads, block_size, num_splits, min_tiles_per_split, sms, monkeypatch
+    num_heads, num_kv_heads, tokens_per_block, num_splits, min_tiles_per_split, sms, monkeypatch
 ):
     """Grids of few (request, kv head) pairs for the SMs take 128-key tiles, others 64."""
     monkeypatch.setattr(decode, "num_sms", lambda device: sms)
@@ -165,7 +168,7 @@ def test_decode_matches_reference(
         DECODE_SEQ_LENS,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        block_size=block_size,
+        tokens_per_block=tokens_per_block,
     )
     query = random_query(n, num_heads, head_dim)
     scale = head_dim**-0.5
@@ -193,7 +196,7 @@ def test_decode_split_merge_leaves_its_counters_at_zero(most_values, monkeypatch
 
     monkeypatch.setattr(decode, "MERGE_AT_ONCE_MAX_VALUES", most_values)
     k_cache, v_cache, meta = make_batch(
-        [1] * 3, [300, 130, 1], num_kv_heads=2, head_dim=32, block_size=16, seed=7
+        [1] * 3, [300, 130, 1], num_kv_heads=2, head_dim=32, tokens_per_block=16, seed=7
     )
     query = random_query(3, 4, 32, seed=8)
     runs = [
@@ -219,7 +222,12 @@ def test_decode_split_merge_leaves_its_counters_at_zero(most_values, monkeypatch
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 8, 2), (128, 4, 1)])
 def test_decode_head_dims_through_dispatch(head_dim, num_heads, num_kv_heads):
     k_cache, v_cache, meta = make_batch(
-        [1] * 3, [5, 33, 64], num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16, seed=3
+        [1] * 3,
+        [5, 33, 64],
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        tokens_per_block=16,
+        seed=3,
     )
     query = random_query(3, num_heads, head_dim, seed=4)
     out = triton_backend.paged_attention(query, k_cache, v_cache, meta, head_dim**-0.5)
@@ -229,7 +237,7 @@ def test_decode_head_dims_through_dispatch(head_dim, num_heads, num_kv_heads):
 def test_decode_more_splits_than_key_tiles_and_padding_row():
     """Empty splits contribute nothing; a padding row (seq_len 0) yields zeros, not NaN."""
     k_cache, v_cache, meta = make_batch(
-        [1, 1], [3, 40], num_kv_heads=2, head_dim=32, block_size=16, seed=5
+        [1, 1], [3, 40], num_kv_heads=2, head_dim=32, tokens_per_block=16, seed=5
     )
     query = random_query(3, 4, 32, seed=6)
     seq_lens = torch.tensor([3, 40, 0], dtype=torch.int32, device=DEVICE)
@@ -259,7 +267,7 @@ def test_decode_partials_merge_to_the_reference(num_splits, sms, monkeypatch):
     monkeypatch.setattr(decode, "num_sms", lambda device: sms)
     n = len(DECODE_SEQ_LENS)
     k_cache, v_cache, meta = make_batch(
-        [1] * n, DECODE_SEQ_LENS, num_kv_heads=2, head_dim=32, block_size=16, seed=9
+        [1] * n, DECODE_SEQ_LENS, num_kv_heads=2, head_dim=32, tokens_per_block=16, seed=9
     )
     query = random_query(n + 1, 4, 32, seed=10)
     seq_lens = torch.cat([meta.seq_lens, torch.zeros(1, dtype=torch.int32, device=DEVICE)])
@@ -308,8 +316,8 @@ MIXED_BATCH = ([1, 7, 37, 3, 20, 1], [9, 7, 70, 50, 20, 1])
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1), (6, 2)])
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_prefill_mixed_batch_matches_reference(num_heads, num_kv_heads, block_size):
+@pytest.mark.parametrize("tokens_per_block", [16, 32])
+def test_prefill_mixed_batch_matches_reference(num_heads, num_kv_heads, tokens_per_block):
     head_dim = 32
     query_lens, seq_lens = MIXED_BATCH
     k_cache, v_cache, meta = make_batch(
@@ -317,7 +325,7 @@ def test_prefill_mixed_batch_matches_reference(num_heads, num_kv_heads, block_si
         seq_lens,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        block_size=block_size,
+        tokens_per_block=tokens_per_block,
         seed=7,
     )
     query = random_query(sum(query_lens), num_heads, head_dim, seed=8)
@@ -331,7 +339,7 @@ def test_prefill_small_tiles_cross_pages_and_diagonal(block_m, block_n):
     """Small tiles: many query tiles per request, key tiles spanning several pages."""
     query_lens, seq_lens = [33, 1, 0, 18], [33, 45, 12, 61]  # includes an idle request (q_len 0)
     k_cache, v_cache, meta = make_batch(
-        query_lens, seq_lens, num_kv_heads=2, head_dim=32, block_size=16, seed=9
+        query_lens, seq_lens, num_kv_heads=2, head_dim=32, tokens_per_block=16, seed=9
     )
     query = random_query(sum(query_lens), 4, 32, seed=10)
     out = prefill_attention(
@@ -352,7 +360,7 @@ def test_prefill_small_tiles_cross_pages_and_diagonal(block_m, block_n):
 def test_prefill_head_dims(head_dim):
     query_lens, seq_lens = [12, 1, 30], [40, 17, 30]
     k_cache, v_cache, meta = make_batch(
-        query_lens, seq_lens, num_kv_heads=1, head_dim=head_dim, block_size=16, seed=11
+        query_lens, seq_lens, num_kv_heads=1, head_dim=head_dim, tokens_per_block=16, seed=11
     )
     query = random_query(sum(query_lens), 2, head_dim, seed=12)
     out = triton_backend.paged_attention(query, k_cache, v_cache, meta, head_dim**-0.5)
@@ -363,7 +371,7 @@ def test_prefill_handles_strided_query():
     """query as a view into a packed QKV tensor (row stride larger than heads * head_dim)."""
     query_lens, seq_lens = [5, 9], [21, 9]
     k_cache, v_cache, meta = make_batch(
-        query_lens, seq_lens, num_kv_heads=2, head_dim=32, block_size=16, seed=13
+        query_lens, seq_lens, num_kv_heads=2, head_dim=32, tokens_per_block=16, seed=13
     )
     packed = random_query(sum(query_lens), 8, 32, seed=14)
     query = packed[:, :4]
@@ -379,7 +387,7 @@ def test_half_precision_cache(query_lens, seq_lens):
         seq_lens,
         num_kv_heads=2,
         head_dim=32,
-        block_size=16,
+        tokens_per_block=16,
         dtype=torch.float16,
         seed=15,
     )

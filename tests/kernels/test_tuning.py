@@ -8,14 +8,14 @@ import torch
 import torch.nn.functional as F
 
 # Sets TRITON_INTERPRET=1 without a GPU; must come before the kernel modules are imported.
-from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # noqa: F401
+from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # noqa: F401
 
 pytest.importorskip("triton")
 
 from backend.attention.split_partials import SplitPartials  # noqa: E402
 from backend.attention.kernels import decode, prefill  # noqa: E402
 from backend.kernels import gemv, tuning  # noqa: E402
-from tests.backend.test_attention_kernels import (  # noqa: E402
+from tests.kernels.test_attention_kernels import (  # noqa: E402
     assert_matches_reference,
     make_batch,
     random_query,
@@ -150,7 +150,7 @@ def test_decode_entries_are_used_and_match_the_reference(device, on_device, monk
             [300 - 7 * i for i in range(num_seqs)],
             num_kv_heads=1,
             head_dim=head_dim,
-            block_size=32,
+            tokens_per_block=32,
             dtype=torch.float16,
             seed=5,
         )
@@ -185,7 +185,7 @@ def test_prefill_entries_are_used_and_match_the_reference(device, on_device, mon
             [100, 40],
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            block_size=16,
+            tokens_per_block=16,
             dtype=torch.float16,
             seed=7,
         )
@@ -270,7 +270,7 @@ def test_an_entry_unlike_the_rule_is_what_the_kernels_run(tmp_path, monkeypatch,
         )
 
         k_cache, v_cache, meta = make_batch(
-            [1], [150], num_kv_heads=1, head_dim=32, block_size=16, seed=9
+            [1], [150], num_kv_heads=1, head_dim=32, tokens_per_block=16, seed=9
         )
         query = random_query(1, 3, 32, seed=10)
         out = decode.decode_attention(
@@ -288,7 +288,7 @@ def test_an_entry_unlike_the_rule_is_what_the_kernels_run(tmp_path, monkeypatch,
         assert_matches_reference(out, query, k_cache, v_cache, meta, 0.2)
 
         k_cache, v_cache, meta = make_batch(
-            [40, 1], [60, 20], num_kv_heads=2, head_dim=32, block_size=16, seed=11
+            [40, 1], [60, 20], num_kv_heads=2, head_dim=32, tokens_per_block=16, seed=11
         )
         query = random_query(41, 4, 32, seed=12)
         out = prefill.prefill_attention(

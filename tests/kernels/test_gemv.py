@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 # Sets TRITON_INTERPRET=1 without a GPU; must come before the kernel modules are imported.
-from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # noqa: F401
+from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # noqa: F401
 
 pytest.importorskip("triton")
 
@@ -261,12 +261,12 @@ def test_merge_prologue_equals_the_merged_attention_projected(num_splits, prefet
     projection of the attention output the decode kernel merges itself, residual included."""
     from backend.attention import SplitPartials
     from backend.attention.kernels.decode import decode_attention, decode_attention_partials
-    from tests.backend.test_attention_kernels import make_batch, random_query
+    from tests.kernels.test_attention_kernels import make_batch, random_query
 
     torch.manual_seed(8)
     dtype, heads, head_dim, n = torch.float16, 4, 32, 96
     k_cache, v_cache, meta = make_batch(
-        [1], [150], num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype, seed=3
+        [1], [150], num_kv_heads=2, head_dim=head_dim, tokens_per_block=16, dtype=dtype, seed=3
     )
     query = random_query(1, heads, head_dim, dtype=dtype)
     args = (

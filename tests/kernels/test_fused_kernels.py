@@ -7,7 +7,7 @@ import pytest
 import torch
 
 # Sets TRITON_INTERPRET=1 without a GPU; must come before the kernel modules are imported.
-from tests.backend.triton_cpu import DEVICE, interpretable_triton_language  # noqa: F401
+from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # noqa: F401
 
 pytest.importorskip("triton")
 
@@ -102,7 +102,7 @@ def test_silu_and_mul_matches_torch(size):
 
 def test_rotary_with_kv_write_stores_rotated_keys_and_values_at_their_slots():
     torch.manual_seed(3)
-    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 4
+    num_heads, num_kv_heads, head_dim, tokens_per_block = 4, 2, 32, 4
     rope = RopeConfig(
         type="default",
         theta=10000.0,
@@ -122,7 +122,7 @@ def test_rotary_with_kv_write_stores_rotated_keys_and_values_at_their_slots():
     q, k, v = (t.view(4, -1, head_dim) for t in (q, k, v))
     cos, sin = rotary(positions, torch.float16)
     expected_q, expected_k = apply_rotary(q.clone(), k.clone(), cos, sin)
-    k_cache = torch.zeros(3, block_size, num_kv_heads, head_dim, device=DEVICE).half()
+    k_cache = torch.zeros(3, tokens_per_block, num_kv_heads, head_dim, device=DEVICE).half()
     v_cache = torch.zeros_like(k_cache)
 
     apply_rotary_(q, k, rotary.cos_sin, positions, (v, k_cache, v_cache, slots))
