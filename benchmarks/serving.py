@@ -134,17 +134,10 @@ def settings_for(args, model_dir: str):
     )
 
 
-def engine_config(settings):
-    from backend.config import EngineConfig
-    from ensemble.settings import ENGINE_FIELDS
-
-    return EngineConfig(**{name: getattr(settings, name) for name in ENGINE_FIELDS})
-
-
 def run_engine_alone(settings, requests, args, expected) -> list[dict]:
     from backend.executor import Executor
 
-    executor = Executor(engine_config(settings))
+    executor = Executor(settings.engine_config())
     rows = []
     try:
         warm = [LoadRequest(r.text, list(reversed(r.prompt_ids)), r.output_len) for r in requests]
