@@ -10,9 +10,12 @@ are exact (min_tokens = max_tokens, or end_id = -1 with `--exact-with end_id`).
 
 Reported per target and concurrency: output tokens/s, requests/s, TTFT, inter-token latency and
 end-to-end latency (mean, p50, p90, p99), responses per request, failures; the share of the
-engine alone's tokens/s. Checks: with `--model null` (a model that computes nothing, so the
-serving path's own ceiling is what is measured) every output must be the known one; with
-`--check-text K`, K greedy requests sent alone stream exactly the non-streamed text.
+engine alone's tokens/s. With `--timeline` the gRPC clients also ask for the perf-metric outputs
+and split each request's time into stages (client to engine, queued, to the first token, first
+and last token from the engine to the client), on one clock (client and server on one host).
+Checks: with `--model null` (a model that computes nothing, so the serving path's own ceiling is
+what is measured) every output must be the known one; with `--check-text K`, K greedy requests
+sent alone stream exactly the non-streamed text.
 
     python -m benchmarks.serving --model null --concurrency 1 16 64 --num-requests 256 \\
         --json benchmarks/results/serving_null_cpu.json
@@ -197,8 +200,9 @@ def run_server_loads(
                     rows.append({"target": spec, "concurrency": c, **summary})
                     _print(rows[-1])
                     continue
+                timed = args.timeline and kind == "grpc"
                 records = run_clients(
-                    Target(kind, model, url, args.exact_with), load, c, args.processes
+                    Target(kind, model, url, args.exact_with, timed), load, c, args.processes
                 )
                 row = {"target": spec, "concurrency": c, **summarize(records, load)}
                 if expected:
@@ -244,6 +248,9 @@ def _print(row: dict) -> None:
         + (f"  wrong {row['wrong_outputs']}" if "wrong_outputs" in row else ""),
         flush=True,
     )
+    if "timeline_ms" in row:
+        stages = ", ".join(f"{k} {v['p50']:.1f}" for k, v in row["timeline_ms"].items())
+        print(f"{'':>22} p50 ms: {stages}", flush=True)
 
 
 def plot(result: dict, out: str) -> str | None:
@@ -323,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         help="batch postprocessing (faster; ensemble cancellation then stops at Triton)",
     )
     p.add_argument("--check-text", type=int, default=4)
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="gRPC targets ask for the perf-metric outputs: where a request's time goes "
+        "(client to engine, queued, first token, engine to client); larger responses",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--server-log", default=None)
     args = p.parse_args(argv)

@@ -47,6 +47,7 @@ class Record:
     tokens: int = 0
     output: str | list[int] = ""  # text, or token ids for tensorrt_llm
     error: str | None = None
+    engine: dict[str, float] | None = None  # the engine's perf-metric times, on `sent`'s clock
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Target:
     model: str = "ensemble"  # ensemble | tensorrt_llm_bls | tensorrt_llm
     url: str = ""
     exact_with: str = "min_tokens"  # how output lengths are made exact: min_tokens | end_id
+    timeline: bool = False  # gRPC: ask for the perf-metric outputs (where a request's time goes)
 
 
 # ---- metrics ---------------------------------------------------------------------------------
@@ -93,7 +95,26 @@ def summarize(records: list[Record], requests: list[LoadRequest]) -> dict:
         "ttft_ms": percentiles([r.first - r.sent for r in ok]),
         "itl_ms": percentiles([(r.last - r.first) / (r.tokens - 1) for r in ok if r.tokens > 1]),
         "e2e_ms": percentiles([r.last - r.sent for r in ok]),
+        **({"timeline_ms": timeline(ok)} if any(r.engine for r in ok) else {}),
     }
+
+
+# The stages of a request, client and engine clocks made one: (name, from, to).
+STAGES = (
+    ("to_engine", "sent", "arrival"),
+    ("queued", "arrival", "first_scheduled"),
+    ("to_first_token", "first_scheduled", "first_token"),
+    ("first_token_to_client", "first_token", "first"),
+    ("last_token_to_client", "last_token", "last"),
+)
+
+
+def timeline(records: list[Record]) -> dict[str, dict[str, float]]:
+    """Percentiles of each stage (STAGES) over the requests that carry the engine's times."""
+    times = [
+        {"sent": r.sent, "first": r.first, "last": r.last, **r.engine} for r in records if r.engine
+    ]
+    return {name: percentiles([t[end] - t[start] for t in times]) for name, start, end in STAGES}
 
 
 # ---- engine alone ----------------------------------------------------------------------------
@@ -210,11 +231,13 @@ class _Taker:
 
 
 # gRPC ---------------------------------------------------------------------------------------
-def grpc_inputs(model: str, req: LoadRequest, exact_with: str, stream: bool = True):
+def grpc_inputs(
+    model: str, req: LoadRequest, exact_with: str, stream: bool = True, perf_metrics: bool = False
+):
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
-    arrays = request_arrays(model, req, exact_with, stream)
+    arrays = request_arrays(model, req, exact_with, stream, perf_metrics)
     inputs = []
     for name, value in arrays.items():
         tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
@@ -223,13 +246,34 @@ def grpc_inputs(model: str, req: LoadRequest, exact_with: str, stream: bool = Tr
     return inputs
 
 
-def request_arrays(model: str, req: LoadRequest, exact_with: str, stream: bool) -> dict:
+# The engine's times of a request (perf-metric outputs, ns since the epoch) -> Record.engine keys.
+ENGINE_TIMES = {
+    "arrival_time_ns": "arrival",
+    "first_scheduled_time_ns": "first_scheduled",
+    "first_token_time_ns": "first_token",
+    "last_token_time_ns": "last_token",
+}
+# time.time() - time.perf_counter(): the engine's wall-clock times on the clients' clock.
+_CLOCK_OFFSET = time.time() - time.perf_counter()
+
+
+def engine_times(result) -> dict[str, float]:
+    return {
+        key: int(result.as_numpy(name).reshape(-1)[0]) / 1e9 - _CLOCK_OFFSET
+        for name, key in ENGINE_TIMES.items()
+    }
+
+
+def request_arrays(
+    model: str, req: LoadRequest, exact_with: str, stream: bool, perf_metrics: bool = False
+) -> dict:
     """Input tensors of one request, as a TensorRT-LLM backend client sends them."""
     exact = (
         ("min_tokens", np.array([[req.output_len]], np.int32))
         if exact_with == "min_tokens"
         else ("end_id", np.array([[-1]], np.int32))
     )
+    timed = {"return_perf_metrics": np.array([[True]], bool)} if perf_metrics else {}
     if model == "tensorrt_llm":
         return {
             "input_ids": np.array([req.prompt_ids], np.int32),
@@ -237,12 +281,14 @@ def request_arrays(model: str, req: LoadRequest, exact_with: str, stream: bool) 
             "request_output_len": np.array([[req.output_len]], np.int32),
             "streaming": np.array([[stream]], bool),
             exact[0]: exact[1],
+            **timed,
         }
     return {
         "text_input": np.array([[req.text.encode()]], dtype=object),
         "max_tokens": np.array([[req.output_len]], np.int32),
         "stream": np.array([[stream]], bool),
         exact[0]: exact[1],
+        **timed,
     }
 
 
@@ -273,7 +319,7 @@ def _grpc_slots(target: Target, requests, slots: int, take) -> list[Record]:
                 records.append(self.record)
             self.client.async_stream_infer(
                 target.model,
-                grpc_inputs(target.model, requests[i], target.exact_with),
+                grpc_inputs(target.model, requests[i], target.exact_with, True, target.timeline),
                 request_id=str(i),
                 enable_empty_final_response=True,
             )
@@ -296,6 +342,8 @@ def _grpc_slots(target: Target, requests, slots: int, take) -> list[Record]:
                     rec.tokens += len(ids)
                 else:
                     rec.output += value.reshape(-1)[0].decode("utf-8")
+            if target.timeline and result.as_numpy("last_token_time_ns") is not None:
+                rec.engine = engine_times(result)
             final = response.parameters.get("triton_final_response")
             if final is not None and final.bool_param:
                 self.send_next()
