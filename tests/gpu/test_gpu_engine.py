@@ -23,6 +23,16 @@ pytestmark = [
 ]
 
 
+# The tiny model of the GPU tests: wide enough for the one-token kernels' tiles, quick to build.
+SMALL_QWEN2 = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1000,
+)
+
+
 @pytest.fixture(autouse=True)
 def release_gpu_memory():
     """Engines size their KV pools from free GPU memory: give back what a test left after each
@@ -65,15 +75,7 @@ def test_one_token_path_is_as_close_to_fp32_as_the_general_path(tmp_path, monkey
     from backend.models.llama import LlamaModel
     from tests.tiny_models import save_tiny_hf_model
 
-    save_tiny_hf_model(
-        tmp_path,
-        "qwen2",
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-    )
+    save_tiny_hf_model(tmp_path, "qwen2", **SMALL_QWEN2)
     prompt = random_prompts(1, 1000, seed=2, low=40, high=60)[0]
     blocks = list(range(8))
 
@@ -130,15 +132,7 @@ def test_decode_graphs_give_the_eager_steps_tokens_in_bf16(tmp_path):
     that read a step input before the graph's first kernel wrote it would diverge here."""
     from tests.tiny_models import save_tiny_hf_model
 
-    save_tiny_hf_model(
-        tmp_path,
-        "qwen2",
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-    )
+    save_tiny_hf_model(tmp_path, "qwen2", **SMALL_QWEN2)
     prompts = random_prompts(6, 1000, seed=3, low=5, high=200)
     params = SamplingParams(max_tokens=64, ignore_end_id=True)
     runs = [
@@ -157,15 +151,7 @@ def test_decode_graph_launches_never_read_step_inputs_before_they_are_written(tm
     from backend.model_runner import ModelRunner
     from tests.tiny_models import save_tiny_hf_model
 
-    save_tiny_hf_model(
-        tmp_path,
-        "qwen2",
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-    )
+    save_tiny_hf_model(tmp_path, "qwen2", **SMALL_QWEN2)
     with recorded_launches() as launches:
         runner = ModelRunner(
             EngineConfig(
@@ -190,15 +176,7 @@ def test_min_tokens_end_ban_in_the_graphs_argmax_gives_the_eager_tokens(tmp_path
     end id before min_tokens."""
     from tests.tiny_models import save_tiny_hf_model
 
-    save_tiny_hf_model(
-        tmp_path,
-        "qwen2",
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-    )
+    save_tiny_hf_model(tmp_path, "qwen2", **SMALL_QWEN2)
     prompts = random_prompts(6, 1000, seed=4, low=5, high=200)
     free = serve(
         tmp_path,
