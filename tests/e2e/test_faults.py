@@ -123,17 +123,22 @@ def _stream_in_background(url: str, results: list, model: str = "ensemble") -> t
     return thread
 
 
+def _gauge(launcher: Launcher, request_type: str) -> float:
+    """The engine's request gauge of this type (active, waiting, ...), 0 before the first poll."""
+    text = requests.get(f"http://localhost:{launcher.metrics}/metrics", timeout=2).text
+    label = f'request_type="{request_type}"'
+    for line in text.splitlines():
+        if line.startswith("nv_trt_llm_request_metrics") and label in line:
+            return float(line.split()[-1])
+    return 0.0
+
+
 def _wait_streaming(launcher: Launcher, count: int, timeout: float = 60) -> None:
     """Until `count` requests run in the engine (the gauge of active requests says so)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = requests.get(f"http://localhost:{launcher.metrics}/metrics", timeout=2).text
-        for line in text.splitlines():
-            if line.startswith("nv_trt_llm_request_metrics") and 'request_type="active"' in line:
-                if float(line.split()[-1]) >= count:
-                    return
+    while _gauge(launcher, "active") < count:
+        assert time.monotonic() < deadline, "the requests did not start"
         time.sleep(0.2)
-    raise AssertionError("the requests did not start")
 
 
 @pytest.mark.parametrize("model", ["tensorrt_llm", "postprocessing"])
@@ -258,13 +263,13 @@ def test_a_full_queue_reads_try_again_later_and_is_counted(launcher):
     served = launcher("--max-batch-size", "1", "--max-queue-size", "1")
     served.wait_ready()
     results: list = []
-    threads = [_stream_in_background(f"localhost:{served.grpc}", results) for _ in range(2)]
+    # One at a time: two arriving together may both queue, and the second is then refused.
+    threads = [_stream_in_background(f"localhost:{served.grpc}", results)]
     _wait_streaming(served, 1)
+    threads.append(_stream_in_background(f"localhost:{served.grpc}", results))
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # one running, one waiting: the queue is full
-        text = requests.get(f"http://localhost:{served.metrics}/metrics", timeout=2).text
-        if 'request_type="waiting"} 1' in text:
-            break
+    while _gauge(served, "waiting") < 1:  # one running, one waiting: the queue is full
+        assert time.monotonic() < deadline, f"the second request never waited: {results}"
         time.sleep(0.2)
     response = requests.post(
         f"http://localhost:{served.http}/v2/models/ensemble/generate",
