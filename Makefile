@@ -14,9 +14,10 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 MODEL ?= default
+OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast lint format repository benchmark clean
+.PHONY: setup serve test test-fast lint format repository benchmark eval clean
 
 setup: $(STAMP)
 
@@ -56,6 +57,12 @@ benchmark: setup
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m benchmarks.offline --model default --num-requests 64 --isl 32:256 --osl 32:128 --seed 0 --baseline hf --max-batch-size 64 --json benchmarks/results/offline_cpu_smollm2.json
 	$(PY) -m benchmarks.plot benchmarks/results
+
+# Scores the running server (`make serve` in another terminal, with the OpenAI front end) on
+# benchmarks/eval's task and compares it with the HF model in-process (benchmarks/eval/README.md).
+eval: setup
+	$(PIP) -e '.[eval]'
+	$(PY) -m benchmarks.eval.run --model $(MODEL) --base-url http://localhost:$(OPENAI_PORT)/v1/completions --compare-hf
 
 clean:
 	rm -rf $(VENV) .pytest_cache
