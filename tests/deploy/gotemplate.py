@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 
 import yaml
@@ -138,11 +139,29 @@ def _to_text(value) -> str:
         return "<no value>"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e21:
-        return str(int(value))
+    if isinstance(value, (int, float)):
+        return _go_float(float(value))
     if isinstance(value, (dict, list)):
         raise TemplateError(f"printing a {type(value).__name__} needs toYaml: {value!r}")
     return str(value)
+
+
+def _go_float(value: float) -> str:
+    """Go's %v of a float64, as helm prints every number it read from YAML: the shortest digits,
+    in exponent form from 1e+06 up and below 1e-04 (so 1000000 prints as 1e+06)."""
+    if value == 0:
+        return "0"
+    sign, digits, exponent = Decimal(repr(value)).normalize().as_tuple()
+    text, point = "".join(map(str, digits)), len(digits) + exponent
+    minus = "-" if sign else ""
+    if point - 1 < -4 or point - 1 >= 6:
+        mantissa = text[0] + ("." + text[1:] if len(text) > 1 else "")
+        return f"{minus}{mantissa}e{point - 1:+03d}"
+    if point <= 0:
+        return f"{minus}0.{'0' * -point}{text}"
+    if point >= len(text):
+        return minus + text + "0" * (point - len(text))
+    return f"{minus}{text[:point]}.{text[point:]}"
 
 
 def _to_yaml(value) -> str:
@@ -174,8 +193,20 @@ FUNCTIONS = {
     "or": lambda *v: next((x for x in v if _truthy(x)), v[-1]),
     "list": lambda *v: list(v),
     "index": lambda obj, *keys: _index(obj, keys),
+    "kindIs": lambda kind, value: _kind(value) == kind,
     "fail": lambda message: _fail(message),
 }
+
+
+def _kind(value) -> str:
+    """Go's reflect kind of a value as helm holds it (every number read from YAML is a float64)."""
+    if value is None:
+        return "invalid"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "float64"
+    return {str: "string", dict: "map", list: "slice"}[type(value)]
 
 
 def _index(obj, keys):

@@ -2,10 +2,12 @@
 (commands, flags, probe paths and ports, the autoscaling metric) is what our image and server
 really run and export.
 
-Real helm (the helm-sdkpy wheel's library) lints the chart; it cannot hand out the rendered text,
-so the manifests are rendered by tests/deploy/gotemplate.py and every core object is validated
-against Kubernetes' own OpenAPI schemas (kubernetes-validate, strict: unknown fields fail) for
-the oldest and newest versions we support.
+No helm binary is installable here, but the helm-sdkpy wheel links helm v4 as a library, with
+lint and no `template`: its lint checks the chart, and through lint it also renders every
+template (chart_copy), which must give the objects tests/deploy/gotemplate.py renders. The tests
+use the Python renderer for the rest, and every core object is validated against Kubernetes' own
+OpenAPI schemas (kubernetes-validate, strict: unknown fields fail) for the oldest and newest
+versions we support.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ NON_DEFAULT = {
         "max_batch_size": 128,
         "max_seq_len": 4096,
         "batch_scheduler_policy": "max_utilization",
+        "max_tokens_in_paged_kv_cache": 1000000,
+        "kv_cache_free_gpu_mem_fraction": 0.85,
+        "enable_kv_cache_reuse": False,
     },
     "openai": {"enabled": False},
     "podMonitor": {"enabled": False},
@@ -182,6 +187,9 @@ def test_non_default_values_reach_the_manifests(chart):
     assert flag(build["args"], "--max-batch-size") == "128"
     assert flag(build["args"], "--max-seq-len") == "4096"
     assert flag(build["args"], "--batch-scheduler-policy") == "max_utilization"
+    assert flag(build["args"], "--max-tokens-in-paged-kv-cache") == "1000000"
+    assert flag(build["args"], "--kv-cache-free-gpu-mem-fraction") == "0.85"
+    assert flag(build["args"], "--enable-kv-cache-reuse") == "false"
 
 
 def test_host_path_model_and_kv_cache_autoscaling(chart):
@@ -207,26 +215,66 @@ config = Configuration()
 print(json.dumps([asyncio.run(Lint(config).run(path)) for path in sys.argv[1:]]))
 """
 ERROR_SEVERITY = 2  # helm's lint severities: 1 info, 2 warning, 3 error
+HELM_RELEASE = "test-release"  # the release name helm lint renders with
+RENDERED = re.compile(r'fail message=("(?:[^"\\]|\\.)*")')
 
 
-def test_helm_itself_lints_the_chart_with_every_value_set(chart, tmp_path):
-    """Real helm (v4, linked into the helm-sdkpy wheel) parses and renders the templates with
-    each value set and checks the YAML they give; it runs in a process of its own (Go runtime)."""
-    paths = []
-    for name, values in VALUE_SETS.items():
-        copy = shutil.copytree(CHART, tmp_path / name / CHART.name)
-        merged = Chart(CHART).render_values(values)
-        (copy / "values.yaml").write_text(yaml.safe_dump(merged, sort_keys=False))
-        paths.append(str(copy))
+def chart_copy(dest: Path, values: dict, expose: bool) -> Path:
+    """The chart with `values` merged into values.yaml. expose: each template's text becomes the
+    message of a `fail`, which helm's lint logs instead of failing, so its rendering comes back."""
+    copy = shutil.copytree(CHART, dest)
+    merged = Chart(CHART).render_values(values)
+    (copy / "values.yaml").write_text(yaml.safe_dump(merged, sort_keys=False))
+    if expose:
+        defines = []
+        for template in sorted((copy / "templates").glob("[!_]*")):
+            name = f"{dest.parent.name}/{template.name}"
+            defines.append(f'{{{{ define "{name}" }}}}{template.read_text()}{{{{ end }}}}')
+            template.write_text(f'{{{{ fail (printf "%s %s" "{name}" (include "{name}" .)) }}}}')
+        (copy / "templates" / "_exposed.tpl").write_text("".join(defines))
+    return copy
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory) -> dict[str, tuple[dict, dict[str, str]]]:
+    """{value set: (helm lint's result, {template: helm's rendering})}: real helm (v4, linked
+    into the helm-sdkpy wheel), in a process of its own (Go runtime)."""
+    root = tmp_path_factory.mktemp("helm")
+    plain = [chart_copy(root / name / "plain", v, False) for name, v in VALUE_SETS.items()]
+    exposed = [chart_copy(root / name / "exposed", v, True) for name, v in VALUE_SETS.items()]
     run = subprocess.run(
-        [sys.executable, "-c", HELM_LINT, *paths], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", HELM_LINT, *map(str, plain + exposed)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 0, run.stderr
-    for name, result in zip(VALUE_SETS, json.loads(run.stdout.splitlines()[-1])):
-        assert result["TotalChartsLinted"] == 1
-        problems = [m["Path"] for m in result["Messages"] if m["Severity"] >= ERROR_SEVERITY]
-        # helm-sdkpy passes Go errors on without their text: `helm lint` on the chart says why.
-        assert not problems and not result["Errors"], f"{name}: helm lint fails on {problems}"
+    rendered: dict[str, dict[str, str]] = {name: {} for name in VALUE_SETS}
+    for message in RENDERED.findall(run.stderr):
+        key, _, text = json.loads(message).partition(" ")
+        name, template = key.split("/")
+        rendered[name][template] = text
+    results = json.loads(run.stdout.splitlines()[-1])[: len(plain)]
+    return {name: (results[i], rendered[name]) for i, name in enumerate(VALUE_SETS)}
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_helm_itself_lints_the_chart(helm, name):
+    result, _ = helm[name]
+    assert result["TotalChartsLinted"] == 1
+    problems = [m["Path"] for m in result["Messages"] if m["Severity"] >= ERROR_SEVERITY]
+    # helm-sdkpy passes Go errors on without their text: `helm lint` on the chart says why.
+    assert not problems and not result["Errors"], f"{name}: helm lint fails on {problems}"
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_helm_renders_the_objects_our_renderer_does(chart, helm, name):
+    _, rendered = helm[name]
+    ours = chart.render(VALUE_SETS[name], release=HELM_RELEASE)
+    assert rendered.keys() == ours.keys()
+    for template, text in ours.items():
+        theirs = [d for d in yaml.safe_load_all(rendered[template]) if d]
+        assert theirs == [d for d in yaml.safe_load_all(text) if d], template
 
 
 # ---- what the manifests name is what the server runs and exports -------------------------------
@@ -289,7 +337,7 @@ def test_the_containers_run_commands_of_our_image(chart, tmp_path):
     args[args.index("--out") + 1] = str(out)
     assert ensemble_main(args) == 0
     config = (out / "tensorrt_llm" / "config.pbtxt").read_text()
-    for name in ("max_batch_size", "max_seq_len"):
+    for name in ("max_batch_size", "max_seq_len", "max_tokens_in_paged_kv_cache"):
         value = flag(args, "--" + name.replace("_", "-"))
         assert re.search(rf'key: "{name}"\s*value: {{\s*string_value: "{value}"', config), name
 
