@@ -1,7 +1,8 @@
 """Renders a Helm chart in Python: the subset of Go templates and Sprig functions our chart uses.
 
-No helm binary can be installed from the registries this project reaches (PyPI, Debian, npm), so
-the chart's tests render it here. What the chart uses: actions with `{{-`/`-}}` trimming, comments,
+No helm binary can be installed from the registries this project reaches (PyPI, Debian, npm), and
+the helm library in the helm-sdkpy wheel has no `template`, so the chart's tests render it here
+(test_chart.py checks that helm, through its lint, renders the same objects). What the chart uses: actions with `{{-`/`-}}` trimming, comments,
 pipelines, `if`/`else if`/`else`, `range` (with `$key, $value :=`), `with`, `define`/`include`, and
 the functions in FUNCTIONS. Anything else raises TemplateError, so the chart cannot drift into
 syntax this renderer would render wrongly without a test failing.
