@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,13 @@ def served_args(base_url: str, served_model: str, tokenizer: str) -> dict:
     )
 
 
+def served_model_name(base_url: str) -> str:
+    """The name the server lists at /v1/models (requests must name it)."""
+    models_url = base_url.rsplit("/", 1)[0] + "/models"
+    with urllib.request.urlopen(models_url, timeout=30) as response:
+        return json.load(response)["data"][0]["id"]
+
+
 def compare(served: TaskRun, reference: TaskRun, tolerance: float) -> list[str]:
     """Every disagreement between two runs of the same task, as readable lines."""
     problems = []
@@ -96,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-url", default="http://localhost:9000/v1/completions")
     parser.add_argument("--model", default="default", help="the served model ('default', a path)")
     parser.add_argument(
-        "--served-name", default=None, help="the name /v1/models lists (default: --model)"
+        "--served-name", default=None, help="the model name to send (default: /v1/models' first)"
     )
     parser.add_argument("--task", default=DEFAULT_TASK)
     parser.add_argument("--limit", type=int, default=None, help="only the first N questions")
@@ -110,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = resolve_model(args.model)  # the HF directory the engine loads
     served = evaluate(
         "local-completions",
-        served_args(args.base_url, args.served_name or args.model, checkpoint),
+        served_args(
+            args.base_url, args.served_name or served_model_name(args.base_url), checkpoint
+        ),
         args.task,
         args.limit,
     )
