@@ -2,10 +2,11 @@
 
 No helm binary can be installed from the registries this project reaches (PyPI, Debian, npm), and
 the helm library in the helm-sdkpy wheel has no `template`, so the chart's tests render it here
-(test_chart.py checks that helm, through its lint, renders the same objects). What the chart uses: actions with `{{-`/`-}}` trimming, comments,
-pipelines, `if`/`else if`/`else`, `range` (with `$key, $value :=`), `with`, `define`/`include`, and
-the functions in FUNCTIONS. Anything else raises TemplateError, so the chart cannot drift into
-syntax this renderer would render wrongly without a test failing.
+(test_chart.py checks that helm, through its lint, renders the same objects). What the chart
+uses: actions with `{{-`/`-}}` trimming, comments, pipelines, `if`/`else if`/`else`, `range`
+(with `$key, $value :=`), `with`, `define`/`include`, and the functions in FUNCTIONS. Anything
+else raises TemplateError, so the chart cannot drift into syntax this renderer would render
+wrongly without a test failing.
 """
 
 from __future__ import annotations

@@ -20,17 +20,21 @@ import shutil
 import shlex
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from ensemble.__main__ import main as ensemble_main
 from ensemble.server import TritonServer
 from ensemble.settings import ServeSettings
 from tests.deploy.gotemplate import Chart, TemplateError
 from tests.docker.replay import replay
+from tests.docker.test_dockerfile import pip_requirements, project_install_index
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -342,6 +346,31 @@ def test_the_containers_run_commands_of_our_image(chart, tmp_path):
         assert re.search(rf'key: "{name}"\s*value: {{\s*string_value: "{value}"', config), name
 
 
+def installed_closure(roots: list[Requirement]) -> set[str]:
+    """The distributions `roots` install, with their dependencies (read from this environment's
+    metadata, which holds them all)."""
+    seen: set[str] = set()
+    todo = [(r, frozenset(r.extras)) for r in roots]
+    while todo:
+        req, extras = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in seen and not extras:
+            continue
+        seen.add(name)
+        try:
+            requires = metadata.requires(req.name) or []
+        except metadata.PackageNotFoundError:  # an optional dependency this environment lacks
+            continue
+        for line in requires:
+            dep = Requirement(line)
+            wanted = dep.marker is None or any(
+                dep.marker.evaluate({"extra": e}) for e in extras or {""}
+            )
+            if wanted:
+                todo.append((dep, frozenset(dep.extras)))
+    return seen
+
+
 def test_the_openai_container_uses_the_front_end_options(chart):
     module = ROOT / "ensemble" / "openai_server"
     if not module.is_dir():
@@ -407,3 +436,27 @@ class _Install:
     """The paths TritonServer.command needs, for reading its flags."""
 
     binary = Path("tritonserver")
+
+
+def test_the_image_installs_what_the_openai_front_end_imports(tmp_path):
+    module = ROOT / "ensemble" / "openai_server"
+    if not module.is_dir():
+        pytest.skip("ensemble/openai_server is not in this checkout")
+    image = replay(tmp_path / "recipe", execute=False)
+    project = image.pip_installs[project_install_index(image)]
+    extras = {e for a in project for e in re.findall(r"\[([^\]]+)\]", a) for e in e.split(",")}
+    roots = [Requirement(f"tritonllm[{','.join(sorted(extras))}]")]
+    roots += [r for args in image.pip_installs for r in pip_requirements(args)]
+    installed = installed_closure(roots)
+    ours = {"backend", "ensemble", "preprocessing", "postprocessing"}
+    distributions = metadata.packages_distributions()
+    for path in module.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in getattr(node, "names", [])] if isinstance(node, ast.Import) else []
+            )
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            for top in {n.split(".")[0] for n in names} - ours - set(sys.stdlib_module_names):
+                dists = {canonicalize_name(d) for d in distributions.get(top, [top])}
+                assert dists & installed, f"{path.name} imports {top}, which the image lacks"
