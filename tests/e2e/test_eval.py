@@ -1,0 +1,81 @@
+"""lm-evaluation-harness through the OpenAI front end scores the served engine as it scores the
+Hugging Face model in-process: per choice log-likelihoods within 1e-3, the same answers
+(benchmarks/eval/run.py --compare-hf against `python -m ensemble serve --openai-port`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from ensemble.server import free_port
+from tests.e2e.test_faults import launcher  # noqa: F401 (the fixture)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+QUESTIONS = 20  # of the task's 52: enough to compare, short on a CPU
+
+if importlib.util.find_spec("ensemble.openai_server") is None:
+    pytest.skip("no OpenAI front end (ensemble.openai_server) to test", allow_module_level=True)
+
+
+def _install_eval_extra() -> None:
+    """lm-eval is heavy (about 450 MB), so it is the `eval` extra, installed here on first use."""
+    if importlib.util.find_spec("lm_eval") is not None:
+        return
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    extra = re.search(r"^eval = \[(.*?)\]", pyproject, re.M | re.S).group(1)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", *re.findall(r'"([^"]+)"', extra)],
+        check=True,
+        timeout=600,
+    )
+
+
+def test_lm_eval_scores_the_server_as_the_hf_model(launcher, tmp_path):  # noqa: F811
+    _install_eval_extra()
+    port = free_port()
+    served = launcher("--openai-port", str(port))
+    served.wait_ready()
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if requests.get(f"http://localhost:{port}/health", timeout=1).ok:
+                break
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, served.log.read_text()[-3000:]
+        time.sleep(0.5)
+    out = tmp_path / "eval.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.eval.run",
+            "--base-url",
+            f"http://localhost:{port}/v1/completions",
+            "--limit",
+            str(QUESTIONS),
+            "--compare-hf",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    # lm-eval retries a refused request, then fails on a closed session: the first refusal says why.
+    first_errors = [line for line in run.stderr.splitlines() if "failed" in line][:3]
+    assert run.returncode == 0, "\n".join(first_errors) + run.stdout[-2000:] + run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["disagreements"] == []
+    assert result["served_accuracy"] == result["hf_accuracy"]
