@@ -1,10 +1,12 @@
 """One choice of an OpenAI request -> the input tensors of one `tensorrt_llm` request.
 
 OpenAI's temperature 0 is greedy whatever top_p says (tensorrt_llm would sample when top_p < 1),
-so top_p and top_k are sent only when sampling. Stop strings also go to the engine as token
-sequences, encoded as the ensemble's preprocessing encodes `stop_words` (as given and with a
-leading space), so the engine stops where the ensemble would; generation.py still cuts the text at
-a stop string the engine could not see (one tokenized differently inside the output).
+so top_p and top_k are sent only when sampling. Stop strings also go to the engine as the token
+sequences of the strings as given, so it stops at once where the output holds exactly those tokens
+(it then drops them: the text ends where the stop string starts); generation.py cuts the text at a
+stop string tokenized differently inside the output. Unlike the ensemble's `stop_words`, no
+variant with a leading space is added: OpenAI's `stop` keeps the text before the string, space
+included.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from tritonclient.utils import np_to_triton_dtype
 from ensemble.openai_server.errors import bad_request
 from ensemble.openai_server.protocol import SamplingFields
 from ensemble.openai_server.served_model import ServedModel
-from preprocessing.word_lists import decode_word_list, encode_word_list, word_list_array
+from preprocessing.tokenizer import encode
+from preprocessing.word_lists import word_list_array
 
 
 @dataclass
@@ -116,7 +119,11 @@ def stop_words(body: SamplingFields, model: ServedModel) -> np.ndarray | None:
     """Stop strings and stop_token_ids as one [2, N] word list (None when there are none)."""
     for token in body.stop_token_ids:
         check_token(token, model, "stop_token_ids")
-    words = decode_word_list(encode_word_list(model.tokenizer, body.stop_strings()), "stop")
+    words = []
+    for text in body.stop_strings():
+        ids = encode(model.tokenizer, text, add_special_tokens=False)
+        if ids and ids not in words:
+            words.append(ids)
     words += [[token] for token in body.stop_token_ids if [token] not in words]
     return word_list_array(words) if words else None
 
