@@ -93,6 +93,9 @@ class Engine:
         # Ids of requests for which `reads_token_history` (kept by the executor, under `lock`):
         # when empty, as usual, no step has to look for them.
         self.history_requests: set[str] = set()
+        # Ids of live requests that asked for prompt log-probs (same keeping): when empty, no step
+        # looks at its chunks for prompt rows.
+        self.prompt_logprob_requests: set[str] = set()
 
     def step(self) -> SchedulerOutput | None:
         """Run one step (n); with overlap, finish the one in flight (n-1). Returns what ran."""
@@ -132,13 +135,21 @@ class Engine:
         """Queue the forward pass and the sampling of one step on the device."""
         requests = [c.request for c in chunks if c.samples]
         in_flight_ids = previous.sampled.token_ids if previous is not None else None
-        out = self.runner.execute(chunks, in_flight_ids, self.sampler.end_bans(requests))
-        if not requests:
-            return LaunchedStep(requests, None)
-        return LaunchedStep(
-            requests,
-            self.sampler.sample_async(out.logits, requests, out.argmax_ids, out.argmax_host),
+        out = self.runner.execute(
+            chunks,
+            in_flight_ids,
+            self.sampler.end_bans(requests),
+            prompt_logprobs=bool(self.prompt_logprob_requests),
         )
+        sampled = None
+        if requests:
+            sampled = self.sampler.sample_async(
+                out.logits, requests, out.argmax_ids, out.argmax_host
+            )
+        if out.prompt:  # recorded once the step's work is all queued: a retry recomputes them
+            for prompt, logprobs, top in out.prompt:
+                prompt.add(logprobs, top)
+        return LaunchedStep(requests, sampled)
 
     def _launch_alone(self, chunk: Chunk) -> LaunchedStep:
         """One chunk as its own step; if it fails, its request fails, sampling or not (its KV
@@ -170,12 +181,18 @@ class Engine:
             return
         now = time.time()
         append = self.outputs.append
-        for request, token, logprob in zip(
-            requests, sampled.token_ids, sampled.logprobs or repeat(0.0)
+        top_ids = sampled.top_ids
+        if top_ids is not None:  # (top-k ids, top-k log-probs) per row
+            tops = zip(top_ids, sampled.top_logprobs)
+        for request, token, logprob, top in zip(
+            requests,
+            sampled.token_ids,
+            sampled.logprobs or repeat(0.0),
+            tops if top_ids is not None else repeat(None),
         ):
             request.in_flight_row = None
             try:
-                append(request, token, logprob, now)
+                append(request, token, logprob, now, top)
             except Exception as exc:  # a faulty callback or bookkeeping bug: this request alone
                 log.exception("request %s failed", request.request_id)
                 self.outputs.finish(request, FinishReason.ERROR, error=f"internal error: {exc}")

@@ -276,6 +276,11 @@ class _Outbox:
             out.first_token_time,
             out.last_token_time,
             out.rejected or (self.rejected_reason if out.error else None),
+            out.new_top_ids,
+            out.new_top_logprobs,
+            out.prompt_logprobs,
+            out.prompt_top_ids,
+            out.prompt_top_logprobs,
         )
         with self._cond:
             self._items.append(values)

@@ -22,6 +22,7 @@ import torch
 from backend.config import EngineConfig
 from backend.engine import Engine, reads_token_history
 from backend.limits import EngineLimits
+from backend.logprobs import PromptLogprobs
 from backend.model_runner import ModelRunner
 from backend.output_processor import OutputCallback, OutputProcessor
 from backend.request import FinishReason, Request, RequestOutput
@@ -93,6 +94,10 @@ class Executor:
         request = Request(
             str(request_id), list(prompt_ids), self.limits.check(prompt_ids, sampling)
         )
+        if request.sampling.return_prompt_log_probs:
+            request.prompt_logprobs = PromptLogprobs(
+                len(request.prompt_ids), request.sampling.num_top_log_probs
+            )
         with self._lock:
             if self._stopping:
                 raise RuntimeError("executor is shut down")
@@ -102,6 +107,8 @@ class Executor:
             self.outputs.add(request, on_output)
             if reads_token_history(request):
                 self.engine.history_requests.add(request.request_id)
+            if request.prompt_logprobs is not None:
+                self.engine.prompt_logprob_requests.add(request.request_id)
             self._work.notify()
 
     def cancel(self, request_id: str) -> bool:
@@ -148,10 +155,23 @@ class Executor:
         timeout: float | None = None,
     ) -> list[dict]:
         """Serve prompts concurrently and block until all finish. Returns one dict per prompt:
-        token_ids, logprobs, finish_reason, error."""
+        token_ids, logprobs, top_ids, top_logprobs (per token, with num_top_log_probs),
+        prompt_logprobs, prompt_top_ids, prompt_top_logprobs (with return_prompt_log_probs, else
+        None), finish_reason, error."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         results = [
-            {"token_ids": [], "logprobs": [], "finish_reason": None, "error": None} for _ in prompts
+            {
+                "token_ids": [],
+                "logprobs": [],
+                "top_ids": [],
+                "top_logprobs": [],
+                "prompt_logprobs": None,
+                "prompt_top_ids": None,
+                "prompt_top_logprobs": None,
+                "finish_reason": None,
+                "error": None,
+            }
+            for _ in prompts
         ]
         done = threading.Semaphore(0)
         tag = f"gen-{time.monotonic_ns()}"
@@ -159,7 +179,14 @@ class Executor:
         def collect(index: int) -> OutputCallback:
             def on_output(out: RequestOutput) -> None:
                 results[index]["token_ids"] += out.new_token_ids
-                results[index]["logprobs"] += out.new_logprobs
+                result = results[index]
+                result["logprobs"] += out.new_logprobs
+                result["top_ids"] += out.new_top_ids or []
+                result["top_logprobs"] += out.new_top_logprobs or []
+                if out.prompt_logprobs is not None:
+                    result["prompt_logprobs"] = out.prompt_logprobs
+                    result["prompt_top_ids"] = out.prompt_top_ids
+                    result["prompt_top_logprobs"] = out.prompt_top_logprobs
                 if out.finished:
                     results[index]["finish_reason"] = out.finish_reason
                     results[index]["error"] = out.error
@@ -240,6 +267,7 @@ class Executor:
             self._live.pop(request.request_id, None)
             self._cancel_requests.discard(request.request_id)
             self.engine.history_requests.discard(request.request_id)
+            self.engine.prompt_logprob_requests.discard(request.request_id)
             stats = self._stats
             stats.num_completed += 1
             stats.num_prompt_tokens += request.num_prompt_tokens

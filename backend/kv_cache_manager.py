@@ -9,6 +9,10 @@ chained over the whole prefix (see `block_pool.hash_block`). A new request (or a
 coming back, which recomputes prompt + outputs) first looks up the longest chain of registered
 blocks matching its tokens and shares them instead of recomputing them.
 
+A request that asks for prompt log-probs matches nothing until it has them all: they need the
+logits of every prompt position, which a reused block would skip (its own blocks are still
+registered for others as they fill).
+
 The match is capped at floor((num_tokens - 1) / B) blocks: the last token must always be computed
 (its logits give the next token), and matching whole blocks only means a request never writes
 into a block that someone else holds. Every block a request writes to has ref_count == 1.
@@ -75,7 +79,7 @@ class KVCacheManager:
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Longest chain of cached full blocks equal to the request's leading tokens."""
         match = PrefixMatch(tokens_per_block=self.tokens_per_block)
-        if not self.enable_prefix_reuse or request.block_ids:
+        if not self.enable_prefix_reuse or request.block_ids or request.needs_prompt_logprobs:
             return match
         tokens = request.all_ids
         size = self.tokens_per_block

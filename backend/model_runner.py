@@ -2,8 +2,10 @@
 
 The engine hands it the chunks scheduled this step (prefill chunks and decodes together); the
 runner packs them into one batch (token ids, positions, cache slots, block tables), runs the model
-and returns logits for the chunks that sample. An in-flight token's input id (overlap scheduling,
-`backend.engine`) is taken on the device from the sampled ids of the step in flight.
+and returns logits for the chunks that sample, and the prompt log-probs of the requests that ask
+for them (`backend.logprobs`: only then are other rows projected to the vocabulary). An in-flight
+token's input id (overlap scheduling, `backend.engine`) is taken on the device from the sampled
+ids of the step in flight.
 
 KV cache: one tensor kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V).
 Sizing: `max_tokens_in_paged_kv_cache` when set; on CUDA otherwise
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
 from operator import attrgetter
 
 import numpy as np
@@ -25,6 +27,7 @@ import torch
 from backend.attention import AttentionMetadata, get_attention_backend
 from backend.config import EngineConfig
 from backend.cuda_graphs import DecodeGraphs, ReplayIds
+from backend.logprobs import compute_prompt_logprobs, prompt_rows
 from backend.staging import StagingBuffer
 from backend.model_config import ModelConfig
 from backend.model_loader import load_model
@@ -59,6 +62,8 @@ class StepLogits:
     # step computed it (decode CUDA graphs; valid until the
     # next step runs)
     argmax_host: ReplayIds | None = None  # the same ids on their way to the host (graphs)
+    # (PromptLogprobs, log-probs, top-k or None) per request whose prompt rows this step computed
+    prompt: list[tuple] | None = None
 
 
 @dataclass
@@ -157,20 +162,29 @@ class ModelRunner:
         chunks: list[Chunk],
         in_flight_ids: torch.Tensor | None = None,
         banned_ids: np.ndarray | None = None,
+        prompt_logprobs: bool = False,
     ) -> StepLogits:
         """The logits of the sampling chunks (and their argmax where the step computes it anyway,
         skipping `banned_ids` [rows, k], -1 = none).
 
         `in_flight_ids`: the sampled ids of the step in flight, on the device, where the input of
-        a chunk whose request has an `in_flight_row` is. Returns once the work is queued.
+        a chunk whose request has an `in_flight_row` is. `prompt_logprobs`: some request may want
+        prompt log-probs (else no chunk is looked at for them). Returns once the work is queued.
         """
-        inputs = self.prepare(chunks, in_flight_ids, banned_ids)
+        rows = None
+        if prompt_logprobs:
+            rows = prompt_rows(chunks, accumulate(map(_num_tokens, chunks), initial=0))
+        inputs = self.prepare(chunks, in_flight_ids, banned_ids, allow_graph=not rows)
         with torch.inference_mode():
             graphs = self.decode_graphs
             if inputs.in_graph:
                 return StepLogits(*graphs.replay(len(chunks)))  # logits, ids, ids to the host
             hidden = self._run_model(inputs)
-            return StepLogits(self.model.compute_logits(hidden[inputs.logits_indices]), None)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            prompt = (
+                compute_prompt_logprobs(self.model.compute_logits, hidden, rows) if rows else None
+            )
+            return StepLogits(logits, None, prompt=prompt)
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The eager forward pass (prefill chunks, mixed batches, CPU)."""
@@ -201,6 +215,7 @@ class ModelRunner:
         chunks: list[Chunk],
         in_flight_ids: torch.Tensor | None = None,
         banned_ids: np.ndarray | None = None,
+        allow_graph: bool = True,
     ) -> StepInputs:
         """Pack the chunks into one batch. No Python loop over requests beyond reading their
         lists: at batch 256 this runs every step, so block tables are filled with one masked
@@ -267,7 +282,13 @@ class ModelRunner:
                 [-1 if row is None else row for row in in_flight_rows], dtype=np.int64
             )
         graphs = self.decode_graphs
-        if graphs is not None and total == n and n <= graphs.max_batch_size and samples.all():
+        if (
+            graphs is not None
+            and allow_graph
+            and total == n
+            and n <= graphs.max_batch_size
+            and samples.all()
+        ):
             meta = graphs.stage(
                 input_ids,
                 positions,

@@ -22,7 +22,7 @@ ReleaseHook = Callable[[Request, FinishReason, "str | None"], None]
 class LiveRequest:
     """Delivery state of one request, beside the engine-side Request."""
 
-    __slots__ = ("request", "callback", "end_ids", "num_delivered", "cum_logprob")
+    __slots__ = ("request", "callback", "end_ids", "num_delivered", "cum_logprob", "prompt_due")
 
     def __init__(self, request: Request, callback: OutputCallback, end_ids: frozenset[int]):
         self.request = request
@@ -30,6 +30,7 @@ class LiveRequest:
         self.end_ids = end_ids
         self.num_delivered = 0
         self.cum_logprob = 0.0
+        self.prompt_due = request.prompt_logprobs is not None  # sent with the first output
 
 
 class OutputProcessor:
@@ -47,13 +48,27 @@ class OutputProcessor:
         end_ids = self.default_end_ids if end_id is None else frozenset((end_id,))
         self.live[request.request_id] = LiveRequest(request, callback, end_ids)
 
-    def append(self, request: Request, token: int, logprob: float, now: float) -> None:
-        """A sampled token arrived: record it, check stops, deliver what may be delivered."""
+    def append(
+        self,
+        request: Request,
+        token: int,
+        logprob: float,
+        now: float,
+        top: tuple[list[int], list[float]] | None = None,
+    ) -> None:
+        """A sampled token arrived: record it, check stops, deliver what may be delivered.
+        `top`: its position's top-k ids and log-probs, when the step computed them (at the
+        largest k of the batch: cut to the request's own)."""
         live = self.live.get(request.request_id)
         if live is None or request.status is RequestStatus.FINISHED:
             return  # ended meanwhile: the token is discarded
         request.output_ids.append(token)
         request.output_logprobs.append(logprob)
+        if top is not None:
+            k = request.sampling.num_top_log_probs
+            if k:
+                request.output_top_ids.append(top[0][:k])
+                request.output_top_logprobs.append(top[1][:k])
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
@@ -99,6 +114,16 @@ class OutputProcessor:
             request.finish_reason = reason
             request.error = error
             self._release(request, reason, error)
+        top_ids = top_logprobs = None
+        if request.sampling.num_top_log_probs:
+            top_ids = request.output_top_ids[start:deliverable]
+            top_logprobs = request.output_top_logprobs[start:deliverable]
+        prompt = None, None, None
+        if live.prompt_due:
+            live.prompt_due = False
+            if request.prompt_logprobs.complete:
+                prompt = request.prompt_logprobs.result()
+            request.prompt_logprobs.pieces = []  # delivered (or never will be): drop the tensors
         # Positional, in RequestOutput's field order: three times cheaper than keywords, and this
         # runs for every request every step.
         out = RequestOutput(
@@ -117,6 +142,10 @@ class OutputProcessor:
             request.first_scheduled_time,
             request.first_token_time,
             request.last_token_time,
+            None,  # not rejected
+            top_ids,
+            top_logprobs,
+            *prompt,
         )
         try:
             live.callback(out)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backend.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # torch stays out of the processes that only read outputs
+    from backend.logprobs import PromptLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -32,6 +36,11 @@ class Request:
     sampling: SamplingParams
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # With num_top_log_probs: each output token's position's top-k ids and log-probs.
+    output_top_ids: list[list[int]] = field(default_factory=list)
+    output_top_logprobs: list[list[float]] = field(default_factory=list)
+    # With return_prompt_log_probs: collected as the prompt's chunks are computed.
+    prompt_logprobs: PromptLogprobs | None = None
     status: RequestStatus = RequestStatus.WAITING
     # KV state: physical block ids, and how many tokens of `all_ids` are already in the cache.
     block_ids: list[int] = field(default_factory=list)
@@ -77,6 +86,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probs asked for and not all computed: every prompt position must be
+        computed, none served from cached blocks."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs.complete
 
     @property
     def is_finished(self) -> bool:
@@ -136,3 +151,15 @@ class RequestOutput:
     rejected: str | None = (
         None  # refused unserved: "queue_full", "shutting_down" (retry) or "invalid"
     )
+    # With num_top_log_probs: for each of new_token_ids, the top-k ids and log-probs of its
+    # position (sorted, likeliest first); None otherwise.
+    new_top_ids: list[list[int]] | None = None
+    new_top_logprobs: list[list[float]] | None = None
+    # With return_prompt_log_probs, in the first output only: one entry per prompt token, the
+    # log-prob of token i given tokens 0..i-1; position 0 has no context and reads 0.0. With
+    # num_top_log_probs also the top-k of the distribution predicting each prompt token
+    # (position 0: empty lists). None in later outputs, and when the request ended before its
+    # prompt was computed.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_ids: list[list[int]] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None

@@ -20,7 +20,9 @@ seeded row consumes exactly V exponentials per step from its generator, so its t
 depend on its neighbours or its position in the batch.
 
 Log-probs are those of the chosen tokens under the raw model distribution (log_softmax of the
-unprocessed logits), which is what clients compare against other engines.
+unprocessed logits), which is what clients compare against other engines; the top-k log-probs
+(`num_top_log_probs`) are taken from the same distribution the same way (`backend.logprobs`), only
+in steps where some row asks, and for all rows at the largest k asked (each request keeps its own).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from backend.logits_processors import (
     has_processors,
     min_tokens_end_ban,
 )
+from backend.logprobs import top_logprobs
 from backend.request import Request
 from backend.sampling_params import SamplingParams
 
@@ -58,12 +61,16 @@ class SamplerOutput:
     # Log-prob of each chosen token under the raw model distribution; None when no request in
     # the batch asked for them (then they are not computed at all).
     logprobs: list[float] | None
+    # Per row, the top-k log-probs and ids of the raw distribution at the largest k any row of
+    # the batch asked for; None when none asked.
+    top_logprobs: list[list[float]] | None = None
+    top_ids: list[list[int]] | None = None
 
 
-def _kind(p: SamplingParams) -> tuple[SamplingParams, bool, bool, bool]:
+def _kind(p: SamplingParams) -> tuple[SamplingParams, bool, bool, bool, int]:
     """What a request's parameters ask of every step, worked out once per request: (params,
-    greedy, log-probs, may have logits processors). The last is a superset of
-    `has_processors`, which is only asked for requests where it may be true."""
+    greedy, log-probs, may have logits processors, top-k log-probs). The fourth is a superset
+    of `has_processors`, which is only asked for requests where it may be true."""
     maybe_processed = bool(
         p.embedding_bias
         or p.bad_token_ids
@@ -72,7 +79,7 @@ def _kind(p: SamplingParams) -> tuple[SamplingParams, bool, bool, bool]:
         or p.presence_penalty
         or p.frequency_penalty
     )
-    return p, p.greedy, p.return_log_probs, maybe_processed
+    return p, p.greedy, p.return_log_probs, maybe_processed, p.num_top_log_probs
 
 
 class PendingSample:
@@ -85,7 +92,13 @@ class PendingSample:
     host (an object whose `result()` returns them as a list: a decode CUDA graph's argmax).
     """
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None, host_ids=None):
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        logprobs: torch.Tensor | None,
+        host_ids=None,
+        top: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         self.token_ids = token_ids
         self._ids_on_their_way = host_ids
         self._event = None
@@ -94,18 +107,24 @@ class PendingSample:
                 token_ids = token_ids.to("cpu", non_blocking=True)  # pinned destination
             if logprobs is not None:
                 logprobs = logprobs.to("cpu", non_blocking=True)
-            if host_ids is None or logprobs is not None:
+            if top is not None:
+                top = tuple(t.to("cpu", non_blocking=True) for t in top)
+            if host_ids is None or logprobs is not None or top is not None:
                 self._event = torch.cuda.Event()
                 self._event.record()
         self._host_ids = token_ids
         self._host_logprobs = logprobs
+        self._host_top = top
 
     def result(self) -> SamplerOutput:
         if self._event is not None:
             self._event.synchronize()
-        on_their_way, logprobs = self._ids_on_their_way, self._host_logprobs
+        on_their_way, logprobs, top = self._ids_on_their_way, self._host_logprobs, self._host_top
         ids = on_their_way.result() if on_their_way is not None else self._host_ids.tolist()
-        return SamplerOutput(ids, None if logprobs is None else logprobs.tolist())
+        out = SamplerOutput(ids, None if logprobs is None else logprobs.tolist())
+        if top is not None:
+            out.top_logprobs, out.top_ids = top[0].tolist(), top[1].tolist()
+        return out
 
 
 class Sampler:
@@ -124,7 +143,7 @@ class Sampler:
         self._request_generators: dict[str, torch.Generator] = {}
         self._prompt_tokens = PromptTokenCache(self.device)
         # request_id -> _kind(params), checked against the params object (a reused id has new ones)
-        self._kinds: dict[str, tuple[SamplingParams, bool, bool, bool]] = {}
+        self._kinds: dict[str, tuple[SamplingParams, bool, bool, bool, int]] = {}
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state when a request ends (a later request may reuse the id)."""
@@ -171,7 +190,7 @@ class Sampler:
             raise ValueError(f"logits must be [{len(requests)}, V], got {tuple(logits.shape)}")
         logits = logits.float()
         default_end_ids = self.default_end_ids
-        greedy, want_logprobs, processed = True, False, False
+        greedy, want_logprobs, processed, num_top = True, False, False, 0
         ban_applied = argmax_ids is not None
         kinds = self._kinds
         for r in requests:  # one pass: this runs for every row every step
@@ -180,6 +199,7 @@ class Sampler:
                 kind = kinds[r.request_id] = _kind(r.sampling)
             greedy = greedy and kind[1]
             want_logprobs = want_logprobs or kind[2]
+            num_top = kind[4] if kind[4] > num_top else num_top
             processed = processed or (kind[3] and has_processors(r, default_end_ids, ban_applied))
         host_ids = None
         if not processed and greedy:  # fast path: nothing to copy or edit
@@ -191,11 +211,14 @@ class Sampler:
                 apply_logits_processors(work, requests, default_end_ids, self._prompt_tokens)
             tokens = self._choose(work, requests)
 
-        logprobs = None
-        if want_logprobs:
-            chosen = logits.gather(1, tokens[:, None]).squeeze(1)
-            logprobs = chosen - torch.logsumexp(logits, dim=-1)
-        return PendingSample(tokens, logprobs, host_ids)
+        logprobs = top = None
+        if want_logprobs or num_top:
+            lse = torch.logsumexp(logits, dim=-1)
+            if want_logprobs:
+                logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - lse
+            if num_top:
+                top = top_logprobs(logits, lse, num_top)
+        return PendingSample(tokens, logprobs, host_ids, top)
 
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Argmax for greedy rows, a filtered draw for the others. `logits` is processed."""

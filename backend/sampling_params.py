@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from backend.validation import check_float, check_int, check_token
 
+MAX_TOP_LOG_PROBS = 20  # as OpenAI's top_logprobs: the per-position results stay small
+
 
 @dataclass
 class SamplingParams:
@@ -30,6 +32,11 @@ class SamplingParams:
     bad_token_ids: list[list[int]] = field(default_factory=list)  # banned token sequences
     embedding_bias: dict[int, float] = field(default_factory=dict)  # token id -> logit bias
     return_log_probs: bool = False
+    # The k likeliest tokens of each generated position (and of each prompt position with
+    # return_prompt_log_probs), under the same raw distribution as the log-probs; 0 = none.
+    num_top_log_probs: int = 0
+    # The log-prob of each prompt token given the tokens before it (position 0: 0.0).
+    return_prompt_log_probs: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -37,6 +44,14 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         check_int("max_tokens", self.max_tokens, low=1)
+        check_int("num_top_log_probs", self.num_top_log_probs, low=0)
+        if self.num_top_log_probs > MAX_TOP_LOG_PROBS:
+            raise ValueError(
+                f"num_top_log_probs must be <= {MAX_TOP_LOG_PROBS}, got {self.num_top_log_probs}"
+            )
+        if not isinstance(self.return_prompt_log_probs, bool):
+            value = self.return_prompt_log_probs
+            raise ValueError(f"return_prompt_log_probs must be true or false, got {value!r}")
         check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")

@@ -31,7 +31,7 @@ from backend.sampling_params import SamplingParams
 class FakeRunner(ModelRunner):
     """Packs the batch like the real runner, returns zero logits without running the model."""
 
-    def execute(self, chunks, in_flight_ids=None, banned_ids=None):
+    def execute(self, chunks, in_flight_ids=None, banned_ids=None, **options):
         self.prepare(chunks, in_flight_ids)
         return StepLogits(torch.zeros(sum(c.samples for c in chunks), self.vocab_size), None)
 

@@ -78,6 +78,15 @@ MEANING = {
     "len_penalty": "the ensemble's `length_penalty`",
     "streaming": "the ensemble's `stream`",
     "stop": "true: cancel the running request that has this request's id",
+    "num_top_log_probs": (
+        "ours (not in tensorrtllm_backend): 0..20, the k likeliest tokens of each position in "
+        "`top_log_probs`/`top_token_ids` (and, with `return_prompt_log_probs`, of each prompt "
+        "position); default 0: none"
+    ),
+    "return_prompt_log_probs": (
+        "ours (not in tensorrtllm_backend): fill `prompt_log_probs` (and the prompt top-k) in "
+        "the first response; such a request reuses no cached prefix"
+    ),
     # ---- outputs
     "text_output": "the generated text: the new piece when streaming, all of it otherwise",
     "output_ids": "[beam, tokens]: the new ids when streaming, all of them otherwise",
@@ -105,6 +114,24 @@ MEANING = {
     "acceptance_rate": "speculative decoding: always 0 (not supported)",
     "total_accepted_draft_tokens": "speculative decoding: always 0",
     "total_draft_tokens": "speculative decoding: always 0",
+    "top_log_probs": (
+        "ours: [beam, tokens, k]: for each token of `output_ids`' generated ids in this "
+        "response, the k largest log-probs of its position (raw model distribution, descending); "
+        "only with `num_top_log_probs` > 0"
+    ),
+    "top_token_ids": "ours: [beam, tokens, k]: the token ids of `top_log_probs`",
+    "prompt_log_probs": (
+        "ours: [beam, prompt]: log-prob of each prompt token given the ones before it (position "
+        "0: 0.0, it has no context); first response only, with `return_prompt_log_probs`"
+    ),
+    "prompt_top_log_probs": (
+        "ours: [beam, prompt, k]: the k largest log-probs of the distribution predicting each "
+        "prompt token (position 0: zeros); first response only, with `return_prompt_log_probs` "
+        "and `num_top_log_probs` > 0"
+    ),
+    "prompt_top_token_ids": (
+        "ours: [beam, prompt, k]: the token ids of `prompt_top_log_probs` (position 0: -1)"
+    ),
     "detok_window_ids": "ours, for postprocessing: the new ids after a few already shown",
     "detok_window_length": "ours: number of ids in `detok_window_ids`",
     "detok_context_length": "ours: how many of the window's ids were already shown",

@@ -154,6 +154,19 @@ DETOK_OUTPUTS = (
     Tensor("detok_final", "BOOL"),
     Tensor("llm_request_id", "STRING"),
 )
+# Ours, not tensorrtllm_backend's: top-k and prompt log-probs for clients of tensorrt_llm itself
+# (an OpenAI-style front end). Sent only when asked; the ensemble and BLS do not carry them.
+TOP_LOGPROB_INPUTS = (
+    _opt("num_top_log_probs", "INT32"),
+    _opt("return_prompt_log_probs", "BOOL"),
+)
+TOP_LOGPROB_OUTPUTS = (
+    Tensor("top_log_probs", "FP32", (-1, -1, -1)),
+    Tensor("top_token_ids", "INT32", (-1, -1, -1)),
+    Tensor("prompt_log_probs", "FP32", (-1, -1)),
+    Tensor("prompt_top_log_probs", "FP32", (-1, -1, -1)),
+    Tensor("prompt_top_token_ids", "INT32", (-1, -1, -1)),
+)
 TENSORRT_LLM = ModelIO(
     inputs=(
         _opt("input_ids", "INT32", (-1,), ragged=True),
@@ -163,13 +176,15 @@ TENSORRT_LLM = ModelIO(
         _opt("embedding_bias", "FP32", (-1,), ragged=True),
     )
     + _inputs("llm")
-    + (_opt("stop", "BOOL"),),
+    + (_opt("stop", "BOOL"),)
+    + TOP_LOGPROB_INPUTS,
     outputs=(
         Tensor("output_ids", "INT32", (-1, -1)),
         Tensor("sequence_length", "INT32", (-1,)),
     )
     + LLM_SIDE_OUTPUTS
-    + DETOK_OUTPUTS,
+    + DETOK_OUTPUTS
+    + TOP_LOGPROB_OUTPUTS,
 )
 
 # ---- postprocessing ------------------------------------------------------------------------------

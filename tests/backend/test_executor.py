@@ -175,10 +175,10 @@ def test_queue_full_is_refused_explicitly(tiny_dir):
 class PoisonedRunner(ModelRunner):
     """The real runner, failing whenever a poison token is in the step (fault injection)."""
 
-    def execute(self, chunks, in_flight_ids=None, banned_ids=None):
+    def execute(self, chunks, in_flight_ids=None, banned_ids=None, **options):
         if any(POISON in c.request.tokens(c.start, c.start + c.num_tokens) for c in chunks):
             raise RuntimeError("poisoned step")
-        return super().execute(chunks, in_flight_ids, banned_ids)
+        return super().execute(chunks, in_flight_ids, banned_ids, **options)
 
 
 def test_a_failing_request_fails_alone(tiny_dir):

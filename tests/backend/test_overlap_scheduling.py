@@ -114,10 +114,10 @@ class CountingRunner(ModelRunner):
 
     overlapped = 0
 
-    def execute(self, chunks, in_flight_ids=None, banned_ids=None):
+    def execute(self, chunks, in_flight_ids=None, banned_ids=None, **options):
         if in_flight_ids is not None and any(c.request.in_flight_row is not None for c in chunks):
             CountingRunner.overlapped += 1
-        return super().execute(chunks, in_flight_ids, banned_ids)
+        return super().execute(chunks, in_flight_ids, banned_ids, **options)
 
 
 @pytest.mark.parametrize("kind", list(TINY_CONFIGS))
@@ -309,10 +309,10 @@ def test_cancel_with_overlap_delivers_real_tokens_and_frees_blocks(tiny_dir):
 
 
 class PoisonedRunner(ModelRunner):
-    def execute(self, chunks, in_flight_ids=None, banned_ids=None):
+    def execute(self, chunks, in_flight_ids=None, banned_ids=None, **options):
         if any(POISON in c.request.tokens(c.start, c.start + c.num_tokens) for c in chunks):
             raise RuntimeError("poisoned step")
-        return super().execute(chunks, in_flight_ids, banned_ids)
+        return super().execute(chunks, in_flight_ids, banned_ids, **options)
 
 
 def test_a_failing_request_fails_alone_with_overlap(tiny_dir):

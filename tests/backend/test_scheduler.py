@@ -13,6 +13,7 @@ import random
 import pytest
 
 from backend.config import EngineConfig
+from backend.logprobs import PromptLogprobs
 from backend.request import FinishReason, Request, RequestStatus
 from backend.sampling_params import SamplingParams
 from backend.scheduler import QueueFullError, Scheduler
@@ -382,6 +383,30 @@ def test_prefix_reuse_through_the_scheduler():
     assert [(c.start, c.num_tokens, c.samples) for c in out.chunks] == [(8, 1, True)]
     assert again.num_reused_blocks == 2 and again.num_cached_prompt_tokens == 8
     assert scheduler.kv_stats().reused_blocks == 2
+
+
+def test_a_request_asking_for_prompt_logprobs_reuses_no_cached_block_and_caches_its_own():
+    """Prompt log-probs need the logits of every prompt position: the scheduler starts such a
+    request at position 0 although its prefix is cached; its blocks are cached for the next."""
+    scheduler = make_scheduler(num_blocks=16, tokens_per_block=4)
+    model = FakeModel(scheduler)
+    first = make_request("a", list(range(9)), 1)
+    scheduler.add(first)
+    model.step()
+    asking = make_request("b", list(range(9)), 1)
+    asking.prompt_logprobs = PromptLogprobs(num_prompt_tokens=9, k=0)
+    scheduler.add(asking)
+    out = scheduler.schedule()
+    assert [(c.start, c.num_tokens) for c in out.chunks] == [(0, 9)]
+    assert asking.num_reused_blocks == 0 and scheduler.kv_stats().reused_blocks == 0
+    asking.prompt_logprobs.num_done = 9  # what the runner records once the chunk is computed
+    scheduler.complete_step(out)
+    scheduler.finish(asking)
+    later = make_request("c", list(range(9)), 1)
+    scheduler.add(later)
+    out = scheduler.schedule()
+    assert [(c.start, c.num_tokens) for c in out.chunks] == [(8, 1)]
+    assert later.num_reused_blocks == 2
 
 
 def test_queue_full_raises_and_preempted_requests_do_not_count():

@@ -47,6 +47,8 @@ ENSEMBLE_DTYPES = {
 }
 LLM_DTYPES = {
     "input_ids": np.int32,
+    "num_top_log_probs": np.int32,
+    "return_prompt_log_probs": np.bool_,
     "input_lengths": np.int32,
     "request_output_len": np.int32,
     "end_id": np.int32,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from backend.request import FinishReason, RequestOutput
-from ensemble.tensors import PERF_OUTPUTS, TENSORRT_LLM
+from ensemble.tensors import PERF_OUTPUTS, TENSORRT_LLM, TOP_LOGPROB_OUTPUTS
 from tests.adapters import load_adapter
 
 llm_inputs = load_adapter("tensorrt_llm", "llm_inputs")
@@ -109,6 +109,10 @@ def test_batch_rows():
         (dict(return_context_logits=True), "return_context_logits is not supported"),
         (dict(embedding_bias=np.zeros((1, 2000), dtype=np.float32)), "at most vocab size"),
         (dict(stop_words_list=np.array([[[1, 2], [2, 1]]], dtype=np.int32)), "stop_words_list"),
+        (dict(num_top_log_probs=21), "num_top_log_probs must be <= 20, got 21"),
+        (dict(num_top_log_probs=-1), "num_top_log_probs must be >= 0, got -1"),
+        (dict(num_top_log_probs=2.0), "num_top_log_probs must be an integer tensor"),
+        (dict(return_prompt_log_probs=1), "return_prompt_log_probs must be BOOL"),
     ],
 )
 def test_rejections_name_the_field(inputs, message):
@@ -204,6 +208,7 @@ def test_each_response_holds_every_output_asked_for(log_probs, perf):
     left_out = (set() if log_probs else {"cum_log_probs", "output_log_probs"}) | (
         set() if perf else {t.name for t in PERF_OUTPUTS}
     )
+    left_out |= {t.name for t in TOP_LOGPROB_OUTPUTS}  # not asked
     for out in outs:
         stream.add(out)
         tensors = stream.take(out)
@@ -274,3 +279,56 @@ def test_rows_of_a_request_stack_into_one_batch():
     assert batch["finish_reason"].tolist() == [[b"end_id"], [b"end_id"]]
     assert batch["llm_request_id"].tolist() == [[b"r0"], [b"r1"]]
     assert stack_rows(rows[:1])["output_ids"].shape == (1, 1, 3)
+
+
+def test_top_and_prompt_log_probs_inputs_reach_the_engine():
+    sampling = _sampling(num_top_log_probs=5, return_prompt_log_probs=True)
+    assert sampling.num_top_log_probs == 5 and sampling.return_prompt_log_probs
+    assert _sampling().num_top_log_probs == 0 and not _sampling().return_prompt_log_probs
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_top_log_probs_per_response_and_prompt_log_probs_in_the_first_only(streaming):
+    """Shapes of the contract (batch dimension left out): top_* [1, new tokens, k] aligned with
+    output_log_probs; prompt_* [1, prompt(, k)] once, position 0 as 0.0 / -1."""
+    k = 2
+    stream = RowStream.start("r", 0, streaming, [5, 6, 7], echo_prompt=True, num_top=k)
+    prompt_top_ids = [[], [6, 1], [7, 2]]
+    prompt_top_logprobs = [[], [-0.1, -2.0], [-0.2, -3.0]]
+    outs = [
+        RequestOutput(
+            "r",
+            [10 + i],
+            [],
+            i + 1,
+            i == 2,
+            FinishReason.LENGTH if i == 2 else None,
+            new_top_ids=[[10 + i, 3]],
+            new_top_logprobs=[[-0.5, -1.5 - i]],
+            prompt_logprobs=[0.0, -0.1, -0.2] if i == 0 else None,
+            prompt_top_ids=prompt_top_ids if i == 0 else None,
+            prompt_top_logprobs=prompt_top_logprobs if i == 0 else None,
+        )
+        for i in range(3)
+    ]
+    responses = []
+    for out in outs:
+        stream.add(out)
+        if stream.ready(out):
+            responses.append(stream.take(out))
+    first = responses[0]
+    assert first["prompt_log_probs"].dtype == np.float32
+    np.testing.assert_allclose(first["prompt_log_probs"], [[0.0, -0.1, -0.2]])
+    assert first["prompt_top_token_ids"].dtype == np.int32
+    assert first["prompt_top_token_ids"].tolist() == [[[-1, -1], [6, 1], [7, 2]]]
+    np.testing.assert_allclose(
+        first["prompt_top_log_probs"], [[[0.0, 0.0], [-0.1, -2.0], [-0.2, -3.0]]]
+    )
+    for later in responses[1:]:
+        assert not {"prompt_log_probs", "prompt_top_log_probs", "prompt_top_token_ids"} & set(later)
+    ids = [r["top_token_ids"] for r in responses]
+    assert all(a.dtype == np.int32 and a.ndim == 3 and a.shape[2] == k for a in ids)
+    assert [t for r in ids for t in r[0, :, 0].tolist()] == [10, 11, 12]
+    shapes = [(1, 1, k)] * 3 if streaming else [(1, 3, k)]
+    assert [r["top_log_probs"].shape for r in responses] == shapes
+    np.testing.assert_allclose(responses[-1]["top_log_probs"][0, -1], [-0.5, -3.5])

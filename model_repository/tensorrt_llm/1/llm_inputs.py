@@ -161,6 +161,8 @@ def convert_row(
         bad_token_ids=_words(row, "bad_words_list"),
         embedding_bias=_embedding_bias(row, vocab_size),
         return_log_probs=bool(bools["return_log_probs"]),
+        num_top_log_probs=_or(ints["num_top_log_probs"], 0),
+        return_prompt_log_probs=bool(bools["return_prompt_log_probs"]),
     )
     sampling.validate(vocab_size)
     exclude = bools["exclude_input_in_output"]

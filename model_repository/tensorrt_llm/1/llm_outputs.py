@@ -9,6 +9,13 @@ ids before the new ones, how many of those were already shown, and whether this 
 As in TensorRT-LLM, the optional outputs are left out unless asked: the perf metrics without
 return_perf_metrics, the log-probs without return_log_probs. The ensemble then leaves them out of
 its responses too, and every response costs the sender half the tensors.
+
+Ours, for clients of this model itself (the ensemble does not carry them): with
+num_top_log_probs = k > 0 every response has `top_log_probs` [1, n, k] and `top_token_ids`
+[1, n, k] for its n generated tokens (aligned with `output_log_probs`); with
+return_prompt_log_probs the first response that carries tokens has `prompt_log_probs`
+[1, prompt] and, with k > 0, `prompt_top_log_probs` / `prompt_top_token_ids` [1, prompt, k],
+whose position-0 row (no context) is 0.0 / -1. Later responses leave the prompt ones out.
 """
 
 from __future__ import annotations
@@ -30,11 +37,16 @@ class RowStream:
     streaming: bool
     log_probs: bool = False  # return_log_probs
     perf_metrics: bool = False  # return_perf_metrics
+    num_top: int = 0  # num_top_log_probs
     shown: list[int] = field(default_factory=list)  # prompt (if echoed) + generated ids so far
     num_sent: int = 0  # of `shown`, already sent
     logprobs: list[float] = field(default_factory=list)
     num_logprobs_sent: int = 0
     num_generated: int = 0
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    num_top_sent: int = 0
+    prompt: RequestOutput | None = None  # the output with the prompt log-probs, until sent
 
     @classmethod
     def start(
@@ -46,6 +58,7 @@ class RowStream:
         echo_prompt: bool,
         log_probs: bool = False,
         perf_metrics: bool = False,
+        num_top: int = 0,
     ) -> "RowStream":
         return cls(
             handle,
@@ -53,6 +66,7 @@ class RowStream:
             streaming,
             log_probs,
             perf_metrics,
+            num_top,
             shown=list(prompt_ids) if echo_prompt else [],
         )
 
@@ -60,6 +74,11 @@ class RowStream:
         self.shown += out.new_token_ids
         self.logprobs += out.new_logprobs
         self.num_generated += len(out.new_token_ids)
+        if out.new_top_ids:
+            self.top_ids += out.new_top_ids
+            self.top_logprobs += out.new_top_logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt = out
 
     def ready(self, out: RequestOutput) -> bool:
         """Whether a response is due after `out`: every step when streaming, else only at the
@@ -90,11 +109,41 @@ class RowStream:
             )
             tensors["cum_log_probs"] = np.array([out.cum_logprob], dtype=np.float32)
             tensors["output_log_probs"] = np.array([new_logprobs], dtype=np.float32).reshape(1, -1)
+        if self.num_top:
+            start_top = self.num_top_sent if self.streaming else 0
+            tensors["top_log_probs"] = _top(self.top_logprobs[start_top:], self.num_top, np.float32)
+            tensors["top_token_ids"] = _top(self.top_ids[start_top:], self.num_top, np.int32)
+            self.num_top_sent = len(self.top_ids)
+        if self.prompt is not None:
+            tensors.update(prompt_tensors(self.prompt, self.num_top))
+            self.prompt = None
         if self.perf_metrics:
             tensors.update(perf_tensors(out))
         self.num_sent = len(self.shown)
         self.num_logprobs_sent = len(self.logprobs)
         return tensors
+
+
+def _top(rows: list[list], k: int, dtype) -> np.ndarray:
+    """[1, positions, k] from each position's k values (k is at most the vocabulary size)."""
+    k = len(rows[0]) if rows else k
+    return np.array(rows, dtype=dtype).reshape(1, len(rows), k)
+
+
+def prompt_tensors(out: RequestOutput, k: int) -> dict[str, np.ndarray]:
+    """The prompt log-prob outputs of `out`; position 0 (no context) reads 0.0, id -1."""
+    tensors = {"prompt_log_probs": np.array([out.prompt_logprobs], dtype=np.float32)}
+    if k and out.prompt_top_ids is not None:
+        rows = out.prompt_top_logprobs[1:]
+        width = len(rows[0]) if rows else k
+        values = np.zeros((1, len(out.prompt_logprobs), width), dtype=np.float32)
+        ids = np.full(values.shape, -1, dtype=np.int32)
+        if rows:
+            values[0, 1:] = rows
+            ids[0, 1:] = out.prompt_top_ids[1:]
+        tensors["prompt_top_log_probs"] = values
+        tensors["prompt_top_token_ids"] = ids
+    return tensors
 
 
 def stack_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -112,6 +112,7 @@ class ResponseDispatcher:
                 echo_prompt=not row.exclude_input_in_output,
                 log_probs=row.sampling.return_log_probs,
                 perf_metrics=row.return_perf_metrics,
+                num_top=row.sampling.num_top_log_probs,
             )
             entries.append((engine_id, row, LiveRow(live, stream, len(row.prompt_ids))))
         with self._lock:
