@@ -415,3 +415,35 @@ def test_unreachable_triton_reads_503(tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_streamed_logprobs_concatenate_to_the_unstreamed_ones(client, top_log_probs):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, echo=True)
+    whole = client.completions.create(**args).choices[0].logprobs
+    parts = [c.choices[0].logprobs for c in client.completions.create(**args, stream=True)]
+    # The same tokens; values within 1e-4 (a cached prefix or another batch may round apart).
+    joined = {name: [x for p in parts if p for x in getattr(p, name)] for name in vars(whole)}
+    assert joined["tokens"] == whole.tokens and joined["text_offset"] == whole.text_offset
+    assert joined["token_logprobs"][0] is None is whole.token_logprobs[0]
+    assert joined["token_logprobs"][1:] == pytest.approx(whole.token_logprobs[1:], abs=1e-4)
+    for streamed_top, top in zip(joined["top_logprobs"][1:], whole.top_logprobs[1:]):
+        assert streamed_top == pytest.approx(top, abs=1e-4)
+    chat = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    whole = client.chat.completions.create(**chat).choices[0].logprobs.content
+    streamed = [
+        entry
+        for c in client.chat.completions.create(**chat, stream=True)
+        if c.choices and c.choices[0].logprobs
+        for entry in c.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [e.token for e in whole]
+    for entry, expected in zip(streamed, whole):
+        assert entry.logprob == pytest.approx(expected.logprob, abs=1e-4)
+        assert [t.token for t in entry.top_logprobs] == [t.token for t in expected.top_logprobs]
