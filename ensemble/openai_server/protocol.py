@@ -138,9 +138,26 @@ def parse(model: type[BaseModel], body) -> BaseModel:
     try:
         parsed = model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
-        message = first["msg"].removeprefix("Value error, ")
-        raise ApiError(400, f"{param}: {message}" if param else message, param) from None
+        raise _first_error(exc) from None
     parsed.check()
     return parsed
+
+
+def _first_error(exc: ValidationError) -> ApiError:
+    """The first wrong field; a value that fits none of a field's accepted forms (a union: its
+    errors' locations name the forms) is reported once, at the field."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    field = str(first["loc"][0]) if first["loc"] else None
+    same = [e for e in errors if e["loc"] and str(e["loc"][0]) == field]
+    union = field in UNIONS and len(same) > 1
+    param = field if union else ".".join(str(part) for part in first["loc"]) or None
+    message = UNIONS[field] if union else first["msg"].removeprefix("Value error, ")
+    return ApiError(400, f"{param}: {message}" if param else message, param)
+
+
+UNIONS = {
+    "prompt": "must be a string, a list of strings, a list of token ids or a list of such lists",
+    "stop": "must be a string or a list of strings",
+    "messages": "each message needs a role and a content (a string or a list of text parts)",
+}
