@@ -51,7 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         f"(tritonserver {args.triton_url})",
         flush=True,
     )
-    web.run_app(app(), host=args.host, port=args.port, print=None, access_log=None)
+    # handler_cancellation: a client that goes away cancels its handler, hence its engine requests
+    web.run_app(
+        app(),
+        host=args.host,
+        port=args.port,
+        print=None,
+        access_log=None,
+        handler_cancellation=True,
+    )
     return 0
 
 

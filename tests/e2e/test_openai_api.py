@@ -19,7 +19,7 @@ from ensemble.openai_server.served_model import default_name
 from ensemble.server import free_port
 from ensemble.token_client import generate, request_inputs
 from preprocessing.tokenizer import apply_chat_template, default_end_id, default_pad_id, encode
-from tests.e2e.clients import grpc_request
+from tests.e2e.clients import grpc_request, metric, metrics
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.e2e
@@ -447,3 +447,33 @@ def test_streamed_logprobs_concatenate_to_the_unstreamed_ones(client, top_log_pr
     for entry, expected in zip(streamed, whole):
         assert entry.logprob == pytest.approx(expected.logprob, abs=1e-4)
         assert [t.token for t in entry.top_logprobs] == [t.token for t in expected.top_logprobs]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_cancels_its_engine_request(front_end, triton, stream):
+    def active() -> float:
+        return metric(metrics(triton.metrics), "nv_trt_llm_request_metrics", request_type="active")
+
+    body = {
+        "model": MODEL,
+        "prompt": "Count from one to one thousand:",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    with requests.Session() as session:
+        try:
+            response = session.post(
+                f"{front_end}/v1/completions", json=body, stream=True, timeout=(5, 2)
+            )
+            next(response.iter_lines())  # one streamed chunk, then hang up
+        except requests.Timeout:  # not streamed: hang up while it runs
+            pass
+        deadline = time.monotonic() + 30
+        while active() < 1:
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.1)
+    deadline = time.monotonic() + 15  # 480 tokens take far longer on a CPU
+    while active() > 0:
+        assert time.monotonic() < deadline, "the engine request lives on"
+        time.sleep(0.2)
