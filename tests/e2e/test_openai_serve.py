@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -98,3 +99,15 @@ def test_a_dead_front_end_stops_the_server(launcher):  # noqa: F811
     assert served.process.wait(timeout=30) == 1
     assert "the OpenAI front end exited" in served.log.read_text()
     assert not os.path.exists(f"/proc/{server_pid}"), "tritonserver lives on"
+
+
+def test_a_taken_openai_port_is_refused_before_starting(launcher):  # noqa: F811
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        served = launcher("--openai-port", str(port))
+        code = served.process.wait(timeout=60)
+    output = served.log.read_text()
+    assert code == 2 and f"openai_port {port} is already in use" in output, output
+    assert "ready:" not in output
