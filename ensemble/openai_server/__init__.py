@@ -11,6 +11,6 @@ the text the ensemble returns. One engine, one queue and one set of metrics serv
 Modules: protocol (request bodies), errors (OpenAI's error shape, Triton errors mapped to HTTP
 statuses), served_model (tokenizer and name), engine_request (request -> tensorrt_llm inputs),
 triton_llm (the gRPC client), stop_strings, generation (one choice: ids -> text, stops,
-log-probs), logprobs (OpenAI's two log-prob shapes), sse, completions, chat, app, process (the
-child process `python -m ensemble serve` starts).
+log-probs), logprobs (OpenAI's two log-prob shapes), sse, context (what handlers share),
+completions, chat, app, process (the child process `python -m ensemble serve` starts).
 """

@@ -6,17 +6,14 @@ the whole conversation instead of one user message), ending with the assistant's
 
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 from jinja2.exceptions import TemplateError
 
 from ensemble.openai_server import sse
-from ensemble.openai_server.completions import collect
 from ensemble.openai_server.context import CONTEXT, Context, new_id, now, usage
 from ensemble.openai_server.engine_request import engine_request
 from ensemble.openai_server.errors import bad_request
-from ensemble.openai_server.generation import Choice
+from ensemble.openai_server.generation import Choice, run_all
 from ensemble.openai_server.protocol import ChatCompletionRequest
 from preprocessing.tokenizer import apply_chat_template
 
@@ -59,7 +56,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     reply = Reply(context, body, new_id("chatcmpl"), len(ids))
     if body.stream:
         return await sse.respond(request, reply.stream(runs))
-    results = await asyncio.gather(*(collect(choice, context, engine) for choice, engine in runs))
+    results = await run_all(context.llm, runs)
     return web.json_response(
         {
             **reply.header("chat.completion"),

@@ -8,14 +8,12 @@ Choice i of prompt p has index p * n + i. `echo` puts the prompt in front of the
 
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 
 from ensemble.openai_server import sse
 from ensemble.openai_server.context import CONTEXT, Context, new_id, now, usage
 from ensemble.openai_server.engine_request import engine_request
-from ensemble.openai_server.generation import Choice, Delta
+from ensemble.openai_server.generation import Choice, Delta, run_all
 from ensemble.openai_server.protocol import CompletionRequest
 from preprocessing.tokenizer import encode
 
@@ -59,9 +57,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     reply = Reply(context, body, new_id("cmpl"))
     if body.stream:
         return await sse.respond(request, reply.stream(runs))
-    results = await asyncio.gather(
-        *(collect(choice, context, engine) for _, choice, engine in runs)
-    )
+    results = await run_all(context.llm, [(choice, engine) for _, choice, engine in runs])
     choices = [
         reply.choice(index, prompt, choice, deltas)
         for index, ((prompt, choice, _), deltas) in enumerate(zip(runs, results))
@@ -73,10 +69,6 @@ async def create(request: web.Request) -> web.StreamResponse:
             "usage": reply.usage(runs),
         }
     )
-
-
-async def collect(choice: Choice, context: Context, engine) -> list[Delta]:
-    return [delta async for delta in choice.run(context.llm, engine)]
 
 
 class Reply:

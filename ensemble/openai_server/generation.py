@@ -8,6 +8,7 @@ Stop strings the engine could not stop on are cut here, and the engine request i
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -94,3 +95,18 @@ class Choice:
                 return count
             length += len(self.tokenizer.decode([token.token_id]))
         return len(tokens)
+
+
+async def run_all(llm: TritonLLM, runs: list[tuple[Choice, EngineRequest]]) -> list[list[Delta]]:
+    """Every choice's deltas, generated concurrently; the first failure cancels the others (their
+    engine requests end at once instead of running on for nobody)."""
+
+    async def collect(choice: Choice, request: EngineRequest) -> list[Delta]:
+        return [delta async for delta in choice.run(llm, request)]
+
+    tasks = [asyncio.ensure_future(collect(choice, request)) for choice, request in runs]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
