@@ -477,3 +477,15 @@ def test_a_client_that_goes_away_cancels_its_engine_request(front_end, triton, s
     while active() > 0:
         assert time.monotonic() < deadline, "the engine request lives on"
         time.sleep(0.2)
+
+
+def test_multibyte_text_streams_exactly(client, triton):
+    question = "Translate into French: The coffee at the café is très bon. Answer in French."
+    args = dict(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=40, temperature=0
+    )
+    text = client.chat.completions.create(**args).choices[0].message.content
+    assert any(ord(c) > 127 for c in text), text  # the case this test is for
+    streamed = client.chat.completions.create(**args, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
+    assert text == ensemble_text(triton, question, 40, chat=True)
