@@ -489,3 +489,26 @@ def test_multibyte_text_streams_exactly(client, triton):
     streamed = client.chat.completions.create(**args, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
     assert text == ensemble_text(triton, question, 40, chat=True)
+
+
+def test_penalties_and_stop_token_ids_reach_the_engine(client, triton, tokenizer):
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 1.5}
+    penalized = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, **penalties
+    )
+    assert penalized.choices[0].text != plain.choices[0].text
+    assert penalized.choices[0].text == ensemble_text(
+        triton, PROMPT, 24, **{k: np.float32(v) for k, v in penalties.items()}
+    )
+    ids = engine_ids(triton, tokenizer, encode(tokenizer, PROMPT), 24)
+    first = ids.index(ids[3])
+    stopped = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"stop_token_ids": [ids[3]]},
+    )
+    assert stopped.choices[0].text == tokenizer.decode(ids[:first], skip_special_tokens=True)
+    assert stopped.choices[0].finish_reason == "stop"
