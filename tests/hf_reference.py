@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -29,3 +30,47 @@ def hf_greedy(
             use_cache=True,
         )
     return tokens, logprobs
+
+
+@torch.inference_mode()
+def reference_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the logits at every position of one full forward over `ids`."""
+    device = next(hf.parameters()).device
+    logits = hf(input_ids=torch.tensor([ids], device=device)).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).cpu()
+
+
+def check_top(ids: list[int], values: list[float], ref_row: torch.Tensor, k: int) -> None:
+    """The engine's top-k at a position is the reference's: the same k largest values, sorted,
+    each the reference log-prob of its id (so near-ties may come in either order)."""
+    assert len(ids) == len(values) == k
+    assert values == sorted(values, reverse=True)
+    assert values == pytest.approx(ref_row.topk(k).values.tolist(), abs=1e-4)
+    assert values == pytest.approx(ref_row[ids].tolist(), abs=1e-4)
+
+
+def check_logprobs(hf, prompt: list[int], result: dict, k: int = 5) -> None:
+    """An engine result (`Executor.generate`) of a greedy request with return_log_probs,
+    num_top_log_probs=k and return_prompt_log_probs: its tokens are transformers' greedy ones,
+    its top-k and prompt log-probs transformers' log_softmax within 1e-4 at every position."""
+    tokens = result["token_ids"]
+    assert tokens == hf_greedy(hf, prompt, len(tokens))[0]
+    ref = reference_logprobs(hf, prompt + tokens)
+    n = len(prompt)
+    # generated positions: token j is predicted at position n - 1 + j
+    assert len(result["top_ids"]) == len(result["top_logprobs"]) == len(tokens)
+    for j, token in enumerate(tokens):
+        ids, values = result["top_ids"][j], result["top_logprobs"][j]
+        check_top(ids, values, ref[n - 1 + j], k)
+        assert ids[0] == token  # greedy: the likeliest token
+        assert result["logprobs"][j] == values[0]  # the same number, not only close
+    # prompt positions: token i is predicted at position i - 1; position 0 has no context
+    prompt_logprobs = result["prompt_logprobs"]
+    assert len(prompt_logprobs) == n
+    assert prompt_logprobs[0] == 0.0
+    expected = [float(ref[i - 1, prompt[i]]) for i in range(1, n)]
+    assert prompt_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert len(result["prompt_top_ids"]) == len(result["prompt_top_logprobs"]) == n
+    assert result["prompt_top_ids"][0] == result["prompt_top_logprobs"][0] == []
+    for i in range(1, n):
+        check_top(result["prompt_top_ids"][i], result["prompt_top_logprobs"][i], ref[i - 1], k)

@@ -7,12 +7,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from backend.config import EngineConfig
 from backend.executor import Executor
 from backend.sampling_params import SamplingParams
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import check_logprobs, check_top, hf_greedy, reference_logprobs
 from tests.tiny_models import TINY, make_tiny_model, random_prompts
 
 K = 5
@@ -30,46 +29,6 @@ PLAIN = SamplingParams(max_tokens=10, ignore_end_id=True)
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     return path, make_tiny_model("llama", path)
-
-
-@torch.inference_mode()
-def reference_logprobs(hf, ids: list[int]) -> torch.Tensor:
-    """log_softmax of the logits at every position of one full forward over `ids`."""
-    logits = hf(input_ids=torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
-
-
-def check_top(ids: list[int], values: list[float], ref_row: torch.Tensor, k: int) -> None:
-    """The engine's top-k at a position is the reference's: the same k largest values, sorted,
-    each the reference log-prob of its id (so near-ties may come in either order)."""
-    assert len(ids) == len(values) == k
-    assert values == sorted(values, reverse=True)
-    assert values == pytest.approx(ref_row.topk(k).values.tolist(), abs=1e-4)
-    assert values == pytest.approx(ref_row[ids].tolist(), abs=1e-4)
-
-
-def check_result(hf, prompt: list[int], result: dict, k: int = K) -> None:
-    tokens = result["token_ids"]
-    assert tokens == hf_greedy(hf, prompt, len(tokens))[0]
-    ref = reference_logprobs(hf, prompt + tokens)
-    n = len(prompt)
-    # generated positions: token j is predicted at position n - 1 + j
-    assert len(result["top_ids"]) == len(result["top_logprobs"]) == len(tokens)
-    for j, token in enumerate(tokens):
-        ids, values = result["top_ids"][j], result["top_logprobs"][j]
-        check_top(ids, values, ref[n - 1 + j], k)
-        assert ids[0] == token  # greedy: the likeliest token
-        assert result["logprobs"][j] == values[0]  # the same number, not only close
-    # prompt positions: token i is predicted at position i - 1; position 0 has no context
-    prompt_logprobs = result["prompt_logprobs"]
-    assert len(prompt_logprobs) == n
-    assert prompt_logprobs[0] == 0.0
-    expected = [float(ref[i - 1, prompt[i]]) for i in range(1, n)]
-    assert prompt_logprobs[1:] == pytest.approx(expected, abs=1e-4)
-    assert len(result["prompt_top_ids"]) == len(result["prompt_top_logprobs"]) == n
-    assert result["prompt_top_ids"][0] == result["prompt_top_logprobs"][0] == []
-    for i in range(1, n):
-        check_top(result["prompt_top_ids"][i], result["prompt_top_logprobs"][i], ref[i - 1], k)
 
 
 def run(model_dir, prompts, params, **config) -> tuple[list[dict], Executor]:
@@ -91,7 +50,7 @@ def test_chunked_prefill_mixed_batch(tiny, overlap):
     results, executor = run(path, prompts, params, **config)
     for i, (prompt, result) in enumerate(zip(prompts, results)):
         if i % 2 == 0:
-            check_result(hf, prompt, result)
+            check_logprobs(hf, prompt, result)
         else:
             assert result["top_ids"] == [] and result["prompt_logprobs"] is None
     plain, _ = run(path, prompts, PLAIN, **config)
@@ -175,7 +134,7 @@ def test_cached_prefix_is_not_reused_for_prompt_logprobs_and_stays_cached(tiny):
         assert first["reused_blocks"] == 0
         asking = collect.serve(executor, "ask", prefix + tails[1], ASK)
         assert asking["reused_blocks"] == 0  # the cached prefix was there, and not taken
-        check_result(hf, prefix + tails[1], asking)
+        check_logprobs(hf, prefix + tails[1], asking)
         after = collect.serve(executor, "after", prefix + tails[2], PLAIN)
         assert after["reused_blocks"] == len(prefix) // 8  # the prefix is still cached
         assert after["token_ids"] == hf_greedy(hf, prefix + tails[2], 10)[0]
@@ -200,7 +159,7 @@ def test_prompt_logprobs_survive_preemption(tiny):
         batch_scheduler_policy="max_utilization",
     )
     for prompt, result in zip(prompts, results):
-        check_result(hf, prompt, result)
+        check_logprobs(hf, prompt, result)
     stats = executor.stats()
     assert stats.num_preemptions > 0
     assert stats.kv.free_blocks == stats.kv.max_blocks

@@ -14,7 +14,7 @@ from backend.config import EngineConfig
 from backend.executor import Executor
 from backend.model_paths import resolve_model
 from backend.sampling_params import SamplingParams
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import check_logprobs, hf_greedy
 from tests.tiny_models import TINY, make_tiny_model, random_prompts
 
 pytestmark = [
@@ -211,6 +211,46 @@ def test_random_weight_model_fp32_matches_transformers(kind, tmp_path):
     for prompt, result in zip(prompts, results):
         expected, _ = hf_greedy(hf, prompt, 24)
         assert result["token_ids"] == expected
+
+
+def test_top_k_and_prompt_logprobs_with_decode_graphs_and_overlap(tmp_path, monkeypatch):
+    """fp32, decode CUDA graphs and overlap scheduling (the GPU defaults), chunked prefill:
+    requests asking for top-k and prompt log-probs get transformers' values; their decode steps
+    still replay the graphs (top-k is taken from the graph's logits); requests beside them that
+    ask for nothing get the same tokens."""
+    from backend.cuda_graphs import DecodeGraphs
+
+    replays = []
+    replay = DecodeGraphs.replay
+    monkeypatch.setattr(
+        DecodeGraphs, "replay", lambda self, n: replays.append(n) or replay(self, n)
+    )
+    hf = make_tiny_model("llama", tmp_path).cuda()
+    prompts = random_prompts(8, TINY["vocab_size"], seed=6, low=20, high=150)
+    ask = SamplingParams(
+        max_tokens=16,
+        ignore_end_id=True,
+        return_log_probs=True,
+        num_top_log_probs=5,
+        return_prompt_log_probs=True,
+    )
+    plain = SamplingParams(max_tokens=16, ignore_end_id=True)
+    results = serve(
+        tmp_path,
+        prompts,
+        [ask if i % 2 == 0 else plain for i in range(len(prompts))],
+        dtype="float32",
+        max_batch_size=8,
+        max_num_tokens=64,
+        tokens_per_block=16,
+    )
+    assert replays  # decode steps, those with top-k rows included, ran in the graphs
+    for i, (prompt, result) in enumerate(zip(prompts, results)):
+        if i % 2 == 0:
+            check_logprobs(hf, prompt, result)
+        else:
+            assert result["token_ids"] == hf_greedy(hf, prompt, 16)[0]
+            assert result["top_ids"] == [] and result["prompt_logprobs"] is None
 
 
 @pytest.fixture(scope="module")
