@@ -226,16 +226,11 @@ def reference():
     from transformers import AutoModelForCausalLM
 
     from backend.model_paths import resolve_model
+    from tests.hf_reference import reference_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model("default"), dtype=torch.float32)
     model.eval()
-
-    def log_softmax(ids: list[int]) -> np.ndarray:
-        with torch.inference_mode():
-            logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-        return torch.log_softmax(logits, dim=-1).numpy()  # row i: the next token after ids[i]
-
-    return log_softmax
+    return lambda ids: reference_logprobs(model, ids).numpy()  # row i: the token after ids[i]
 
 
 def test_chat_logprobs_of_the_chosen_tokens(client, triton, tokenizer, reference):
@@ -291,13 +286,14 @@ def test_chat_top_logprobs_equal_the_log_softmax(
     expected = reference(ids)
     for i, entry in enumerate(content):
         row = expected[len(prompt) - 1 + i]
-        best = np.argsort(row)[::-1][:5]
+        order = np.argsort(row)[::-1]
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
-            row[best].tolist(), abs=1e-4
+            row[order[:5]].tolist(), abs=1e-4
         )
-        assert [t.token for t in entry.top_logprobs] == [
-            tokenizer.decode([int(b)], skip_special_tokens=False) for b in best
-        ]
+        if row[order[4]] - row[order[5]] > 1e-3:  # no near-tie at the edge: the same 5 tokens
+            assert {t.token for t in entry.top_logprobs} == {
+                tokenizer.decode([int(b)], skip_special_tokens=False) for b in order[:5]
+            }
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
 
 
