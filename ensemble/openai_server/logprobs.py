@@ -2,14 +2,18 @@
 (`tokens`, `token_logprobs`, `top_logprobs` as token -> log-prob dicts, `text_offset`) and the
 chat one (`content: [{token, logprob, bytes, top_logprobs}]`).
 
-A token's text is its own decode (special tokens spelled out); a token that carries part of a
-UTF-8 character reads as U+FFFD, as in other servers. Log-probs the engine reports as unknown (the
-first prompt token has no context) are null.
+A token's text is its decode after another token (special tokens spelled out); a token that
+carries part of a UTF-8 character reads as U+FFFD, as in other servers, and its chat `bytes` are
+the bytes it carries, so that a client joining the bytes gets the text back. Log-probs the engine
+reports as unknown (the first prompt token has no context) are null.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from postprocessing.detokenizer import token_bytes
+from preprocessing.tokenizer import encode
 
 
 @dataclass
@@ -39,11 +43,24 @@ class Formatter:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._texts: dict[int, str] = {}
+        anchor = encode(tokenizer, "a", add_special_tokens=False)
+        self._anchor = anchor[:1]
+        self._anchor_text = self._decode(self._anchor)
 
     def text(self, token_id: int) -> str:
+        """The token's text as it reads after another token: SentencePiece decoders drop the
+        space of a "▁word" token that starts a sequence, so it is decoded after an anchor."""
         if token_id not in self._texts:
-            self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self._decode([*self._anchor, token_id])
+            if self._anchor and text.startswith(self._anchor_text):
+                text = text[len(self._anchor_text) :]
+            else:
+                text = self._decode([token_id])
+            self._texts[token_id] = text
         return self._texts[token_id]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def legacy(self, tokens: list[TokenLogprob], num_top: int, offset: int = 0) -> dict:
         """/v1/completions `logprobs`; text offsets start at `offset` characters."""
@@ -76,6 +93,10 @@ class Formatter:
             for t in tokens
         ]
 
-    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+    def bytes(self, token_id: int) -> list[int]:
         text = self.text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        data = token_bytes(self.tokenizer, token_id) if "\ufffd" in text else None
+        return list(text.encode("utf-8") if data is None else data)
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        return {"token": self.text(token_id), "logprob": logprob, "bytes": self.bytes(token_id)}

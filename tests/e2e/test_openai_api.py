@@ -485,6 +485,9 @@ def test_multibyte_text_streams_exactly(client, triton):
     streamed = client.chat.completions.create(**args, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == text
     assert text == ensemble_text(triton, question, 40, chat=True)
+    scored = client.chat.completions.create(**args, logprobs=True)
+    content = scored.choices[0].logprobs.content
+    assert b"".join(bytes(entry.bytes) for entry in content).decode("utf-8") == text
 
 
 def test_penalties_and_stop_token_ids_reach_the_engine(client, triton, tokenizer):
