@@ -6,6 +6,8 @@ the whole conversation instead of one user message), ending with the assistant's
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 from aiohttp import web
 from jinja2.exceptions import TemplateError
 
@@ -115,14 +117,15 @@ class Reply:
 
         merged = sse.merge([choice.run(self.context.llm, engine) for choice, engine in runs])
         started = [False] * len(runs)
-        async for index, delta in merged:
-            if not started[index]:  # the role first, once the engine took the request
-                started[index] = True
-                yield chunk(index, {"role": "assistant", "content": ""})
-            logprobs = self.logprobs(delta.tokens) if delta.tokens else None
-            if delta.text or logprobs:
-                yield chunk(index, {"content": delta.text}, logprobs)
-            if delta.finish_reason:
-                yield chunk(index, {}, finish_reason=delta.finish_reason)
+        async with aclosing(merged):
+            async for index, delta in merged:
+                if not started[index]:  # the role first, once the engine took the request
+                    started[index] = True
+                    yield chunk(index, {"role": "assistant", "content": ""})
+                logprobs = self.logprobs(delta.tokens) if delta.tokens else None
+                if delta.text or logprobs:
+                    yield chunk(index, {"content": delta.text}, logprobs)
+                if delta.finish_reason:
+                    yield chunk(index, {}, finish_reason=delta.finish_reason)
         if include_usage:
             yield {**self.header("chat.completion.chunk"), "choices": [], "usage": self.usage(runs)}

@@ -8,6 +8,8 @@ Choice i of prompt p has index p * n + i. `echo` puts the prompt in front of the
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 from aiohttp import web
 
 from ensemble.openai_server import sse
@@ -113,27 +115,28 @@ class Reply:
         offsets = [0] * len(runs)  # of each choice's next token in its text
         started = [False] * len(runs)
         iterators = [choice.run(self.context.llm, engine) for _, choice, engine in runs]
-        async for index, delta in sse.merge(iterators):
-            prompt, choice, _ = runs[index]
-            text = delta.text
-            first = not started[index]
-            if first and self.body.echo:
-                text = prompt.text + text
-            started[index] = True
-            logprobs = self.logprobs(choice, delta.tokens, first, offsets[index])
-            if logprobs is not None and logprobs["tokens"]:
-                offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-            yield {
-                **self.header(),
-                "choices": [
-                    {
-                        "index": index,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": delta.finish_reason,
-                    }
-                ],
-                **extra,
-            }
+        async with aclosing(sse.merge(iterators)) as merged:
+            async for index, delta in merged:
+                prompt, choice, _ = runs[index]
+                text = delta.text
+                first = not started[index]
+                if first and self.body.echo:
+                    text = prompt.text + text
+                started[index] = True
+                logprobs = self.logprobs(choice, delta.tokens, first, offsets[index])
+                if logprobs is not None and logprobs["tokens"]:
+                    offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                yield {
+                    **self.header(),
+                    "choices": [
+                        {
+                            "index": index,
+                            "text": text,
+                            "logprobs": logprobs,
+                            "finish_reason": delta.finish_reason,
+                        }
+                    ],
+                    **extra,
+                }
         if include_usage:
             yield {**self.header(), "choices": [], "usage": self.usage(runs)}

@@ -9,6 +9,7 @@ Stop strings the engine could not stop on are cut here, and the engine request i
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -45,35 +46,36 @@ class Choice:
         """Deltas until the end; the last one carries the finish reason."""
         stop = StopStrings(self.stops)
         engine_reason = ""
-        async for piece in llm.generate(request):
-            if piece.prompt_log_probs is not None and self.prompt_tokens is None:
-                self.prompt_tokens = prompt_tokens_of(
-                    request.prompt_ids,
-                    piece.prompt_log_probs,
-                    piece.prompt_top_ids,
-                    piece.prompt_top_log_probs,
+        async with aclosing(llm.generate(request)) as pieces:  # closed (cancelled) on leaving
+            async for piece in pieces:
+                if piece.prompt_log_probs is not None and self.prompt_tokens is None:
+                    self.prompt_tokens = prompt_tokens_of(
+                        request.prompt_ids,
+                        piece.prompt_log_probs,
+                        piece.prompt_top_ids,
+                        piece.prompt_top_log_probs,
+                    )
+                engine_reason = piece.finish_reason or engine_reason
+                if self.drop_output:
+                    self.num_tokens = 0
+                    continue
+                text = self._detokenize(piece.ids, piece.final)
+                tokens = (
+                    tokens_of(piece.ids, piece.log_probs, piece.top_ids, piece.top_log_probs)
+                    if piece.log_probs
+                    else []
                 )
-            engine_reason = piece.finish_reason or engine_reason
-            if self.drop_output:
-                self.num_tokens = 0
-                continue
-            text = self._detokenize(piece.ids, piece.final)
-            tokens = (
-                tokens_of(piece.ids, piece.log_probs, piece.top_ids, piece.top_log_probs)
-                if piece.log_probs
-                else []
-            )
-            released = stop.feed(text, final=piece.final)
-            if stop.matched:
-                self.finish_reason = "stop"
-                yield Delta(released, tokens[: self._tokens_within(released, tokens)], "stop")
-                return  # leaving the stream cancels the engine request
-            if piece.final:
-                self.finish_reason = FINISH_REASONS.get(engine_reason, "stop")
-                yield Delta(released, tokens, self.finish_reason)
-                return
-            if released or tokens:
-                yield Delta(released, tokens)
+                released = stop.feed(text, final=piece.final)
+                if stop.matched:
+                    self.finish_reason = "stop"
+                    yield Delta(released, tokens[: self._tokens_within(released, tokens)], "stop")
+                    return  # leaving the stream cancels the engine request
+                if piece.final:
+                    self.finish_reason = FINISH_REASONS.get(engine_reason, "stop")
+                    yield Delta(released, tokens, self.finish_reason)
+                    return
+                if released or tokens:
+                    yield Delta(released, tokens)
         if self.drop_output:
             self.finish_reason = "length"
             yield Delta("", [], "length")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import aclosing
 from typing import AsyncIterator
 
 from aiohttp import web
@@ -19,6 +20,11 @@ _END = object()
 
 
 async def respond(request: web.Request, chunks: AsyncIterator[dict]) -> web.StreamResponse:
+    async with aclosing(chunks):  # a client that goes away ends the generation at once
+        return await _respond(request, chunks)
+
+
+async def _respond(request: web.Request, chunks: AsyncIterator[dict]) -> web.StreamResponse:
     iterator = chunks.__aiter__()
     try:
         first = await iterator.__anext__()  # an ApiError here becomes a plain error response
@@ -51,8 +57,9 @@ async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, obje
 
     async def drain(index: int, iterator: AsyncIterator) -> None:
         try:
-            async for item in iterator:
-                await queue.put((index, item))
+            async with aclosing(iterator):
+                async for item in iterator:
+                    await queue.put((index, item))
             await queue.put((index, _END))
         except BaseException as exc:  # handed to the consumer, cancellation included
             await queue.put((index, exc))
