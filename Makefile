@@ -1,5 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make serve   set up, then start tritonserver with the default model (ports 8000/8001/8002)
+#                and the OpenAI-compatible endpoint (port 9000; OPENAI_PORT=0 turns it off)
 #   make test    set up, then run the whole test suite (unit, engine fidelity, kernels, end to end)
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -13,6 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
 MODEL ?= default
 OPENAI_PORT ?= 9000
 PYTEST_ARGS ?=
@@ -36,7 +38,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 serve: setup
-	$(PY) -m ensemble serve --model $(MODEL) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	$(PY) -m ensemble serve --model $(MODEL) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT)
 
 test: setup lint
 	$(PY) -m pytest tests $(PYTEST_ARGS)

@@ -2,6 +2,7 @@
 
   python -m ensemble build --model default --out /tmp/repo [--max-batch-size 16 ...]
   python -m ensemble serve [--model default] [--http-port 8000 --grpc-port 8001 --metrics-port 8002]
+                           [--openai-port 9000]   # the OpenAI-compatible endpoint; 0: none
   python -m ensemble check            # the checked-in model_repository matches the default settings
 
 Every ServeSettings field is an option (`--max-tokens-in-paged-kv-cache 4096`, `--device cpu`, ...).
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from ensemble.build import SOURCE_REPOSITORY, build_repository, stale_configs
 from backend.model_paths import check_model, resolve_model
+from ensemble.openai_server.process import FrontEndProcess
 from ensemble.server import TritonServer, check_ports_free, serve_forever
 from ensemble.settings import ServeSettings
 
@@ -93,6 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         help="serve this existing repository as it is instead of building one",
     )
     serve.add_argument("--log-verbose", type=int, default=0)
+    serve.add_argument(
+        "--openai-port",
+        type=int,
+        default=9000,
+        help="port of the OpenAI-compatible endpoint (/v1/completions, ...); 0 turns it off",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the `model` OpenAI clients pass (default: the model's file or directory name)",
+    )
     _add_settings_options(serve)
     commands.add_parser("check", help="check the checked-in repository against the defaults")
     args = parser.parse_args(argv)
@@ -112,10 +125,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             check_ports_free(
                 {
-                    name: getattr(settings, name)
-                    for name in ("http_port", "grpc_port", "metrics_port")
+                    **{
+                        name: getattr(settings, name)
+                        for name in ("http_port", "grpc_port", "metrics_port")
+                    },
+                    "openai_port": args.openai_port,
                 }
             )
+            if not 0 <= args.openai_port <= 65535:
+                raise ValueError(f"openai_port must be in [0, 65535], got {args.openai_port}")
+            if args.openai_port in (settings.http_port, settings.grpc_port, settings.metrics_port):
+                raise ValueError(f"openai_port {args.openai_port} is one of Triton's ports")
         if args.command == "build" or not args.repository:
             check_model(settings.model_path)
             if settings.tokenizer_dir:
@@ -137,7 +157,17 @@ def main(argv: list[str] | None = None) -> int:
             settings.metrics_port,
             log_verbose=args.log_verbose,
         )
-        return serve_forever(server)
+        front_end = None
+        if args.openai_port:
+            front_end = FrontEndProcess(
+                args.openai_port,
+                settings.grpc_port,
+                settings.metrics_port,
+                settings.model_path,
+                settings.tokenizer_dir,
+                args.served_model_name,
+            )
+        return serve_forever(server, front_end)
 
 
 if __name__ == "__main__":

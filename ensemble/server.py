@@ -267,10 +267,12 @@ class TritonServer:
         self.stop()
 
 
-def serve_forever(server: TritonServer) -> int:
+def serve_forever(server: TritonServer, front_end=None) -> int:
     """Start, wait until ready, print how to call it, and stop cleanly on Ctrl-C, SIGTERM or
     SIGHUP (a closed terminal). Returns tritonserver's exit code (128 + signal if killed), so a
-    supervisor sees a server that died as a failure."""
+    supervisor sees a server that died as a failure. `front_end` (an
+    ensemble.openai_server.process.FrontEndProcess) starts once the server is ready; its death
+    stops the server too (exit code 1)."""
     for signum in (
         signal.SIGTERM,
         signal.SIGHUP,
@@ -284,10 +286,25 @@ def serve_forever(server: TritonServer) -> int:
             f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}"
         )
         print(server.curl_example(), flush=True)
-        code = server.process.wait()
-        code = 128 - code if code < 0 else code
-        print(f"tritonserver exited with code {code}", file=sys.stderr, flush=True)
-        return code
+        if front_end is not None:
+            front_end.start()
+            wait_listening(front_end.port, front_end.exit_code)
+            print(f"OpenAI-compatible endpoint: {front_end.url}", flush=True)
+        while True:
+            code = server.process.poll()
+            if code is not None:
+                code = 128 - code if code < 0 else code
+                print(f"tritonserver exited with code {code}", file=sys.stderr, flush=True)
+                return code
+            if front_end is not None and front_end.exit_code() is not None:
+                print(
+                    f"the OpenAI front end exited with code {front_end.exit_code()}; "
+                    "stopping tritonserver",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
+            time.sleep(0.5)
     except KeyboardInterrupt:
         print("stopping tritonserver ...", flush=True)
         return 0
@@ -295,7 +312,24 @@ def serve_forever(server: TritonServer) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
+        if front_end is not None:
+            front_end.stop()
         server.stop()
+
+
+def wait_listening(port: int, exit_code, timeout_s: float = 120.0) -> None:
+    """Until something accepts connections on localhost:`port`; RuntimeError when the process
+    (whose `exit_code()` is not None once it ended) exits first, TimeoutError past `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if exit_code() is not None:
+            raise RuntimeError(f"the process meant to listen on port {port} exited")
+        try:
+            with socket.create_connection(("localhost", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout_s:.0f} s")
 
 
 def _interrupt(signum, frame) -> None:

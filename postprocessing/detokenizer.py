@@ -189,6 +189,16 @@ def _is_continuation_byte_token(token) -> bool:
     return match is not None and 0x80 <= int(match.group(1), 16) <= 0xBF
 
 
+def token_bytes(tokenizer, token_id: int) -> Optional[bytes]:
+    """The UTF-8 bytes a token carries where its vocabulary spells them (byte-level BPE tokens,
+    byte-fallback ``<0xHH>`` tokens), so also a part of a character; None where unknown."""
+    reader = _token_bytes_reader(tokenizer)
+    token = tokenizer.convert_ids_to_tokens(int(token_id))
+    if reader is _byte_fallback_bytes and not _BYTE_TOKEN.fullmatch(str(token)):
+        return None  # a piece with "▁" for spaces: its decode says it better
+    return None if reader is None else reader(token)
+
+
 def _token_bytes_reader(tokenizer) -> Optional[Callable[[str], Optional[bytes]]]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     decoder = repr(getattr(backend, "decoder", None))

@@ -38,6 +38,8 @@ SMALL = [
     "4096",
     "--cancellation-check-period-ms",
     "50",
+    "--openai-port",  # no OpenAI front end unless a test asks for one on a free port
+    "0",
 ]
 LONG = {"text_input": "Count from one to one thousand:", "max_tokens": 480, "end_id": -1}
 
