@@ -42,10 +42,18 @@ async def create(request: web.Request) -> web.StreamResponse:
     prompts = [Prompt(context, p, i) for i, p in enumerate(body.prompts())]
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     scoring = body.echo and body.logprobs is not None
+    # lm-eval reads a scored continuation's log-probs up to the one generated token: that token
+    # must come back even when it is the end id (the engine ends on it without delivering it).
+    keep_end = scoring and max_tokens <= 1 and not body.ignore_eos
     runs = []  # (prompt, choice, engine request) in index order
     for prompt in prompts:
         for i in range(body.n):
-            choice = Choice(context.model.tokenizer, body.stop_strings(), max_tokens == 0)
+            choice = Choice(
+                context.model.tokenizer,
+                body.stop_strings(),
+                max_tokens == 0,
+                end_id=context.model.end_id if keep_end else None,
+            )
             engine = engine_request(
                 body,
                 context.model,
@@ -54,6 +62,7 @@ async def create(request: web.Request) -> web.StreamResponse:
                 i,
                 top_log_probs=body.logprobs,
                 prompt_log_probs=scoring,
+                ignore_end_id=keep_end,
             )
             runs.append((prompt, choice, engine))
     reply = Reply(context, body, new_id("cmpl"))

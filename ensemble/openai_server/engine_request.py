@@ -91,13 +91,14 @@ def engine_request(
     choice: int,
     top_log_probs: int | None = None,
     prompt_log_probs: bool = False,
+    ignore_end_id: bool = False,
 ) -> EngineRequest:
     """Choice `choice` of `body` (n > 1: seed + choice when a seed is given)."""
     greedy = body.temperature == 0 or body.top_p == 0
     return EngineRequest(
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
-        end_id=-1 if body.ignore_eos else model.end_id,
+        end_id=-1 if body.ignore_eos or ignore_end_id else model.end_id,
         pad_id=model.pad_id,
         temperature=0.0 if greedy else body.temperature,
         top_p=body.top_p,

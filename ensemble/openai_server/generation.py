@@ -37,6 +37,9 @@ class Choice:
     tokenizer: object
     stops: list[str]
     drop_output: bool = False  # max_tokens 0 with echo: the one generated token is not shown
+    # Set when the engine was told to ignore the end id so that a scored continuation always has
+    # its one token: reaching it here ends the choice with "stop", its log-prob kept.
+    end_id: int | None = None
     ids: list[int] = field(default_factory=list)
     num_tokens: int = 0  # generated ids, for usage
     prompt_tokens: list[TokenLogprob] | None = None  # with prompt log-probs, from the first piece
@@ -72,6 +75,8 @@ class Choice:
                     return  # leaving the stream cancels the engine request
                 if piece.final:
                     self.finish_reason = FINISH_REASONS.get(engine_reason, "stop")
+                    if self.end_id is not None and self.ids[-1:] == [self.end_id]:
+                        self.finish_reason = "stop"
                     yield Delta(released, tokens, self.finish_reason)
                     return
                 if released or tokens:

@@ -334,6 +334,23 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval_does(
     assert reply.usage.completion_tokens == max_tokens
 
 
+def test_a_scored_continuation_keeps_its_token_when_it_is_the_end_id(client, tokenizer, reference):
+    """lm-eval drops the last token's log-prob (token_logprobs[ctxlen:-1]): when the greedy next
+    token is the end id it must still come back, or the continuation's last token is lost."""
+    prompt = "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\nYes."
+    ids = encode(tokenizer, prompt)
+    expected = reference(ids)[-1]
+    end_id = int(np.argmax(expected))
+    assert end_id == default_end_id(tokenizer)  # the point of this prompt
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == len(ids) + 1
+    assert logprobs.token_logprobs[-1] == pytest.approx(float(expected[end_id]), abs=1e-4)
+    assert reply.choices[0].text == prompt and reply.choices[0].finish_reason == "stop"
+
+
 # ---- errors --------------------------------------------------------------------------------------
 def _error_shape(exc) -> dict:
     body = exc.body
