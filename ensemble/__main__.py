@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as exc:
         parser.error(str(exc))
     if args.command == "serve" and not args.repository:
-        resolve_model(settings.model_path)  # convert here, once, before the models start
+        # convert here, once, before the models start
+        resolve_model(settings.model_path, settings.quantization)
     if args.command == "build":
         out = build_repository(settings, args.out)
         print(f"wrote {out}")
