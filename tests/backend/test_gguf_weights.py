@@ -1,0 +1,90 @@
+"""The default model served from its GGUF with the blocks kept quantized (quantization "gguf"):
+every weight de-quantizes to the cached float32 checkpoint's value bit for bit (llama.cpp's q/k
+row permutation undone on rows of blocks), the resident weights are a fraction of the float32
+ones, and greedy output equals the de-quantized path's on the fidelity prompts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from backend.attention import get_attention_backend
+from backend.config import EngineConfig
+from backend.executor import Executor
+from backend.gguf_weights import hf_name
+from backend.layers import Embedding, Linear
+from backend.model_config import ModelConfig
+from backend.model_loader import load_model, weight_bytes
+from backend.model_paths import default_gguf_path, kept_gguf, resolve_model
+from backend.sampling_params import SamplingParams
+from tests.backend.test_engine_fidelity import PROMPTS, chat_ids
+
+pytest.importorskip("gguf")
+CPU = torch.device("cpu")
+
+
+def test_gguf_names_map_to_hugging_face_names():
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("blk.12.attn_k.weight") == "model.layers.12.self_attn.k_proj.weight"
+    assert hf_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert hf_name("output.weight") == "lm_head.weight"
+    with pytest.raises(ValueError, match="unexpected GGUF tensor 'blk.0.attn_sinks.weight'"):
+        hf_name("blk.0.attn_sinks.weight")
+
+
+def test_which_models_keep_gguf_blocks(tiny_hf_model):
+    _, directory = tiny_hf_model("llama")
+    assert kept_gguf("default") is None
+    assert kept_gguf("default", "gguf") == kept_gguf("default", "auto") == default_gguf_path()
+    assert kept_gguf(str(directory), "auto") is None
+    with pytest.raises(ValueError, match="quantization 'gguf' needs a .gguf model or 'default'"):
+        kept_gguf(str(directory), "gguf")
+
+
+@pytest.mark.slow
+def test_kept_blocks_are_the_float32_checkpoints_weights():
+    config_dir = resolve_model("default", "gguf")
+    float_dir = resolve_model("default")
+    config = ModelConfig.from_dir(config_dir)
+    assert config == ModelConfig.from_dir(float_dir)
+    assert not any(p.endswith(".safetensors") for p in os.listdir(config_dir))
+    attention = get_attention_backend("torch", CPU)
+    kept = load_model(config_dir, CPU, torch.float32, attention, 64, config, default_gguf_path())
+    dense = load_model(float_dir, CPU, torch.float32, attention, 64, config)
+    layers = [m for m in kept.modules() if isinstance(m, Linear)]
+    assert all(m.quant_type == "Q4_1" for m in layers if m is not kept.lm_head)
+    assert kept.lm_head.qweight is kept.model.embed_tokens.qweight  # tied: one copy of the blocks
+    for name, module in kept.named_modules():
+        if isinstance(module, Linear):
+            assert torch.equal(module.dense_weight(torch.float32), dense.get_submodule(name).weight)
+        elif isinstance(module, Embedding):
+            assert module.quant_type == "Q8_0"
+            ids = torch.arange(config.vocab_size)
+            assert torch.equal(module(ids), dense.get_submodule(name).weight)
+    for name, param in kept.named_parameters():  # norms: de-quantized, as in the checkpoint
+        assert torch.equal(param, dense.get_parameter(name)), name
+    assert weight_bytes(kept) < weight_bytes(dense) / 5
+
+
+@pytest.mark.slow
+def test_default_model_kept_quantized_generates_what_the_dequantized_one_does():
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("default", "gguf"))
+    prompts = [tokenizer.encode(p) for p in PROMPTS] + [chat_ids(tokenizer, p) for p in PROMPTS]
+    outputs, sizes = {}, {}
+    for quantization in ("none", "gguf"):
+        executor = Executor(
+            EngineConfig(device="cpu", quantization=quantization, max_batch_size=16)
+        )
+        try:
+            results = executor.generate(prompts, SamplingParams(max_tokens=32), timeout=900)
+            sizes[quantization] = executor.runner.weight_bytes
+        finally:
+            executor.shutdown()
+        assert not any(r["error"] for r in results)
+        outputs[quantization] = [r["token_ids"] for r in results]
+    assert outputs["gguf"] == outputs["none"]
+    assert sum(map(len, outputs["gguf"])) > 8 * len(prompts)  # real continuations
+    assert sizes["gguf"] < 120e6 < 500e6 < sizes["none"]
