@@ -41,9 +41,9 @@ class BlockType:
         return columns // self.block_size * self.type_size
 
 
-def _f16(raw: torch.Tensor) -> torch.Tensor:
-    """uint8 [n, 2] -> float32 [n, 1] (a float16 scale widened)."""
-    return raw.contiguous().view(torch.float16).float()
+def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The float16 scale at byte `offset` (even) of each block, widened: float32 [n, 1]."""
+    return blocks.view(torch.float16)[:, offset // 2, None].float()
 
 
 def _nibbles(qs: torch.Tensor, groups: int) -> torch.Tensor:
@@ -60,25 +60,25 @@ _BITS = torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8)
 
 
 def decode_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks[:, :2])
+    d = _f16(blocks, 0)
     return blocks[:, 2:].contiguous().view(torch.int8).float() * d
 
 
 def decode_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    d = _f16(blocks[:, :2])
+    d = _f16(blocks, 0)
     q = _nibbles(blocks[:, 2:], 1).reshape(blocks.shape[0], -1).to(torch.int8) - 8
     return d * q.float()
 
 
 def decode_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
     q = _nibbles(blocks[:, 4:], 1).reshape(blocks.shape[0], -1).float()
     return d * q + m
 
 
 def decode_q5_0(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    d = _f16(blocks[:, :2])
+    d = _f16(blocks, 0)
     high = (blocks[:, 2:6].reshape(n, 4, 1) >> _BITS.to(blocks.device)) & 1  # bit j: value j
     low = _nibbles(blocks[:, 6:], 1).reshape(n, -1)
     q = (low | (high.reshape(n, 32) << 4)).to(torch.int8) - 16
@@ -98,7 +98,7 @@ def _k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def decode_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, mins = _k_scales_mins(blocks[:, 4:16])
     scale = (d * sc.float()).reshape(n, -1, 1)
     offset = (dmin * mins.float()).reshape(n, -1, 1)
@@ -110,7 +110,7 @@ def decode_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     ql, qh = blocks[:, :128], blocks[:, 128:192]
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
-    d = _f16(blocks[:, 208:210])
+    d = _f16(blocks, 208)
     scale = (d * scales).reshape(n, QK_K // 16, 1)
     low = _nibbles(ql, 2).reshape(n, 8, 32)  # each 64 bytes: values 0-63 low, 64-127 high
     high = ((qh.reshape(n, 2, 1, 32) >> _SHIFT_2.to(qh.device)) & 0x03).reshape(n, 8, 32)
@@ -140,6 +140,6 @@ def dequantize(rows: torch.Tensor, quant_type: str) -> torch.Tensor:
             f"got {rows.dtype} {tuple(rows.shape)}"
         )
     lead = rows.shape[:-1]
-    blocks = rows.reshape(-1, kind.type_size)
+    blocks = rows.reshape(-1, kind.type_size).contiguous()  # every scale at an even byte
     values = kind.decode(blocks)
     return values.reshape(*lead, rows.shape[-1] // kind.type_size * kind.block_size)
