@@ -44,6 +44,14 @@ def test_which_models_keep_gguf_blocks(tiny_hf_model):
         kept_gguf(str(directory), "gguf")
 
 
+def test_the_repositorys_tokenizer_comes_from_the_directory_without_weights():
+    from ensemble.params import tokenizer_dir
+
+    config_dir = resolve_model("default", "gguf")
+    assert tokenizer_dir({"model_path": "default", "quantization": "gguf"}) == config_dir
+    assert os.path.isfile(os.path.join(config_dir, "tokenizer.json"))
+
+
 @pytest.mark.slow
 def test_kept_blocks_are_the_float32_checkpoints_weights():
     config_dir = resolve_model("default", "gguf")
