@@ -91,10 +91,28 @@ def load_model(
 
 
 def _load_gguf(gguf_file, config, device, dtype, attention, max_positions) -> torch.nn.Module:
-    from backend.gguf_weights import keep_quantized, load_gguf_weights, read_gguf
+    from backend.gguf_weights import read_gguf
+
+    model, kept = load_gguf_tensors(
+        read_gguf(gguf_file, config), config, device, dtype, attention, max_positions
+    )
+    log.info(
+        "weights: %s (gguf %s kept quantized; the rest %s)",
+        _megabytes(weight_bytes(model)),
+        ", ".join(f"{t} x{n}" for t, n in sorted(kept.items())) or "nothing",
+        str(dtype).split(".")[-1],
+    )
+    return model
+
+
+def load_gguf_tensors(
+    tensors, config, device, dtype, attention, max_positions
+) -> tuple[torch.nn.Module, dict[str, int]]:
+    """The model built from GGUF tensors (`backend.gguf_weights.GGUFTensor`), the blocks kept
+    where a layer can keep them -> (model, how many layers keep each block type)."""
+    from backend.gguf_weights import keep_quantized, load_gguf_weights
     from backend.models.hf_weights import weight_targets
 
-    tensors = read_gguf(gguf_file, config)
     targets, kept = {}, {}
 
     def prepare(model: torch.nn.Module) -> None:
@@ -106,13 +124,7 @@ def _load_gguf(gguf_file, config, device, dtype, attention, max_positions) -> to
     tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
     with torch.no_grad():
         load_gguf_weights(model, tensors, targets, ignored=tied)
-    log.info(
-        "weights: %s (gguf %s kept quantized; the rest %s)",
-        _megabytes(weight_bytes(model)),
-        ", ".join(f"{t} x{n}" for t, n in sorted(kept.items())) or "nothing",
-        str(dtype).split(".")[-1],
-    )
-    return model
+    return model, kept
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
