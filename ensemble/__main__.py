@@ -16,7 +16,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ensemble.build import SOURCE_REPOSITORY, build_repository, stale_configs
-from backend.model_paths import check_model, resolve_model
+from backend.model_paths import check_model, kept_gguf, resolve_model
 from ensemble.server import TritonServer, check_ports_free, serve_forever
 from ensemble.settings import ServeSettings
 
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.command == "build" or not args.repository:
             check_model(settings.model_path)
+            kept_gguf(settings.model_path, settings.quantization)  # gguf needs a GGUF
             if settings.tokenizer_dir:
                 check_model(settings.tokenizer_dir)
     except (ValueError, TypeError, OSError) as exc:

@@ -184,3 +184,14 @@ def weight_targets_of(model) -> dict:
         elif isinstance(module, Embedding) and module.quant_type is not None:
             targets[f"{name}.weight"] = (f"{name}.weight", None)
     return {**weight_targets(model), **targets}
+
+
+def test_building_a_repository_refuses_gguf_for_a_directory(tiny_hf_model, tmp_path, capsys):
+    from ensemble.__main__ import main
+
+    _, directory = tiny_hf_model("llama")
+    argv = ["build", "--out", str(tmp_path / "r"), "--model", str(directory)]
+    with pytest.raises(SystemExit):
+        main(argv + ["--quantization", "gguf"])
+    assert "quantization 'gguf' needs a .gguf model or 'default'" in capsys.readouterr().err
+    assert main(argv + ["--quantization", "auto"]) == 0  # auto: the directory's own weights
