@@ -50,13 +50,14 @@ def _nibbles(qs: torch.Tensor, groups: int) -> torch.Tensor:
     """uint8 [n, groups * 16 bytes] -> [n, groups, 32] 4-bit values: in each group of 16 bytes
     the low nibbles come first, then the high ones."""
     n = qs.shape[0]
-    halves = qs.reshape(n, groups, 1, -1) >> _SHIFT_4.to(qs.device)
+    halves = qs.reshape(n, groups, 1, -1) >> _shifts(4, qs.device).reshape(1, 1, 2, 1)
     return (halves & 0x0F).reshape(n, groups, -1)
 
 
-_SHIFT_4 = torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
-_SHIFT_2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
-_BITS = torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8)
+def _shifts(step: int, device: torch.device) -> torch.Tensor:
+    """uint8 [0, step, 2 * step, ... < 8], made on `device` (no host copy, so a CUDA graph
+    can capture a decoder)."""
+    return torch.arange(0, 8, step, dtype=torch.uint8, device=device)
 
 
 def decode_q8_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -79,7 +80,7 @@ def decode_q4_1(blocks: torch.Tensor) -> torch.Tensor:
 def decode_q5_0(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d = _f16(blocks, 0)
-    high = (blocks[:, 2:6].reshape(n, 4, 1) >> _BITS.to(blocks.device)) & 1  # bit j: value j
+    high = (blocks[:, 2:6].reshape(n, 4, 1) >> _shifts(1, blocks.device)) & 1  # bit j: value j
     low = _nibbles(blocks[:, 6:], 1).reshape(n, -1)
     q = (low | (high.reshape(n, 32) << 4)).to(torch.int8) - 16
     return d * q.float()
@@ -113,7 +114,8 @@ def decode_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16(blocks, 208)
     scale = (d * scales).reshape(n, QK_K // 16, 1)
     low = _nibbles(ql, 2).reshape(n, 8, 32)  # each 64 bytes: values 0-63 low, 64-127 high
-    high = ((qh.reshape(n, 2, 1, 32) >> _SHIFT_2.to(qh.device)) & 0x03).reshape(n, 8, 32)
+    shifts = _shifts(2, qh.device).reshape(1, 1, 4, 1)
+    high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, 8, 32)
     q = (low | (high << 4)).to(torch.int8) - 32
     return (scale * q.reshape(n, QK_K // 16, -1).float()).reshape(n, QK_K)
 
