@@ -12,6 +12,10 @@ from backend.validation import check_fields, check_int
 
 SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# Weight formats kept as stored: "none" de-quantizes a quantized checkpoint once (a GGUF into a
+# cached float32 copy); "gguf" keeps a GGUF's blocks and de-quantizes them as they are read;
+# "auto" is what the checkpoint declares (a .gguf file or the default model: gguf).
+QUANTIZATIONS = ("none", "gguf", "auto")
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class EngineConfig:
     max_queue_size: int = 0  # 0 = unbounded
     attention_backend: str = "auto"  # "auto" = triton on GPU, torch on CPU
     cuda_graphs: bool = True  # decode-only steps on GPU
+    quantization: str = "none"  # one of QUANTIZATIONS
     seed: int = 0  # engine-wide generator for unseeded sampling
     # Overlap host work (scheduling, packing, stop checks, delivery) with the device's step;
     # None = on for CUDA, off on CPU (nothing to overlap with). True forces it on (tests on CPU).
@@ -51,7 +56,7 @@ class EngineConfig:
                 "kv_cache_free_gpu_mem_fraction must be in (0, 1], "
                 f"got {self.kv_cache_free_gpu_mem_fraction!r}"
             )
-        for name, choices in _CHOICES.items():
+        for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
 
@@ -66,4 +71,8 @@ _LOWEST = {
     "max_queue_size": 0,
     "seed": 0,
 }
-_CHOICES = {"batch_scheduler_policy": SCHEDULER_POLICIES, "attention_backend": ATTENTION_BACKENDS}
+CHOICES = {
+    "batch_scheduler_policy": SCHEDULER_POLICIES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "quantization": QUANTIZATIONS,
+}

@@ -2,6 +2,7 @@
 
     python -m backend.generate --model default --prompt "Hello" --prompt "Bonjour" --max-tokens 32
     python -m backend.generate --prompt "What is 2+2?" --chat --json
+    python -m backend.generate --model default --quantization gguf --prompt "Hello"
 
 Greedy unless --temperature is given. With --json, one JSON object per prompt is printed:
 {"prompt", "token_ids" (generated ids only, end id excluded), "text", "finish_reason"}.
@@ -13,7 +14,7 @@ import argparse
 import json
 import sys
 
-from backend.config import EngineConfig
+from backend.config import QUANTIZATIONS, EngineConfig
 from backend.sampling_params import SamplingParams
 
 
@@ -39,6 +40,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="gguf: keep a GGUF's blocks quantized (auto: whatever the checkpoint is)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-batch-size", type=int, default=64)
@@ -65,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling.validate()
         config = EngineConfig(
             model_path=args.model,
+            quantization=args.quantization,
             device=args.device,
             dtype=args.dtype,
             max_batch_size=args.max_batch_size,

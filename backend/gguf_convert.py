@@ -1,5 +1,8 @@
 """Convert a GGUF file into a Hugging Face directory once, and cache it.
 
+With `weights=False` (quantization "gguf": the engine reads the blocks from the GGUF itself) the
+directory holds the config and the tokenizer only, under `<stem>-<fingerprint>-config/`.
+
 transformers reads GGUF (`gguf_file=`) by dequantizing every tensor, which takes ~20 s for the
 default model on two cores; doing that at every start would dominate start-up. We do it once and
 save config.json + model.safetensors (float32, the exact dequantized values) + the tokenizer with
@@ -37,14 +40,15 @@ def is_complete(model_dir: str) -> bool:
     return os.path.isfile(os.path.join(model_dir, "config.json"))
 
 
-def convert_gguf(gguf_path: str, cache_root: str) -> str:
-    """Return a Hugging Face directory with the contents of `gguf_path`, converting on first use.
+def convert_gguf(gguf_path: str, cache_root: str, weights: bool = True) -> str:
+    """Return a Hugging Face directory with the contents of `gguf_path` (without the weights
+    unless `weights`), converting on first use.
 
     Raises ValueError("could not read GGUF file ...") when the file is not a readable GGUF.
     """
     gguf_path = os.path.abspath(gguf_path)
     check_gguf_magic(gguf_path)
-    out_dir = gguf_cache_dir(gguf_path, cache_root)
+    out_dir = gguf_cache_dir(gguf_path, cache_root) + ("" if weights else "-config")
     if is_complete(out_dir):
         return out_dir
     os.makedirs(cache_root, exist_ok=True)
@@ -60,7 +64,7 @@ def convert_gguf(gguf_path: str, cache_root: str) -> str:
             )
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not is_complete(out_dir):
-            _convert_into(gguf_path, out_dir, cache_root)
+            _convert_into(gguf_path, out_dir, cache_root, weights)
     finally:
         os.close(lock)  # releases the lock
     return out_dir
@@ -84,10 +88,10 @@ def _try_lock(fd: int) -> bool:
         return False
 
 
-def _convert_into(gguf_path: str, out_dir: str, cache_root: str) -> None:
+def _convert_into(gguf_path: str, out_dir: str, cache_root: str, weights: bool) -> None:
     print(
         f"Converting {gguf_path} to a Hugging Face directory at {out_dir} "
-        "(once; later starts reuse it)",
+        f"({'' if weights else 'config and tokenizer only; '}once; later starts reuse it)",
         file=sys.stderr,
         flush=True,
     )
@@ -95,7 +99,7 @@ def _convert_into(gguf_path: str, out_dir: str, cache_root: str) -> None:
     os.chmod(tmp_dir, 0o755)
     try:
         try:
-            _convert(gguf_path, tmp_dir)
+            (_convert if weights else _convert_config)(gguf_path, tmp_dir)
         except Exception as e:
             raise ValueError(
                 f"could not read GGUF file {gguf_path}: {type(e).__name__}: {e}"
@@ -142,3 +146,19 @@ def _convert(gguf_path: str, out_dir: str) -> None:
         with open(os.path.join(out_dir, "config.json"), "w") as f:  # last: marks completion
             json.dump(config, f, indent=2, sort_keys=True)
         steps.update()
+
+
+def _convert_config(gguf_path: str, out_dir: str) -> None:
+    """The config, generation config and tokenizer of `gguf_path`, no weights."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    src_dir, name = os.path.split(gguf_path)
+    AutoTokenizer.from_pretrained(src_dir, gguf_file=name).save_pretrained(out_dir)
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    values = config.to_dict()
+    values.pop("quantization_config", None)
+    values["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    with open(os.path.join(out_dir, "config.json"), "w") as f:  # last: marks completion
+        json.dump(values, f, indent=2, sort_keys=True)

@@ -1,11 +1,15 @@
 """Load a model: a Hugging Face directory (see backend/model_paths.py for names and files) ->
-our model, with safetensors weights or random ones for a preset."""
+our model, with safetensors weights or random ones for a preset, or the blocks of a GGUF file
+kept quantized (backend/gguf_weights.py). The weights' resident size is logged."""
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
+from collections.abc import Callable
+from itertools import chain
 from typing import Iterator
 
 import torch
@@ -15,6 +19,8 @@ from backend.model_config import ModelConfig
 from backend.models import FAMILIES
 from backend.models.null import NullModel
 from backend.presets import init_random_weights, random_weights_spec
+
+log = logging.getLogger(__name__)
 
 
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -44,11 +50,14 @@ def build_model(
     dtype: torch.dtype,
     attention: AttentionBackend,
     max_positions: int,
+    prepare: Callable[[torch.nn.Module], None] | None = None,
 ) -> torch.nn.Module:
     """An uninitialised model of the config's family, allocated directly on `device` in `dtype`
-    (no host copy)."""
+    (no host copy). `prepare(model)` may change it while it is on the meta device."""
     with torch.device("meta"):
         model = FAMILIES[config.model_type](config, attention, max_positions)
+        if prepare is not None:
+            prepare(model)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.materialise_buffers(device)
     return model.eval()
@@ -61,11 +70,15 @@ def load_model(
     attention: AttentionBackend,
     max_positions: int,
     config: ModelConfig | None = None,
+    gguf_file: str | None = None,
 ) -> torch.nn.Module:
-    """Build the model for `model_dir` and fill it: safetensors weights, or random for a preset."""
+    """Build the model for `model_dir` and fill it: safetensors weights, random ones for a preset,
+    or, given `gguf_file`, that file's blocks kept quantized (the directory gives the config)."""
     config = config or ModelConfig.from_dir(model_dir)
     if config.model_type == "null":
         return NullModel(config)
+    if gguf_file is not None:
+        return _load_gguf(gguf_file, config, device, dtype, attention, max_positions)
     model = build_model(config, device, dtype, attention, max_positions)
     spec = random_weights_spec(model_dir)
     with torch.no_grad():
@@ -73,4 +86,51 @@ def load_model(
             init_random_weights(model, seed=spec.get("seed", 0), std=spec.get("std", 0.02))
         else:
             model.load_weights(iter_safetensors(model_dir))
+    log.info("weights: %s (%s)", _megabytes(weight_bytes(model)), str(dtype).split(".")[-1])
     return model
+
+
+def _load_gguf(gguf_file, config, device, dtype, attention, max_positions) -> torch.nn.Module:
+    from backend.gguf_weights import read_gguf
+
+    model, kept = load_gguf_tensors(
+        read_gguf(gguf_file, config), config, device, dtype, attention, max_positions
+    )
+    log.info(
+        "weights: %s (gguf %s kept quantized; the rest %s)",
+        _megabytes(weight_bytes(model)),
+        ", ".join(f"{t} x{n}" for t, n in sorted(kept.items())) or "nothing",
+        str(dtype).split(".")[-1],
+    )
+    return model
+
+
+def load_gguf_tensors(
+    tensors, config, device, dtype, attention, max_positions
+) -> tuple[torch.nn.Module, dict[str, int]]:
+    """The model built from GGUF tensors (`backend.gguf_weights.GGUFTensor`), the blocks kept
+    where a layer can keep them -> (model, how many layers keep each block type)."""
+    from backend.gguf_weights import keep_quantized, load_gguf_weights
+    from backend.models.hf_weights import weight_targets
+
+    targets, kept = {}, {}
+
+    def prepare(model: torch.nn.Module) -> None:
+        targets.update(weight_targets(model))
+        kept.update(keep_quantized(model, tensors, dtype, targets))
+        model.materialise_buffers(torch.device("meta"))  # a tied head takes the kept blocks
+
+    model = build_model(config, device, dtype, attention, max_positions, prepare)
+    tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
+    with torch.no_grad():
+        load_gguf_weights(model, tensors, targets, ignored=tied)
+    return model, kept
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Resident bytes of the model's parameters and buffers (each shared tensor once)."""
+    return sum(t.numel() * t.element_size() for t in chain(model.parameters(), model.buffers()))
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.0f} MB"

@@ -8,6 +8,9 @@ that only tokenize resolve names too).
 - a path to a .gguf file (converted once into the cache, see backend/gguf_convert.py),
 - a Hugging Face directory (config.json + *.safetensors, sharded or not).
 The cache root is $TRITONLLM_CACHE, else ~/.cache/tritonllm.
+
+With quantization "gguf" (or "auto" for a GGUF) the engine keeps the GGUF's blocks: the directory
+then holds the config and tokenizer only, and `kept_gguf` names the file the weights come from.
 """
 
 from __future__ import annotations
@@ -45,8 +48,27 @@ def check_model(path_or_name: str) -> None:
         check_gguf_magic(path)
 
 
-def resolve_model(path_or_name: str) -> str:
+def kept_gguf(path_or_name: str, quantization: str = "none") -> str | None:
+    """The GGUF file whose blocks the engine keeps for `quantization` ("none", "gguf", "auto"),
+    or None when the weights are read from a Hugging Face directory (or there are none).
+    Raises ValueError for "gguf" with a model that is not a GGUF."""
+    if quantization == "none":
+        return None
+    kind, path = _classify(path_or_name)
+    if kind in ("default", "gguf"):
+        return default_gguf_path() if kind == "default" else os.path.abspath(path)
+    if quantization == "gguf":
+        raise ValueError(
+            f"quantization 'gguf' needs a .gguf model or 'default', got {path_or_name!r}"
+        )
+    return None
+
+
+def resolve_model(path_or_name: str, quantization: str = "none") -> str:
     """Return a Hugging Face-style directory for `path_or_name` (see the module docstring)."""
+    gguf_file = kept_gguf(path_or_name, quantization)
+    if gguf_file is not None:
+        return convert_gguf(gguf_file, cache_root(), weights=False)
     kind, path = _classify(path_or_name)
     if kind == "default":
         return convert_gguf(default_gguf_path(), cache_root())

@@ -30,8 +30,8 @@ from backend.cuda_graphs import DecodeGraphs, ReplayIds
 from backend.logprobs import compute_prompt_logprobs, prompt_rows
 from backend.staging import StagingBuffer
 from backend.model_config import ModelConfig
-from backend.model_loader import load_model
-from backend.model_paths import resolve_model
+from backend.model_loader import load_model, weight_bytes
+from backend.model_paths import kept_gguf, resolve_model
 from backend.request import Chunk
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,8 @@ class ModelRunner:
         self.config = config
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
-        self.model_dir = resolve_model(config.model_path)
+        gguf_file = kept_gguf(config.model_path, config.quantization)
+        self.model_dir = resolve_model(config.model_path, config.quantization)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.max_seq_len = self._pick_max_seq_len()
         self.tokens_per_block = config.tokens_per_block or (
@@ -122,7 +123,9 @@ class ModelRunner:
             self.attention,
             self.max_seq_len,
             self.model_config,
+            gguf_file,
         )
+        self.weight_bytes = weight_bytes(self.model)  # resident parameters and buffers
         self.num_kv_blocks = self._pick_num_kv_blocks()
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.decode_graphs = self._capture_decode_graphs()

@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from backend.config import EngineConfig
+from backend.config import QUANTIZATIONS, EngineConfig
 from backend.executor import Executor
+from backend.model_paths import resolve_model
 from backend.sampling_params import SamplingParams
 from benchmarks.provenance import provenance, save_json
 
@@ -198,6 +199,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="gguf: serve a GGUF's blocks kept quantized",
+    )
+    p.add_argument(
         "--no-warmup", action="store_true", help="time the first pass (compiles included)"
     )
     p.add_argument(
@@ -211,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
     max_seq = args.isl[1] + args.osl[1] + 1
     config = EngineConfig(
         model_path=args.model,
+        quantization=args.quantization,
         device=args.device,
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
@@ -234,6 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
         **provenance(executor.runner.device),
         "model": args.model,
         "dtype": str(executor.runner.dtype).replace("torch.", ""),
+        "quantization": args.quantization,
+        "weight_bytes": executor.runner.weight_bytes,
         "num_requests": args.num_requests,
         "isl": list(args.isl),
         "osl": list(args.osl),
@@ -255,11 +265,12 @@ def main(argv: list[str] | None = None) -> dict:
         result["profile"] = profile_run(
             executor, same_lengths_other_ids(prompts, executor.vocab_size, args.seed + 2), lengths
         )
-    device, dtype, model_dir = executor.runner.device, executor.runner.dtype, executor.model_dir
+    device, dtype = executor.runner.device, executor.runner.dtype
     executor.shutdown()  # frees the engine's GPU memory for the transformers baseline
     del executor
     if args.baseline == "hf":
         k = min(args.hf_requests or args.num_requests, args.num_requests)
+        model_dir = resolve_model(args.model)  # transformers reads the de-quantized checkpoint
         hf_wall = run_hf(model_dir, device, dtype, prompts[:k], lengths[:k], args.hf_batch_size)
         result.update(
             hf_requests=k,

@@ -50,11 +50,17 @@ def plot_decode_floor(path: str) -> str:
     return out
 
 
+def model_label(r: dict) -> str:
+    """The model, and its weight format where it is kept quantized."""
+    quantization = r.get("quantization", "none")
+    return r["model"] if quantization == "none" else f"{r['model']} ({quantization})"
+
+
 def plot_offline(paths: list[str], out: str) -> str:
     rows = [load(p)[0] for p in paths]
     labels, values, colours = [], [], []
     for r in rows:
-        labels.append(f"{r['model']}\nengine")
+        labels.append(f"{model_label(r)}\nengine")
         values.append(r["output_tokens_per_s"])
         colours.append("tab:blue")
         if "hf_output_tokens_per_s" in r:
@@ -90,7 +96,7 @@ def headline(results_dir: str) -> str:
                 )
                 lines.append(
                     f"| offline, {r['num_requests']} req, ISL {r['isl']}, OSL {r['osl']} "
-                    f"| {r['model']} | {r['device']} "
+                    f"| {model_label(r)} | {r['device']} "
                     f"| {r['output_tokens_per_s']:,.0f} output tok/s | {base} |"
                 )
             elif r.get("benchmark") == "decode_floor":

@@ -17,7 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ensemble.build import SOURCE_REPOSITORY, build_repository, stale_configs
-from backend.model_paths import check_model, resolve_model
+from backend.model_paths import check_model, kept_gguf, resolve_model
 from ensemble.openai_server.process import FrontEndProcess
 from ensemble.server import TritonServer, check_ports_free, serve_forever
 from ensemble.settings import ServeSettings
@@ -138,12 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"openai_port {args.openai_port} is one of Triton's ports")
         if args.command == "build" or not args.repository:
             check_model(settings.model_path)
+            kept_gguf(settings.model_path, settings.quantization)  # gguf needs a GGUF
             if settings.tokenizer_dir:
                 check_model(settings.tokenizer_dir)
     except (ValueError, TypeError, OSError) as exc:
         parser.error(str(exc))
     if args.command == "serve" and not args.repository:
-        resolve_model(settings.model_path)  # convert here, once, before the models start
+        # convert here, once, before the models start
+        resolve_model(settings.model_path, settings.quantization)
     if args.command == "build":
         out = build_repository(settings, args.out)
         print(f"wrote {out}")

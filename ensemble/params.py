@@ -1,14 +1,16 @@
 """Reading config.pbtxt `parameters` back into typed values (used by the models' initialize()).
 
 Each parameter is the `ServeSettings` field of its name: read as that field's type, its default
-when unset. "auto", "" and an unfilled "${...}" placeholder all mean unset. A value that does not
-parse is an error naming the parameter, not a silent default.
+when unset. "auto", "" and an unfilled "${...}" placeholder all mean unset, except where "auto" is
+one of the field's choices. A value that does not parse is an error naming the parameter, not a
+silent default.
 """
 
 from __future__ import annotations
 
 import json
 
+from backend.config import CHOICES
 from backend.validation import field_types
 from ensemble.settings import ENGINE_FIELDS, ServeSettings
 
@@ -68,7 +70,11 @@ _DEFAULTS = ServeSettings()
 
 
 def _read(params: dict[str, str], name: str):
-    """The parameter as its ServeSettings field's type; None when unset."""
+    """The parameter as its ServeSettings field's type; None when unset. "auto" is a value, not
+    unset, for a field that has it among its choices (`quantization`: auto is not its default)."""
+    text = params.get(name)
+    if text is not None and text.strip() == "auto" and "auto" in CHOICES.get(name, ()):
+        return "auto"
     return _READERS[field_types(ServeSettings)[name][0]](params, name)
 
 
@@ -92,4 +98,4 @@ def tokenizer_dir(params: dict[str, str]) -> str:
         return explicit
     from backend.model_paths import resolve_model  # only when needed
 
-    return resolve_model(get_setting(params, "model_path"))
+    return resolve_model(get_setting(params, "model_path"), get_setting(params, "quantization"))

@@ -59,6 +59,7 @@ def render_preprocessing(s: ServeSettings) -> str:
     lines += _parameters(
         {
             "model_path": s.model_path,
+            "quantization": s.quantization,  # which cached directory holds the tokenizer
             "tokenizer_dir": s.tokenizer_dir,
             "add_special_tokens": s.add_special_tokens,
             "default_max_tokens": s.default_max_tokens,
@@ -98,6 +99,7 @@ def render_postprocessing(s: ServeSettings) -> str:
     lines += _parameters(
         {
             "model_path": s.model_path,
+            "quantization": s.quantization,  # which cached directory holds the tokenizer
             "tokenizer_dir": s.tokenizer_dir,
             "skip_special_tokens": s.skip_special_tokens,
         }

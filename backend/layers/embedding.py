@@ -1,7 +1,8 @@
 """Token embedding lookup.
 
 On CUDA the Triton kernel (`backend.kernels.embedding`), which lets the first layer's projection
-start streaming its weights under programmatic dependent launch; elsewhere torch.
+start streaming its weights under programmatic dependent launch; elsewhere torch. Kept quantized
+(`keep_quantized`), the looked-up rows of GGUF blocks are de-quantized.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from backend.gguf_blocks import BLOCK_TYPES, dequantize
 
 try:  # CPU-only installs without Triton use the torch path
     from backend.kernels.embedding import embedding as fused_embedding
@@ -19,10 +22,26 @@ except ImportError:
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.quant_type: str | None = None  # a GGUF block type when kept quantized
+        self.dtype: torch.dtype | None = None  # what quantized rows are de-quantized into
+
+    def keep_quantized(self, quant_type: str, dtype: torch.dtype) -> None:
+        """Hold the table as `quant_type` blocks from now on (uninitialised uint8
+        [vocab_size, row bytes], to be filled); rows come out in `dtype`."""
+        row_bytes = BLOCK_TYPES[quant_type].row_bytes(self.hidden_size)
+        qweight = torch.empty(
+            self.vocab_size, row_bytes, dtype=torch.uint8, device=self.weight.device
+        )
+        self.weight = None
+        self.register_buffer("qweight", qweight)
+        self.quant_type, self.dtype = quant_type, dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> rows [T, hidden_size]."""
+        if self.quant_type is not None:
+            return dequantize(self.qweight[input_ids], self.quant_type).to(self.dtype)
         if input_ids.is_cuda and fused_embedding is not None:
             return fused_embedding(input_ids, self.weight)
         return F.embedding(input_ids, self.weight)

@@ -1,6 +1,10 @@
 """Linear layers: the one place a projection's weights are read, so quantized weights plug in here
 (a quantized layer keeps this interface and brings its own kernels).
 
+Kept quantized (`keep_quantized`), a layer holds GGUF blocks (`qweight`, uint8 [out, row bytes],
+`backend.gguf_blocks`) instead of `weight`; steps de-quantize them into the activations' dtype as
+they run, the same values a de-quantized checkpoint holds.
+
 Steps of several tokens run torch's GEMM. One-token steps on GPU run the weight-streaming GEMV
 (`backend.kernels.gemv`) with the neighbouring work fused in: an RMSNorm or silu·mul prologue, a
 residual-add epilogue, split attention merged as it is read, or (the qkv projection) rotary and
@@ -14,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.attention.split_partials import SplitPartials
+from backend.gguf_blocks import BLOCK_TYPES, dequantize
 from backend.layers.norm import RMSNorm
 
 try:  # CPU-only installs without Triton use the torch path
@@ -39,9 +44,11 @@ class Linear(nn.Module):
         shards: dict[str, tuple[int, int]] | None = None,
     ):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.shards = shards
+        self.quant_type: str | None = None  # a GGUF block type when kept quantized
 
     @classmethod
     def merged(cls, in_features: int, sizes: dict[str, int], bias: bool = False) -> "Linear":
@@ -52,12 +59,41 @@ class Linear(nn.Module):
             start += size
         return cls(in_features, start, bias, shards)
 
+    def keep_quantized(self, quant_type: str, qweight: torch.Tensor | None = None) -> None:
+        """Hold the weight as `quant_type` blocks from now on: `qweight` (shared, e.g. a tied
+        embedding's), else a new uninitialised uint8 [out_features, row bytes] to be filled."""
+        device = (self.weight if self.quant_type is None else self.qweight).device
+        if qweight is None:
+            row_bytes = BLOCK_TYPES[quant_type].row_bytes(self.in_features)
+            qweight = torch.empty(self.out_features, row_bytes, dtype=torch.uint8, device=device)
+        self.weight = None
+        self.register_buffer("qweight", qweight)
+        self.quant_type = quant_type
+
+    def tie_to(self, embedding) -> None:
+        """Share the weight of `embedding` (an `Embedding`), quantized or not."""
+        if embedding.quant_type is None:
+            self.weight = embedding.weight
+        else:
+            self.keep_quantized(embedding.quant_type, embedding.qweight)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as a [out_features, in_features] tensor (de-quantized into `dtype`)."""
+        if self.quant_type is None:
+            return self.weight
+        return dequantize(self.qweight, self.quant_type).to(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
     def takes_one_token(self, x: torch.Tensor) -> bool:
         """Whether `one_token` runs for x: one half-precision row on GPU, K in 64-wide tiles."""
-        return gemv is not None and x.is_cuda and gemv.supports(x, self.weight)
+        return (
+            gemv is not None
+            and x.is_cuda
+            and self.quant_type is None
+            and gemv.supports(x, self.weight)
+        )
 
     def merges_splits(self, head_dim: int) -> bool:
         """Whether `one_token` can take split attention partials with heads of `head_dim`."""

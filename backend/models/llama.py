@@ -107,13 +107,13 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, attention, max_positions or config.max_position_embeddings)
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_to(self.model.embed_tokens)
 
     def materialise_buffers(self, device: torch.device) -> None:
         """After building on the meta device and `to_empty`: tie the lm_head to the embedding
         again (materialising replaced the parameters) and compute the rotary cache."""
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_to(self.model.embed_tokens)
         self.model.rotary.build_cache(device)
 
     def forward(

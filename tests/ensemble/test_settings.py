@@ -9,15 +9,13 @@ import dataclasses
 
 import pytest
 
-from backend.config import ATTENTION_BACKENDS, SCHEDULER_POLICIES, EngineConfig
+from backend.config import CHOICES, EngineConfig
 from backend.validation import field_types
 from ensemble.__main__ import _add_settings_options, settings_from_args
 from ensemble.params import engine_kwargs, get_setting
 from ensemble.render import render_configs
 from ensemble.settings import ENGINE_FIELDS, ServeSettings
 from tests.adapters import rendered_parameters
-
-CHOICES = {"batch_scheduler_policy": SCHEDULER_POLICIES, "attention_backend": ATTENTION_BACKENDS}
 
 
 def other_value(name: str):
@@ -83,6 +81,10 @@ def test_unset_parameters_read_as_the_settings_defaults():
         assert get_setting({}, name) == getattr(defaults, name)
         assert get_setting({name: "auto"}, name) == getattr(defaults, name)
     assert get_setting({"default_max_tokens": "7"}, "default_max_tokens") == 7
+    # where "auto" is one of a field's choices but not its default, it is read as itself
+    assert get_setting({"quantization": "auto"}, "quantization") == "auto"
+    assert get_setting({"quantization": ""}, "quantization") == defaults.quantization == "none"
+    assert get_setting({"attention_backend": "auto"}, "attention_backend") == "auto"
     with pytest.raises(ValueError, match="parameter skip_special_tokens must be true or false"):
         get_setting({"skip_special_tokens": "perhaps"}, "skip_special_tokens")
 
@@ -107,6 +109,7 @@ def test_unset_parameters_read_as_the_settings_defaults():
         ("kv_cache_free_gpu_mem_fraction", True, "kv_cache_free_gpu_mem_fraction must be a number"),
         ("batch_scheduler_policy", "fifo", "batch_scheduler_policy must be one of"),
         ("attention_backend", "flash", "attention_backend must be one of"),
+        ("quantization", "int3", "quantization must be one of"),
     ],
 )
 def test_a_bad_engine_value_is_refused_naming_the_field(cls, name, value, message):
