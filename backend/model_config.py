@@ -61,6 +61,14 @@ class ModelConfig:
             self.layer_windows = [self.sliding_window] * self.num_layers
 
     @property
+    def attention_window(self) -> int | None:
+        """The most recent tokens any layer's query sees (its window less the sinks), or None
+        when some layer attends globally: older blocks, past the sinks, are read by no layer."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows) - self.sink_token_length
+
+    @property
     def max_context(self) -> int:
         """Longest sequence this engine computes (windows are honoured, positions kept)."""
         return self.max_position_embeddings

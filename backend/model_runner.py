@@ -261,6 +261,7 @@ class ModelRunner:
         width = int(num_blocks.max())
         block_tables = table[:, :width]
         block_tables[columns[:width] >= num_blocks[:, None]] = 0
+        np.maximum(block_tables, 0, out=block_tables)  # FREED entries (outside every window)
         # Per token: which chunk it belongs to, its position and its cache slot.
         seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
         total = int(query_start_loc[-1])
