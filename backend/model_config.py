@@ -7,7 +7,8 @@ RoPE settings are read from transformers 5's `rope_parameters` or from the older
 
 Sliding-window attention: `layer_windows[i]` is layer i's attention window (a query sees the
 last `window` tokens, itself included), None for global attention. Mistral (and Qwen2 with
-`use_sliding_window`) gets `sliding_window` on every layer; the engine parameter
+`use_sliding_window`) gets `sliding_window` on every layer, or on the layers that transformers'
+`layer_types` marks "sliding_attention"; the engine parameter
 `max_attention_window_size` may override the windows (`with_attention_windows`), and
 `sink_token_length` keeps the first tokens visible to windowed layers as well.
 """
@@ -112,6 +113,17 @@ class ModelConfig:
         sliding_window = None
         if model_type == "mistral" or (model_type == "qwen2" and cfg.get("use_sliding_window")):
             sliding_window = cfg.get("sliding_window")
+        layer_windows = []  # transformers 5 names each layer's kind (Qwen2: max_window_layers)
+        if sliding_window is not None and cfg.get("layer_types"):
+            layer_windows = [
+                sliding_window if kind == "sliding_attention" else None
+                for kind in cfg["layer_types"]
+            ]
+        elif sliding_window is not None and model_type == "qwen2":  # older configs
+            first = cfg.get("max_window_layers", 0)
+            layer_windows = [
+                sliding_window if i >= first else None for i in range(cfg["num_hidden_layers"])
+            ]
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -128,6 +140,7 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type == "llama" and attention_bias,
             sliding_window=sliding_window,
+            layer_windows=layer_windows,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_list(cfg.get("eos_token_id")),
         )

@@ -13,6 +13,7 @@ import torch
 from backend.config import EngineConfig
 from backend.executor import Executor
 from backend.kv_cache_manager import FREED
+from backend.model_config import ModelConfig
 from backend.request import Request
 from backend.sampling_params import SamplingParams
 from backend.scheduler import Scheduler
@@ -267,3 +268,46 @@ def test_sinks_match_a_reference_keeping_first_and_last_tokens(tmp_path):
             plain.generate(prompts[:1], params)
     finally:
         plain.shutdown()
+
+
+def test_qwen2_per_layer_windows_match_transformers(tmp_path):
+    """Qwen2 with use_sliding_window and max_window_layers 1: layer 0 global, layer 1 windowed
+    (transformers' layer_types); with a global layer every block is kept."""
+    hf = save_tiny_hf_model(
+        tmp_path, "qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+    )
+    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    prompts = random_prompts(4, 640, seed=9, low=3 * WINDOW + 1, high=100)
+    results, executor = serve(tmp_path, prompts, 12, max_num_tokens=40)
+    assert executor.runner.model_config.layer_windows == [None, WINDOW]
+    assert executor.scheduler.kv.window is None
+    for prompt, result in zip(prompts, results):
+        tokens, logprobs = hf_greedy(hf, prompt, 12)
+        assert result["token_ids"] == tokens
+        assert result["logprobs"] == pytest.approx(logprobs, abs=1e-4)
+    full, _ = serve(tmp_path, prompts, 12, max_num_tokens=40, max_attention_window_size="4096")
+    assert [r["token_ids"] for r in full] != [r["token_ids"] for r in results]
+
+
+def test_model_config_windows_and_engine_overrides():
+    base = {
+        "model_type": "mistral",
+        "vocab_size": 10,
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "intermediate_size": 8,
+        "sliding_window": 32,
+    }
+    config = ModelConfig.from_dict(base)
+    assert config.layer_windows == [32, 32, 32] and config.attention_window == 32
+    assert ModelConfig.from_dict({**base, "sliding_window": None}).layer_windows == [None] * 3
+    pattern = config.with_attention_windows((16, 64), sink_token_length=4)
+    assert pattern.layer_windows == [16, 64, 16] and pattern.attention_window == 60
+    assert config.with_attention_windows(None).layer_windows == [32, 32, 32]
+    with pytest.raises(ValueError, match="sink_token_length must be less than the attention"):
+        config.with_attention_windows((8,), sink_token_length=8)
+    assert EngineConfig(max_attention_window_size="4096,512").attention_windows() == (4096, 512)
+    for bad in ("0", "4096,", "a", "-5"):
+        with pytest.raises(ValueError, match="max_attention_window_size must be positive"):
+            EngineConfig(max_attention_window_size=bad)
