@@ -42,7 +42,7 @@ def paged_attention(
             meta.block_tables,
             meta.seq_lens,
             meta.query_start_loc,
-            meta.max_seq_len,
+            _keys_read(meta, window),
             scale,
             window=window,
             sinks=sinks,
@@ -78,9 +78,14 @@ def decode_partials(
         meta.block_tables,
         meta.seq_lens,
         meta.query_start_loc,
-        meta.max_seq_len,
+        _keys_read(meta, window),
         scale,
         window=window,
         sinks=sinks,
     )
     return SplitPartials(outputs, lse)
+
+
+def _keys_read(meta: AttentionMetadata, window: int | None) -> int:
+    """The most keys a decode query reads (sizes the split-K heuristic)."""
+    return meta.max_seq_len if window is None else min(meta.max_seq_len, window)

@@ -34,9 +34,9 @@ def generate(path, prompts, backend: str) -> list[list[int]]:
         cuda_graphs=False,
     )
     executor = Executor(config)
-    assert executor.runner.attention.name == backend
-    assert executor.scheduler.kv.window == 16  # blocks outside it are released
     try:
+        assert executor.runner.attention.name == backend
+        assert executor.scheduler.kv.window == 16  # blocks outside it are released
         params = SamplingParams(max_tokens=8, ignore_end_id=True)
         return [r["token_ids"] for r in executor.generate(prompts, params, timeout=600)]
     finally:
