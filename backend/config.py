@@ -41,6 +41,10 @@ class EngineConfig:
     # Overlap host work (scheduling, packing, stop checks, delivery) with the device's step;
     # None = on for CUDA, off on CPU (nothing to overlap with). True forces it on (tests on CPU).
     overlap_scheduling: bool | None = None
+    # Attention windows in tokens, comma-separated, repeated over the layers ("4096" = every
+    # layer, "4096,32768" = alternating); None = the model's own (e.g. Mistral's sliding_window).
+    max_attention_window_size: str | None = None
+    sink_token_length: int = 0  # first tokens that windowed layers always see
 
     def __post_init__(self) -> None:
         self.validate()
@@ -56,9 +60,26 @@ class EngineConfig:
                 "kv_cache_free_gpu_mem_fraction must be in (0, 1], "
                 f"got {self.kv_cache_free_gpu_mem_fraction!r}"
             )
+        self.attention_windows()
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+
+    def attention_windows(self) -> tuple[int, ...] | None:
+        """`max_attention_window_size` as integers, None when unset."""
+        text = self.max_attention_window_size
+        if text is None:
+            return None
+        try:
+            windows = tuple(int(part) for part in text.split(","))
+        except ValueError:
+            windows = ()
+        if not windows or min(windows) < 1:
+            raise ValueError(
+                "max_attention_window_size must be positive integers separated by commas, "
+                f"got {text!r}"
+            )
+        return windows
 
 
 # The least value of each integer field (types are checked from the annotations).
@@ -70,6 +91,7 @@ _LOWEST = {
     "max_tokens_in_paged_kv_cache": 1,
     "max_queue_size": 0,
     "seed": 0,
+    "sink_token_length": 0,
 }
 CHOICES = {
     "batch_scheduler_policy": SCHEDULER_POLICIES,

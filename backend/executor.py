@@ -46,14 +46,20 @@ class Executor:
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = list(self.runner.eos_token_ids)
         self.model_dir = self.runner.model_dir
+        model_config = self.runner.model_config
         self.scheduler = Scheduler(
-            self.config, self.runner.num_kv_blocks, self.runner.tokens_per_block
+            self.config,
+            self.runner.num_kv_blocks,
+            self.runner.tokens_per_block,
+            attention_window=model_config.attention_window,
+            sink_tokens=model_config.sink_token_length,
         )
         self.limits = EngineLimits(
             self.vocab_size,
             self.max_seq_len,
             self.runner.tokens_per_block,
             self.scheduler.total_blocks,
+            self.scheduler.kv.max_blocks_held(self.max_seq_len),
         )
         self.sampler = Sampler(
             self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed

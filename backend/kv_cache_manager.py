@@ -16,6 +16,15 @@ registered for others as they fill).
 The match is capped at floor((num_tokens - 1) / B) blocks: the last token must always be computed
 (its logits give the next token), and matching whole blocks only means a request never writes
 into a block that someone else holds. Every block a request writes to has ref_count == 1.
+
+Sliding windows: with `window` (the most recent tokens any layer's query sees; None when a layer
+attends globally) a block whose every token is older than the window of the next token to
+compute, and that holds no sink token, is read by no layer again: it goes back to the pool and
+its table entry becomes FREED (logical indices stay, so position p is still in entry p // B).
+A released block keeps its content and prefix hash until evicted, and that content is still
+exactly the KV of its chained prefix, so it may be matched again; a match still walks the chain
+from the first block (an evicted block ends it), and takes only the matched blocks that the
+request's own window still reads.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ from dataclasses import dataclass, field
 
 from backend.block_pool import BlockHash, BlockPool, hash_block
 from backend.request import Request
+
+FREED = -1  # a block-table entry whose block went back to the pool (outside every window)
 
 
 @dataclass
@@ -54,14 +65,29 @@ class PrefixMatch:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, tokens_per_block: int, enable_prefix_reuse: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        tokens_per_block: int,
+        enable_prefix_reuse: bool = True,
+        window: int | None = None,
+        sink_tokens: int = 0,
+        max_chunk_tokens: int | None = None,
+    ):
+        """`window`, `sink_tokens`: see the module docstring; `max_chunk_tokens` (the most tokens
+        a step computes for one request) bounds the blocks a windowed request holds at once."""
         if tokens_per_block < 1:
             raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
         self.pool = BlockPool(num_blocks)
         self.tokens_per_block = tokens_per_block
         self.enable_prefix_reuse = enable_prefix_reuse
+        self.window = window
+        self.sink_blocks = -(-sink_tokens // tokens_per_block) if window is not None else 0
+        self.max_chunk_tokens = max_chunk_tokens
         # Chain hashes of each request's full, computed blocks, in block order.
         self._block_hashes: dict[str, list[BlockHash]] = {}
+        # Windows: each request's entries sink_blocks .. this index are FREED.
+        self._freed_until: dict[str, int] = {}
         self.num_reused_blocks = 0
         self.num_allocated_new_blocks = 0
 
@@ -75,6 +101,53 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_block)
+
+    def max_blocks_held(self, num_tokens: int) -> int:
+        """The most blocks a request of num_tokens tokens holds at once: all of them, or with a
+        window its sink blocks and those of the window before a chunk plus the chunk."""
+        needed = self.blocks_needed(num_tokens)
+        if self.window is None or self.max_chunk_tokens is None:
+            return needed
+        span = self.window - 1 + self.max_chunk_tokens
+        return min(needed, self.sink_blocks + self.blocks_needed(span) + 1)
+
+    def first_live_block(self, position: int) -> int:
+        """The first block past the sinks that a query at `position` or later may read."""
+        if self.window is None:
+            return 0
+        return max(0, (position - self.window + 1) // self.tokens_per_block)
+
+    def num_live_blocks(self, request: Request) -> int:
+        """Blocks the request holds (its table's entries that are not FREED)."""
+        freed = self._freed_until.get(request.request_id, 0) - self.sink_blocks
+        return len(request.block_ids) - max(0, freed)
+
+    def blocks_to_grow(self, request: Request) -> int:
+        """Free blocks a running request may still take from the pool to reach
+        max_total_tokens. With a window: at most what it may hold at once beyond the blocks it
+        alone holds now (a shared block it releases returns nothing to the pool)."""
+        fresh = max(0, self.blocks_needed(request.max_total_tokens) - len(request.block_ids))
+        if self.window is None:
+            return fresh
+        own = sum(1 for b in request.block_ids if b != FREED and self.pool.ref_count(b) == 1)
+        return min(fresh, max(0, self.max_blocks_held(request.max_total_tokens) - own))
+
+    def kept_prefix_blocks(self, prefix: PrefixMatch) -> list[int]:
+        """The matched blocks a request admitted with `prefix` takes: those its window reads."""
+        lo, hi = self.sink_blocks, self.first_live_block(prefix.num_tokens)
+        return [b for i, b in enumerate(prefix.block_ids) if not lo <= i < hi]
+
+    def release_outside_window(self, request: Request) -> None:
+        """Hand back the blocks that no query from num_computed_tokens on reads (windows only)."""
+        if self.window is None:
+            return
+        start = max(self._freed_until.get(request.request_id, 0), self.sink_blocks)
+        end = min(self.first_live_block(request.num_computed_tokens), len(request.block_ids))
+        for i in range(start, end):
+            self.pool.release(request.block_ids[i])
+            request.block_ids[i] = FREED
+        if end > start:
+            self._freed_until[request.request_id] = end
 
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Longest chain of cached full blocks equal to the request's leading tokens."""
@@ -108,7 +181,7 @@ class KVCacheManager:
         if prefix is not None:
             held += prefix.num_blocks
             computed += prefix.num_tokens
-            revived = sum(1 for b in prefix.block_ids if self.pool.is_free(b))
+            revived = sum(1 for b in self.kept_prefix_blocks(prefix) if self.pool.is_free(b))
         fresh = max(0, self.blocks_needed(computed + num_new_tokens) - held)
         return fresh + revived
 
@@ -123,6 +196,7 @@ class KVCacheManager:
         """
         if prefix is not None and request.block_ids:
             raise RuntimeError(f"request {request.request_id} already holds blocks")
+        self.release_outside_window(request)  # unread from now on, whatever happens next
         if self.free_blocks_needed(request, num_new_tokens, prefix) > self.pool.num_free:
             return False
         if prefix is not None:
@@ -136,9 +210,15 @@ class KVCacheManager:
         return True
 
     def _admit_prefix(self, request: Request, prefix: PrefixMatch) -> None:
-        for block_id in prefix.block_ids:  # take before any fresh allocation can evict them
-            self.pool.take(block_id)
+        lo, hi = self.sink_blocks, self.first_live_block(prefix.num_tokens)
         request.block_ids = list(prefix.block_ids)
+        for i, block_id in enumerate(prefix.block_ids):  # take before allocations can evict
+            if lo <= i < hi:
+                request.block_ids[i] = FREED  # outside the window: not read, not taken
+            else:
+                self.pool.take(block_id)
+        if hi > lo:
+            self._freed_until[request.request_id] = min(hi, prefix.num_blocks)
         request.num_computed_tokens = prefix.num_tokens
         self._block_hashes[request.request_id] = list(prefix.block_hashes)
         request.num_reused_blocks += prefix.num_blocks
@@ -160,7 +240,8 @@ class KVCacheManager:
                 hashes[-1] if hashes else None, request.tokens(i * size, (i + 1) * size)
             )
             hashes.append(block_hash)
-            self.pool.register(request.block_ids[i], block_hash)
+            if request.block_ids[i] != FREED:
+                self.pool.register(request.block_ids[i], block_hash)
 
     def free(self, request: Request) -> None:
         """Release every block of the request. Idempotent: an empty block table frees nothing.
@@ -169,9 +250,11 @@ class KVCacheManager:
         evicted before its head: a chain is only useful from its first block on.
         """
         for block_id in reversed(request.block_ids):
-            self.pool.release(block_id)
+            if block_id != FREED:
+                self.pool.release(block_id)
         request.block_ids = []
         self._block_hashes.pop(request.request_id, None)
+        self._freed_until.pop(request.request_id, None)
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(

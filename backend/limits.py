@@ -18,6 +18,7 @@ class EngineLimits:
     max_seq_len: int
     tokens_per_block: int
     total_blocks: int
+    max_blocks_held: int | None = None  # sliding windows: the most a request holds at once
 
     def check(self, prompt_ids: list[int], sampling: SamplingParams) -> SamplingParams:
         """Raise ValueError naming the rule a request breaks; else its params with max_tokens
@@ -41,6 +42,8 @@ class EngineLimits:
             sampling, max_tokens=min(sampling.max_tokens, self.max_seq_len - len(prompt_ids))
         )
         needed = -(-(len(prompt_ids) + sampling.max_tokens) // self.tokens_per_block)
+        if self.max_blocks_held is not None:
+            needed = min(needed, self.max_blocks_held)
         if needed > self.total_blocks:
             raise ValueError(
                 f"request needs {needed} KV cache blocks (prompt {len(prompt_ids)} + max_tokens "

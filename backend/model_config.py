@@ -5,16 +5,19 @@ is the model that computes nothing (backend/models/null.py).
 RoPE settings are read from transformers 5's `rope_parameters` or from the older
 `rope_theta` + `rope_scaling` pair.
 
-Mistral's sliding window: the engine only runs full attention, which is exact as long as no
-sequence is longer than the window. The model runner therefore caps `max_seq_len` at
-`sliding_window` (see `ModelConfig.max_context`).
+Sliding-window attention: `layer_windows[i]` is layer i's attention window (a query sees the
+last `window` tokens, itself included), None for global attention. Mistral (and Qwen2 with
+`use_sliding_window`) gets `sliding_window` on every layer, or on the layers that transformers'
+`layer_types` marks "sliding_attention"; the engine parameter
+`max_attention_window_size` may override the windows (`with_attention_windows`), and
+`sink_token_length` keeps the first tokens visible to windowed layers as well.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "null")
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
@@ -49,13 +52,43 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Per layer: the attention window in tokens, or None (global); default: sliding_window.
+    layer_windows: list[int | None] = field(default_factory=list)
+    # Windowed layers also see the first sink_token_length tokens (StreamingLLM attention sinks).
+    sink_token_length: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.layer_windows:
+            self.layer_windows = [self.sliding_window] * self.num_layers
+
+    @property
+    def attention_window(self) -> int | None:
+        """The most recent tokens any layer's query sees (its window less the sinks), or None
+        when some layer attends globally: older blocks, past the sinks, are read by no layer."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows) - self.sink_token_length
 
     @property
     def max_context(self) -> int:
-        """Longest sequence this engine computes exactly (full attention only)."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence this engine computes (windows are honoured, positions kept)."""
         return self.max_position_embeddings
+
+    def with_attention_windows(
+        self, windows: tuple[int, ...] | None, sink_token_length: int = 0
+    ) -> "ModelConfig":
+        """A copy with the engine's windows: a list applied as a repeating per-layer pattern
+        (one entry = every layer), None = the model's own; and its sink tokens."""
+        layer_windows = list(self.layer_windows)
+        if windows:
+            layer_windows = [windows[i % len(windows)] for i in range(self.num_layers)]
+        for i, window in enumerate(layer_windows):
+            if window is not None and sink_token_length >= window:
+                raise ValueError(
+                    f"sink_token_length must be less than the attention window, got "
+                    f"{sink_token_length} for layer {i}'s window of {window}"
+                )
+        return replace(self, layer_windows=layer_windows, sink_token_length=sink_token_length)
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "ModelConfig":
@@ -80,6 +113,17 @@ class ModelConfig:
         sliding_window = None
         if model_type == "mistral" or (model_type == "qwen2" and cfg.get("use_sliding_window")):
             sliding_window = cfg.get("sliding_window")
+        layer_windows = []  # transformers 5 names each layer's kind (Qwen2: max_window_layers)
+        if sliding_window is not None and cfg.get("layer_types"):
+            layer_windows = [
+                sliding_window if kind == "sliding_attention" else None
+                for kind in cfg["layer_types"]
+            ]
+        elif sliding_window is not None and model_type == "qwen2":  # older configs
+            first = cfg.get("max_window_layers", 0)
+            layer_windows = [
+                sliding_window if i >= first else None for i in range(cfg["num_hidden_layers"])
+            ]
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -96,6 +140,7 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type == "llama" and attention_bias,
             sliding_window=sliding_window,
+            layer_windows=layer_windows,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_list(cfg.get("eos_token_id")),
         )

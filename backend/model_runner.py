@@ -102,7 +102,9 @@ class ModelRunner:
         self.dtype = pick_dtype(config.dtype, self.device)
         gguf_file = kept_gguf(config.model_path, config.quantization)
         self.model_dir = resolve_model(config.model_path, config.quantization)
-        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.model_config = ModelConfig.from_dir(self.model_dir).with_attention_windows(
+            config.attention_windows(), config.sink_token_length
+        )
         self.max_seq_len = self._pick_max_seq_len()
         self.tokens_per_block = config.tokens_per_block or (
             32 if self.device.type == "cuda" else 16
@@ -259,6 +261,7 @@ class ModelRunner:
         width = int(num_blocks.max())
         block_tables = table[:, :width]
         block_tables[columns[:width] >= num_blocks[:, None]] = 0
+        np.maximum(block_tables, 0, out=block_tables)  # FREED entries (outside every window)
         # Per token: which chunk it belongs to, its position and its cache slot.
         seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
         total = int(query_start_loc[-1])
@@ -369,13 +372,6 @@ class ModelRunner:
             raise ValueError(
                 f"max_seq_len {requested} exceeds the model's "
                 f"max_position_embeddings {mc.max_position_embeddings}"
-            )
-        if requested > limit:
-            log.warning(
-                "max_seq_len %d capped at the sliding window %d (the engine runs full "
-                "attention, exact only within the window)",
-                requested,
-                limit,
             )
         return min(requested, limit)
 

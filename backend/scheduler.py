@@ -20,9 +20,9 @@ Rules, in the order `schedule()` applies them:
    (prompt + outputs may exceed `max_num_tokens`): it is always chunked.
 4. Capacity, as TensorRT-LLM's batch scheduler policies:
    - `guaranteed_no_evict`: admit only if the pool can hold the request's whole life
-     (blocks for `max_total_tokens`, minus blocks reused from the prefix cache) on top of what
-     every running request may still grow into. Running requests can then always grow, so
-     nothing is ever preempted.
+     (blocks for `max_total_tokens`, minus blocks reused from the prefix cache; with sliding
+     windows at most the blocks it holds at once) on top of what every running request may
+     still grow into. Running requests can then always grow, so nothing is ever preempted.
    - `max_utilization`: admit with blocks for this step's tokens only. When a running request
      cannot get a block, the newest running request is preempted by recompute (blocks freed,
      computed tokens reset, back to the front of the queue) until it can, possibly itself.
@@ -56,9 +56,25 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, tokens_per_block: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        tokens_per_block: int,
+        attention_window: int | None = None,
+        sink_tokens: int = 0,
+    ):
+        """`attention_window`: the most recent tokens any layer sees (None: some layer attends
+        globally); blocks outside it and the sinks go back to the pool (KVCacheManager)."""
         self.config = config
-        self.kv = KVCacheManager(num_blocks, tokens_per_block, config.enable_kv_cache_reuse)
+        self.kv = KVCacheManager(
+            num_blocks,
+            tokens_per_block,
+            config.enable_kv_cache_reuse,
+            window=attention_window,
+            sink_tokens=sink_tokens,
+            max_chunk_tokens=config.max_num_tokens,
+        )
         self.no_evict = config.batch_scheduler_policy == "guaranteed_no_evict"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
@@ -78,7 +94,7 @@ class Scheduler:
                 f"max_num_tokens ({self.config.max_num_tokens}) and chunked context "
                 "is disabled; enable_chunked_context or raise max_num_tokens"
             )
-        needed = self.blocks_needed(request.max_total_tokens)
+        needed = self.kv.max_blocks_held(request.max_total_tokens)
         if needed > self.total_blocks:
             raise ValueError(
                 f"request needs {needed} KV cache blocks but the cache holds {self.total_blocks}"
@@ -134,12 +150,14 @@ class Scheduler:
 
     def _blocks_to_grow(self, request: Request) -> int:
         """Blocks a running request may still need to reach max_total_tokens."""
-        return max(0, self.blocks_needed(request.max_total_tokens) - len(request.block_ids))
+        return self.kv.blocks_to_grow(request)
 
     def _fits_whole_life(self, request: Request, prefix: PrefixMatch, reserved: int) -> bool:
-        revived = sum(1 for b in prefix.block_ids if self.kv.pool.is_free(b))
-        lifetime = self.blocks_needed(request.max_total_tokens) - prefix.num_blocks
-        return lifetime + revived <= self.kv.num_free_blocks - reserved
+        kept = self.kv.kept_prefix_blocks(prefix)
+        revived = sum(1 for b in kept if self.kv.pool.is_free(b))
+        lifetime = self.blocks_needed(request.max_total_tokens) - prefix.num_blocks + revived
+        lifetime = min(lifetime, self.kv.max_blocks_held(request.max_total_tokens))
+        return lifetime <= self.kv.num_free_blocks - reserved
 
     def _may_chunk(self, request: Request) -> bool:
         return self.config.enable_chunked_context or request.num_preemptions > 0

@@ -2,9 +2,10 @@
 
 Every implementation is a module with
     write_kv(key, value, k_cache, v_cache, slot_mapping) -> None
-    paged_attention(query, k_cache, v_cache, meta, scale) -> output
+    paged_attention(query, k_cache, v_cache, meta, scale, window=None, sinks=0) -> output
 and optionally, for decode-only steps whose consumer merges split-K attention itself,
-    decode_partials(query, k_cache, v_cache, meta, scale) -> SplitPartials
+    decode_partials(query, k_cache, v_cache, meta, scale, window=None, sinks=0) -> SplitPartials
+`window` (tokens, None = global) and `sinks` are a sliding-window layer's (reference.py's rule).
 - 'torch':  backend.attention.reference (plain torch; CPU and ground truth; no decode_partials)
 - 'triton': backend.attention.triton_backend (Triton-language kernels; imported lazily)
 - 'auto':   'triton' on CUDA when it imports, 'torch' otherwise

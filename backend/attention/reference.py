@@ -1,6 +1,10 @@
 """Plain-torch paged attention: the ground truth in tests and the CPU path.
 
 Causal attention with grouped-query heads, reading every key and value from the paged cache.
+With `window` (sliding-window attention) a query at position q sees key k <= q only when
+q - k < window - sinks or k < sinks: the first `sinks` tokens and the last window - sinks ones
+(positions are the original ones; blocks outside the window may be gone, their table entries
+point anywhere, and are never read into a result).
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """query [T, heads, head_dim] -> output [T, heads, head_dim]."""
     if meta.is_decode_only and meta.num_seqs > 1:
-        return _decode_batched(query, k_cache, v_cache, meta, scale)
+        return _decode_batched(query, k_cache, v_cache, meta, scale, window, sinks)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -54,7 +60,11 @@ def paged_attention(
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
         k_pos = torch.arange(ctx_len, device=query.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = k_pos[None, :] > q_pos[:, None]
+        if window is not None:
+            hidden |= _outside_window(q_pos[:, None], k_pos[None, :], window, sinks)
+            v = v.masked_fill(hidden.all(0)[:, None, None], 0.0)  # freed blocks: any content
+        scores.masked_fill_(hidden[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
         start += q_len
@@ -67,6 +77,8 @@ def _decode_batched(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Decode-only batches (one query row per request, in request order) in a few batched ops
     instead of a loop over requests: gather every context, padded to the longest, and mask.
@@ -82,6 +94,9 @@ def _decode_batched(
     padding = (
         torch.arange(longest, device=query.device)[None, :] >= meta.seq_lens[:, None]
     )  # [B, L]
+    if window is not None:
+        k_pos = torch.arange(longest, device=query.device)[None, :]
+        padding |= _outside_window(meta.seq_lens[:, None] - 1, k_pos, window, sinks)
     values = values.masked_fill(padding[:, :, None, None], 0.0)  # unwritten slots may hold NaN
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale
@@ -89,3 +104,10 @@ def _decode_batched(
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bkgl,blkd->bkgd", probs, values)
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _outside_window(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sinks: int
+) -> torch.Tensor:
+    """Keys (at or before the query) that a windowed query does not see."""
+    return (q_pos - k_pos >= window - sinks) & (k_pos >= sinks)

@@ -2,7 +2,7 @@
 
 Same two functions, same tensors:
     write_kv(key, value, k_cache, v_cache, slot_mapping)
-    paged_attention(query, k_cache, v_cache, meta, scale) -> out
+    paged_attention(query, k_cache, v_cache, meta, scale, window=None, sinks=0) -> out
 and `decode_partials`, split-K decode attention with the splits left for the consumer to merge.
 `paged_attention` sends decode-only batches (every request has one query token) to the split-K
 decode kernel and every other batch (prefill chunks, possibly mixed with decodes) to the prefill
@@ -29,8 +29,11 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
-    """query [T, heads, head_dim] -> output [T, heads, head_dim] (causal, GQA, paged K/V)."""
+    """query [T, heads, head_dim] -> output [T, heads, head_dim] (causal, GQA, paged K/V;
+    sliding-window with sinks when `window` is set)."""
     if meta.max_query_len == 1:
         return decode_attention(
             query,
@@ -39,11 +42,21 @@ def paged_attention(
             meta.block_tables,
             meta.seq_lens,
             meta.query_start_loc,
-            meta.max_seq_len,
+            _keys_read(meta, window),
             scale,
+            window=window,
+            sinks=sinks,
         )
     return prefill_attention(
-        query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        scale,
+        window=window,
+        sinks=sinks,
     )
 
 
@@ -53,6 +66,8 @@ def decode_partials(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    sinks: int = 0,
 ) -> SplitPartials:
     """Decode-only steps: query [T, heads, head_dim] -> each split's output and log-sum-exp,
     unmerged (the one-token o projection merges them as it reads them)."""
@@ -63,7 +78,14 @@ def decode_partials(
         meta.block_tables,
         meta.seq_lens,
         meta.query_start_loc,
-        meta.max_seq_len,
+        _keys_read(meta, window),
         scale,
+        window=window,
+        sinks=sinks,
     )
     return SplitPartials(outputs, lse)
+
+
+def _keys_read(meta: AttentionMetadata, window: int | None) -> int:
+    """The most keys a decode query reads (sizes the split-K heuristic)."""
+    return meta.max_seq_len if window is None else min(meta.max_seq_len, window)

@@ -5,6 +5,10 @@ The qkv projection, rotary and the KV-cache write, paged attention through the a
 kernels: the qkv projection with the norm before it, rotary and the KV write fused in; attention;
 the o projection with the residual add fused in. Where the backend has split decode partials
 and the o projection can merge them, attention leaves its splits unmerged for it.
+
+`sliding_window`: this layer's attention window (a query sees the last `sliding_window` tokens,
+itself included), None for global attention; with it, the first `sink_token_length` tokens stay
+visible too (attention sinks: the window then holds them and the last window - sinks tokens).
 """
 
 from __future__ import annotations
@@ -31,9 +35,18 @@ class AttentionStep:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, backend: AttentionBackend):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        backend: AttentionBackend,
+        sliding_window: int | None = None,
+        sink_token_length: int = 0,
+    ):
         super().__init__()
         self.layer_index = layer_index
+        self.sliding_window = sliding_window
+        self.sink_token_length = sink_token_length if sliding_window is not None else 0
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -58,8 +71,16 @@ class SelfAttention(nn.Module):
         q = step.rotation.rotate_and_write_kv(
             q, k, v, k_cache, v_cache, step.meta.slot_mapping, self.backend.write_kv
         )
-        out = self.backend.paged_attention(q, k_cache, v_cache, step.meta, self.scale)
+        out = self.backend.paged_attention(
+            q, k_cache, v_cache, step.meta, self.scale, **self._window()
+        )
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _window(self) -> dict:
+        """The backend's window arguments; none for global attention (every backend's default)."""
+        if self.sliding_window is None:
+            return {}
+        return {"window": self.sliding_window, "sinks": self.sink_token_length}
 
     def takes_one_token(self, hidden: torch.Tensor) -> bool:
         """Whether `add_one_token` runs for hidden: a hidden size where the GEMV pays, projections
@@ -86,8 +107,12 @@ class SelfAttention(nn.Module):
         )
         q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
         if self.backend.decode_partials is not None and self.o_proj.merges_splits(self.head_dim):
-            out = self.backend.decode_partials(q, k_cache, v_cache, step.meta, self.scale)
+            out = self.backend.decode_partials(
+                q, k_cache, v_cache, step.meta, self.scale, **self._window()
+            )
         else:
-            out = self.backend.paged_attention(q, k_cache, v_cache, step.meta, self.scale)
+            out = self.backend.paged_attention(
+                q, k_cache, v_cache, step.meta, self.scale, **self._window()
+            )
             out = out.reshape(-1, self.q_size)
         self.o_proj.one_token(out, residual=residual, out=residual)

@@ -35,7 +35,13 @@ from backend.models.hf_weights import load_hf_weights
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, attention: AttentionBackend):
         super().__init__()
-        self.self_attn = SelfAttention(config, layer_index, attention)
+        self.self_attn = SelfAttention(
+            config,
+            layer_index,
+            attention,
+            sliding_window=config.layer_windows[layer_index],
+            sink_token_length=config.sink_token_length,
+        )
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

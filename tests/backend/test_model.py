@@ -158,7 +158,7 @@ def test_runner_sizes(tiny_hf_model):
     assert runner.dtype == torch.float32 and runner.device.type == "cpu"
     assert runner.vocab_size == 640 and runner.eos_token_ids == [2]
     _, mistral = tiny_hf_model("mistral", sliding_window=64)
-    assert make_runner(mistral).max_seq_len == 64  # full attention within the window
+    assert make_runner(mistral).max_seq_len == 1024  # the window no longer caps sequences
 
 
 # ---- config ----------------------------------------------------------------------------------

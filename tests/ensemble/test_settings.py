@@ -30,6 +30,8 @@ def other_value(name: str):
         return (default or 1) + 3
     if kind is float:
         return default / 2
+    if name == "max_attention_window_size":
+        return "4096,1024"
     return f"/other/{name}"
 
 

@@ -395,3 +395,134 @@ def test_half_precision_cache(query_lens, seq_lens):
     out = triton_backend.paged_attention(query, k_cache, v_cache, meta, 32**-0.5)
     assert out.dtype == torch.float16
     assert_matches_reference(out, query, k_cache, v_cache, meta, 32**-0.5, atol=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sliding window and attention sinks
+
+
+def free_outside_window(meta, k_cache, window, sinks):
+    """Point every block wholly outside the window of all of a request's queries (and past its
+    sinks) at a block of NaN, as if it went back to the pool: the kernels must not read it."""
+    tokens_per_block = k_cache.shape[1]
+    unowned = torch.isnan(k_cache.cpu()).flatten(1).all(1)  # make_batch leaves a few (NaN)
+    nan_block = int(unowned.nonzero()[0])
+    tables = meta.block_tables.cpu().clone()
+    for b, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        first_visible = s_len - q_len - (window - sinks) + 1  # of the chunk's first query
+        for i in range(tables.shape[1]):
+            if i * tokens_per_block >= sinks and (i + 1) * tokens_per_block <= first_visible:
+                tables[b, i] = nan_block
+    meta.block_tables = tables.to(DEVICE)
+    return meta
+
+
+def windowed_reference(query, k_cache, v_cache, meta, scale, window, sinks):
+    return reference.paged_attention(
+        query.cpu().float(),
+        k_cache.cpu().float(),
+        v_cache.cpu().float(),
+        meta_on_cpu(meta),
+        scale,
+        window=window,
+        sinks=sinks,
+    )
+
+
+@pytest.mark.parametrize("sinks", [0, 4, 20])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_window_512(sinks, num_splits):
+    """Contexts shorter than, equal to, one past and well past the window; sinks inside one
+    key tile and across a block boundary; windowed blocks freed."""
+    window, seq_lens = 512, [700, 513, 512, 514, 300, 1]
+    k_cache, v_cache, meta = make_batch(
+        [1] * len(seq_lens), seq_lens, num_kv_heads=1, head_dim=16, tokens_per_block=16, seed=21
+    )
+    meta = free_outside_window(meta, k_cache, window, sinks)
+    query = random_query(len(seq_lens), 2, 16, seed=22)
+    out = decode_attention(
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.max_seq_len,
+        0.25,
+        num_splits=num_splits,
+        window=window,
+        sinks=sinks,
+    )
+    expected = windowed_reference(query, k_cache, v_cache, meta, 0.25, window, sinks)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("block_m,block_n,sinks", [(64, 64, 0), (64, 64, 4), (16, 32, 4)])
+def test_prefill_window_512_across_chunks(block_m, block_n, sinks):
+    """A first chunk longer than the window, later chunks that cross it, a decode row; key tiles
+    spanning pages; freed blocks hold NaN."""
+    window = 512
+    query_lens, seq_lens = [700, 90, 1, 37], [700, 650, 600, 530]
+    k_cache, v_cache, meta = make_batch(
+        query_lens, seq_lens, num_kv_heads=1, head_dim=16, tokens_per_block=16, seed=23
+    )
+    meta = free_outside_window(meta, k_cache, window, sinks)
+    query = random_query(sum(query_lens), 2, 16, seed=24)
+    out = prefill_attention(
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        0.25,
+        block_m=block_m,
+        block_n=block_n,
+        window=window,
+        sinks=sinks,
+    )
+    expected = windowed_reference(query, k_cache, v_cache, meta, 0.25, window, sinks)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=0)
+
+
+def test_window_4096_short_context_unchanged_long_context_masked():
+    """A window of 4096: a context within it attends exactly as global attention does; a decode
+    and a chunk 40 tokens past it do not, and equal the windowed reference."""
+    window = 4096
+    short = make_batch([1, 30], [300, 300], num_kv_heads=1, head_dim=16, tokens_per_block=32)
+    query = random_query(31, 2, 16, seed=26)
+    global_out = triton_backend.paged_attention(query, *short, 0.25)
+    windowed = triton_backend.paged_attention(query, *short, 0.25, window=window)
+    assert torch.equal(windowed, global_out)
+
+    for query_lens in ([1, 1], [1, 40]):
+        k_cache, v_cache, meta = make_batch(
+            query_lens, [4136, 4097], num_kv_heads=1, head_dim=16, tokens_per_block=32, seed=27
+        )
+        meta = free_outside_window(meta, k_cache, window, 0)
+        query = random_query(sum(query_lens), 2, 16, seed=28)
+        out = triton_backend.paged_attention(query, k_cache, v_cache, meta, 0.25, window=window)
+        expected = windowed_reference(query, k_cache, v_cache, meta, 0.25, window, 0)
+        torch.testing.assert_close(out.cpu(), expected, atol=ATOL, rtol=0)
+        full = reference.paged_attention(
+            query.cpu(), k_cache.cpu(), v_cache.cpu(), meta_on_cpu(meta), 0.25
+        )
+        assert torch.isnan(full).any() or not torch.allclose(full, expected, atol=ATOL)
+
+
+def test_decode_partials_with_window():
+    """Unmerged splits of a windowed decode merge to the windowed reference."""
+    window, sinks, seq_lens = 512, 4, [700, 520, 100]
+    k_cache, v_cache, meta = make_batch(
+        [1] * 3, seq_lens, num_kv_heads=1, head_dim=16, tokens_per_block=16, seed=29
+    )
+    meta = free_outside_window(meta, k_cache, window, sinks)
+    query = random_query(3, 2, 16, seed=30)
+    partials = triton_backend.decode_partials(
+        query, k_cache, v_cache, meta, 0.25, window=window, sinks=sinks
+    )
+    merged = merge_partials(partials.outputs.cpu(), partials.lse.cpu())
+    expected = windowed_reference(query, k_cache, v_cache, meta, 0.25, window, sinks)
+    torch.testing.assert_close(merged, expected, atol=ATOL, rtol=0)

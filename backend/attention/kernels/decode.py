@@ -14,6 +14,10 @@ among them, all from its own seq_len in the kernel, so any context length works 
 used ones exit at once. Each program runs the online softmax over its tiles in fp32; split 0 also
 takes the step's own token.
 
+Sliding window (`recent` = window - sinks, see prefill.py): the splits share the tiles from the
+one holding the window's first key; split 0 also takes the sink tiles before the window. Without
+a window `recent` is past any position and the tiles start at 0.
+
 Programmatic dependent launch: the cached context was written by earlier steps and the step
 inputs before any kernel of the layers launched (by the host, or by a decode CUDA graph's first
 kernel, `backend.kernels.step_inputs`), so a program reads them, its first key tile included,
@@ -44,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from backend.attention.kernels.prefill import window_bounds
 from backend.attention.kernels.tile import attend_key_tile, attend_loaded_tile, load_key_tile
 from backend.kernels import tuning
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
@@ -94,6 +99,8 @@ def _decode_kernel(
     part_lse_ptr,
     arrivals_ptr,
     qk_scale,
+    recent,
+    sinks,
     num_splits,
     stride_q_t,
     stride_q_h,
@@ -134,11 +141,14 @@ def _decode_kernel(
     row = tl.load(query_start_ptr + seq).to(tl.int64)
     cached = tl.maximum(seq_len - 1, 0)
     cached_tiles = (cached + BLOCK_N - 1) // BLOCK_N
+    key_lo = tl.maximum(seq_len - recent, 0)  # the window's first key
+    first_tile = key_lo // BLOCK_N
+    window_tiles = tl.maximum(cached_tiles - first_tile, 0)
     used = tl.minimum(
-        tl.maximum((cached_tiles + MIN_TILES_PER_SPLIT - 1) // MIN_TILES_PER_SPLIT, 1), num_splits
+        tl.maximum((window_tiles + MIN_TILES_PER_SPLIT - 1) // MIN_TILES_PER_SPLIT, 1), num_splits
     )
-    tiles_per_split = (cached_tiles + used - 1) // used
-    tile_lo = split * tiles_per_split
+    tiles_per_split = (window_tiles + used - 1) // used
+    tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, cached_tiles)
     if split < used:
         block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -148,6 +158,7 @@ def _decode_kernel(
             block_table_row,
             kv_head,
             tile_lo * BLOCK_N,
+            key_lo,
             tl.minimum(tile_hi * BLOCK_N, cached),
             stride_kc_block,
             stride_kc_offset,
@@ -189,6 +200,7 @@ def _decode_kernel(
                 first_ok,
                 0,
                 0,
+                0,
                 qk_scale,
                 BLOCK_N=BLOCK_N,
                 MASK_KEYS=True,
@@ -206,7 +218,9 @@ def _decode_kernel(
                 block_table_row,
                 kv_head,
                 tile * BLOCK_N,
+                key_lo,
                 cached,
+                0,
                 0,
                 qk_scale,
                 stride_kc_block,
@@ -222,6 +236,37 @@ def _decode_kernel(
                 CAUSAL=False,
                 DOT_PRECISION=DOT_PRECISION,
             )
+        sink_end = tl.minimum(sinks, key_lo)  # sinks before the window
+        if split == 0:
+            for start in range(0, sink_end, BLOCK_N):
+                m_i, l_i, acc = attend_key_tile(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    k_cache_ptr,
+                    v_cache_ptr,
+                    block_table_row,
+                    kv_head,
+                    start,
+                    0,
+                    sink_end,
+                    0,
+                    0,
+                    qk_scale,
+                    stride_kc_block,
+                    stride_kc_offset,
+                    stride_kc_head,
+                    stride_vc_block,
+                    stride_vc_offset,
+                    stride_vc_head,
+                    TOKENS_PER_BLOCK=TOKENS_PER_BLOCK,
+                    BLOCK_N=BLOCK_N,
+                    HEAD_DIM=HEAD_DIM,
+                    MASK_KEYS=True,
+                    CAUSAL=False,
+                    DOT_PRECISION=DOT_PRECISION,
+                )
         if (split == 0) & (seq_len > 0):
             # The step's own token (position `cached`): the previous kernel wrote its key and value.
             in_page = cached % TOKENS_PER_BLOCK
@@ -497,6 +542,8 @@ def decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     min_tiles_per_split: int | None = None,
+    window: int | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """One query token per request: query [T, heads, head_dim] -> [T, heads, head_dim].
 
@@ -504,6 +551,7 @@ def decode_attention(
     row, whose output is zeros), the last of them the step's own token. `num_splits` overrides
     the heuristic (fix it for CUDA graphs); a request uses at most one split per
     `min_tiles_per_split` key tiles of its cached context (default MIN_TILES_PER_SPLIT).
+    `window`: sliding-window attention with `sinks` (backend.attention.reference's rule).
     """
     num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
     if out is None:
@@ -532,6 +580,8 @@ def decode_attention(
         arrivals,
         min_tiles_per_split,
         partials=False,
+        window=window,
+        sinks=sinks,
     )
     return out
 
@@ -546,6 +596,8 @@ def decode_attention_partials(
     max_seq_len: int,
     scale: float,
     num_splits: int | None = None,
+    window: int | None = None,
+    sinks: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_attention` with the splits left unmerged, for a consumer that merges them as it
     reads them (the one-token o projection, `backend.kernels.gemv`): that saves the merge's
@@ -574,6 +626,8 @@ def decode_attention_partials(
             part_lse,
             None,
             partials=True,
+            window=window,
+            sinks=sinks,
         )
     return part_out, part_lse
 
@@ -606,6 +660,8 @@ def _launch(
     arrivals,
     min_tiles_per_split,
     partials: bool,
+    window: int | None = None,
+    sinks: int = 0,
 ) -> None:
     num_heads, head_dim = query.shape[1:]
     num_blocks, tokens_per_block, num_kv_heads = k_cache.shape[:3]
@@ -627,6 +683,7 @@ def _launch(
         part_lse,
         arrivals,
         scale * LOG2_E,
+        *window_bounds(window, sinks),
         num_splits,
         query.stride(0),
         query.stride(1),

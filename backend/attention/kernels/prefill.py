@@ -19,6 +19,11 @@ Keys are walked in tiles of BLOCK_N tokens gathered through the block table, wit
 softmax (see tile.py). Key tiles below the first query's position need no mask; the last few,
 up to the tile's last query position, get the causal mask; tiles fully above the diagonal are
 never visited.
+
+Sliding window (`recent` = window - sinks): query at position q sees keys q - recent < k <= q,
+and the sinks k < sinks. Key tiles wholly before the first row's window are never visited; the
+tiles up to the last row's window start get the per-row window mask; the sinks before a row's
+window are a separate pass over the first tiles. Without a window `recent` is past any position.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ def _prefill_kernel(
     query_start_ptr,
     out_ptr,
     qk_scale,
+    recent,
+    sinks,
     num_seqs,
     stride_q_t,
     stride_q_h,
@@ -115,7 +122,15 @@ def _prefill_kernel(
     first_pos = context_start + q_tile * BLOCK_Q  # every row of the tile sees keys < first_pos
     key_end = tl.minimum(seq_len, first_pos + BLOCK_Q)
     unmasked_end = (first_pos // BLOCK_N) * BLOCK_N
-    for start in range(0, unmasked_end, BLOCK_N):
+    row_key_lo = tl.maximum(q_pos - recent + 1, 0)  # each row's first key in its window
+    first_lo = tl.maximum(first_pos - recent + 1, 0)  # the smallest of them
+    last_lo = tl.maximum(key_end - recent, 0)  # the largest
+    window_start = (first_lo // BLOCK_N) * BLOCK_N
+    window_masked_end = tl.maximum(
+        tl.minimum(tl.cdiv(last_lo, BLOCK_N) * BLOCK_N, unmasked_end), window_start
+    )
+    sink_end = tl.minimum(sinks, last_lo)  # sinks before some row's window
+    for start in range(0, sink_end, BLOCK_N):
         m_i, l_i, acc = attend_key_tile(
             q,
             m_i,
@@ -126,8 +141,68 @@ def _prefill_kernel(
             block_table_row,
             kv_head,
             start,
+            0,
+            sink_end,
+            tl.minimum(sinks, row_key_lo) - 1,  # keys past a row's window start: not here
+            tl.zeros_like(row_key_lo),
+            qk_scale,
+            stride_kc_block,
+            stride_kc_offset,
+            stride_kc_head,
+            stride_vc_block,
+            stride_vc_offset,
+            stride_vc_head,
+            TOKENS_PER_BLOCK=TOKENS_PER_BLOCK,
+            BLOCK_N=BLOCK_N,
+            HEAD_DIM=HEAD_DIM,
+            MASK_KEYS=True,
+            CAUSAL=True,
+            DOT_PRECISION=DOT_PRECISION,
+        )
+    for start in range(window_start, window_masked_end, BLOCK_N):
+        m_i, l_i, acc = attend_key_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_row,
+            kv_head,
+            start,
+            first_lo,
             key_end,
             q_pos,
+            row_key_lo,
+            qk_scale,
+            stride_kc_block,
+            stride_kc_offset,
+            stride_kc_head,
+            stride_vc_block,
+            stride_vc_offset,
+            stride_vc_head,
+            TOKENS_PER_BLOCK=TOKENS_PER_BLOCK,
+            BLOCK_N=BLOCK_N,
+            HEAD_DIM=HEAD_DIM,
+            MASK_KEYS=True,
+            CAUSAL=True,
+            DOT_PRECISION=DOT_PRECISION,
+        )
+    for start in range(window_masked_end, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = attend_key_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_row,
+            kv_head,
+            start,
+            first_lo,
+            key_end,
+            q_pos,
+            row_key_lo,
             qk_scale,
             stride_kc_block,
             stride_kc_offset,
@@ -153,8 +228,10 @@ def _prefill_kernel(
             block_table_row,
             kv_head,
             start,
+            first_lo,
             key_end,
             q_pos,
+            row_key_lo,
             qk_scale,
             stride_kc_block,
             stride_kc_offset,
@@ -170,7 +247,7 @@ def _prefill_kernel(
             DOT_PRECISION=DOT_PRECISION,
         )
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # idle rows (l_i = 0) store zeros
     o_ptrs = out_ptr + q_rows[:, None] * stride_o_t + heads[:, None] * stride_o_h + dims[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -205,6 +282,18 @@ def launch_config(
     return MappingProxyType(config or default_launch_config(group, head_dim, element_size))
 
 
+NO_WINDOW = 1 << 30  # `recent` for global attention: past any position
+
+
+def window_bounds(window: int | None, sinks: int) -> tuple[int, int]:
+    """The kernels' (recent, sinks): a query sees the last `recent` tokens and the sinks."""
+    if window is None:
+        return NO_WINDOW, 0
+    if not 0 <= sinks < window:
+        raise ValueError(f"sinks must be in [0, window), got sinks {sinks} for window {window}")
+    return window - sinks, sinks
+
+
 def prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -216,8 +305,11 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
-    """query [T, heads, head_dim] -> [T, heads, head_dim]; any mix of query lengths (>= 0)."""
+    """query [T, heads, head_dim] -> [T, heads, head_dim]; any mix of query lengths (>= 0).
+    `window`: sliding-window attention with `sinks` (backend.attention.reference's rule)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -244,6 +336,7 @@ def prefill_attention(
         query_start_loc,
         out,
         scale * LOG2_E,
+        *window_bounds(window, sinks),
         num_seqs,
         query.stride(0),
         query.stride(1),

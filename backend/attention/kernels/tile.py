@@ -13,9 +13,11 @@ log-sum-exp of a split).
 `load_key_tile` and `attend_loaded_tile` are the two halves, for a caller that loads a tile early
 (the decode kernel reads its first tile before waiting for the previous kernel).
 
-MASK_KEYS masks tokens at or past `key_end` (loads return 0 so stale cache rows, even NaN, never
-reach the sums); CAUSAL additionally hides keys above each row's absolute position `q_pos`.
-Tiles that need neither run without masks.
+MASK_KEYS masks tokens before `key_start` or at or past `key_end` (loads return 0 so stale cache
+rows, even NaN, and freed blocks outside a sliding window never reach the sums); CAUSAL
+additionally hides keys above each row's absolute position `q_pos` and below its `row_key_lo`
+(the first key of the row's sliding window; 0 without one). Tiles that need neither run without
+masks. A row that has seen no visible key yet keeps m_i = -inf, l_i = 0, acc = 0.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def load_key_tile(
     block_table_row,
     kv_head,
     tile_start,
+    key_start,
     key_end,
     stride_kc_block,
     stride_kc_offset,
@@ -43,11 +46,11 @@ def load_key_tile(
     HEAD_DIM: tl.constexpr,
     MASK_KEYS: tl.constexpr,
 ):
-    """Keys and values [BLOCK_N, HEAD_DIM] of context tokens tile_start.. (zeros at or past
-    key_end when MASK_KEYS), and which tokens are real ([BLOCK_N] bool)."""
+    """Keys and values [BLOCK_N, HEAD_DIM] of context tokens tile_start.. (zeros outside
+    [key_start, key_end) when MASK_KEYS), and which tokens are real ([BLOCK_N] bool)."""
     tokens = tile_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
-    key_ok = tokens < key_end
+    key_ok = (tokens < key_end) & (tokens >= key_start)
     if MASK_KEYS:
         page = tl.load(block_table_row + tokens // TOKENS_PER_BLOCK, mask=key_ok, other=0).to(
             tl.int64
@@ -89,6 +92,7 @@ def attend_loaded_tile(
     key_ok,
     tile_start,
     q_pos,
+    row_key_lo,
     qk_scale,
     BLOCK_N: tl.constexpr,
     MASK_KEYS: tl.constexpr,
@@ -99,7 +103,7 @@ def attend_loaded_tile(
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N]
     if CAUSAL:
         tokens = tile_start + tl.arange(0, BLOCK_N)
-        visible = tokens[None, :] <= q_pos[:, None]
+        visible = (tokens[None, :] <= q_pos[:, None]) & (tokens[None, :] >= row_key_lo[:, None])
         if MASK_KEYS:
             visible = visible & key_ok[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -107,8 +111,9 @@ def attend_loaded_tile(
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: exp2(-inf) = 0, not NaN
+    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2(scores - m_base[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -125,8 +130,10 @@ def attend_key_tile(
     block_table_row,
     kv_head,
     tile_start,
+    key_start,
     key_end,
     q_pos,
+    row_key_lo,
     qk_scale,
     stride_kc_block,
     stride_kc_offset,
@@ -148,6 +155,7 @@ def attend_key_tile(
         block_table_row,
         kv_head,
         tile_start,
+        key_start,
         key_end,
         stride_kc_block,
         stride_kc_offset,
@@ -170,6 +178,7 @@ def attend_key_tile(
         key_ok,
         tile_start,
         q_pos,
+        row_key_lo,
         qk_scale,
         BLOCK_N=BLOCK_N,
         MASK_KEYS=MASK_KEYS,
