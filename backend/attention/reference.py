@@ -1,6 +1,7 @@
 """Plain-torch paged attention: the ground truth in tests and the CPU path.
 
 Causal attention with grouped-query heads, reading every key and value from the paged cache.
+Scores are q.k * scale, then, with `softcap`, softcap * tanh(scores / softcap) (Gemma 2).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """query [T, heads, head_dim] -> output [T, heads, head_dim]."""
     if meta.is_decode_only and meta.num_seqs > 1:
-        return _decode_batched(query, k_cache, v_cache, meta, scale)
+        return _decode_batched(query, k_cache, v_cache, meta, scale, softcap)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -51,7 +53,7 @@ def paged_attention(
         q = query[start : start + q_len].float()  # [q, H, D]
         k = keys.float().repeat_interleave(group, dim=1)  # [ctx, H, D]
         v = values.float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        scores = _capped(torch.einsum("qhd,khd->hqk", q, k) * scale, softcap)
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
         k_pos = torch.arange(ctx_len, device=query.device)
         scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
@@ -67,6 +69,7 @@ def _decode_batched(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    softcap: float | None,
 ) -> torch.Tensor:
     """Decode-only batches (one query row per request, in request order) in a few batched ops
     instead of a loop over requests: gather every context, padded to the longest, and mask.
@@ -84,8 +87,12 @@ def _decode_batched(
     )  # [B, L]
     values = values.masked_fill(padding[:, :, None, None], 0.0)  # unwritten slots may hold NaN
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale
+    scores = _capped(torch.einsum("bkgd,blkd->bkgl", q, keys) * scale, softcap)
     scores.masked_fill_(padding[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bkgl,blkd->bkgd", probs, values)
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
