@@ -29,8 +29,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """query [T, heads, head_dim] -> output [T, heads, head_dim] (causal, GQA, paged K/V)."""
+    """query [T, heads, head_dim] -> output [T, heads, head_dim] (causal, GQA, paged K/V);
+    scores tanh soft-capped at `softcap` when given."""
     if meta.max_query_len == 1:
         return decode_attention(
             query,
@@ -41,9 +43,17 @@ def paged_attention(
             meta.query_start_loc,
             meta.max_seq_len,
             scale,
+            softcap=softcap,
         )
     return prefill_attention(
-        query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        scale,
+        softcap=softcap,
     )
 
 
@@ -53,6 +63,7 @@ def decode_partials(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    softcap: float | None = None,
 ) -> SplitPartials:
     """Decode-only steps: query [T, heads, head_dim] -> each split's output and log-sum-exp,
     unmerged (the one-token o projection merges them as it reads them)."""
@@ -65,5 +76,6 @@ def decode_partials(
         meta.query_start_loc,
         meta.max_seq_len,
         scale,
+        softcap=softcap,
     )
     return SplitPartials(outputs, lse)
