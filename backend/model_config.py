@@ -155,10 +155,25 @@ def _layer_windows(cfg: dict) -> list[int | None]:
         window = None
     if model_type == "gemma":
         window = None
-    layer_types = cfg.get("layer_types")
+    layers = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types") or _default_layer_types(cfg, layers)
     if layer_types is None:
-        return [window] * cfg["num_hidden_layers"]
+        return [window] * layers
     return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def _default_layer_types(cfg: dict, layers: int) -> list[str] | None:
+    """Layer types as transformers derives them for configs written without `layer_types`."""
+    model_type = cfg["model_type"]
+    if model_type.startswith("qwen"):
+        first = cfg.get("max_window_layers", layers)
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    pattern = {"gemma2": 2, "gemma3_text": cfg.get("sliding_window_pattern", 6)}.get(model_type)
+    if pattern is None:
+        return None
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+    ]
 
 
 def _rope_configs(cfg: dict) -> tuple[RopeConfig, RopeConfig | None]:
