@@ -224,7 +224,7 @@ def test_decode_split_merge_leaves_its_counters_at_zero(most_values, monkeypatch
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
 
 
-@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 8, 2), (128, 4, 1)])
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 8, 2), (128, 4, 1), (256, 4, 1)])
 def test_decode_head_dims_through_dispatch(head_dim, num_heads, num_kv_heads):
     k_cache, v_cache, meta = make_batch(
         [1] * 3,
@@ -361,7 +361,7 @@ def test_prefill_small_tiles_cross_pages_and_diagonal(block_m, block_n):
     assert_matches_reference(out, query, k_cache, v_cache, meta, 0.25)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])  # 256: Gemma
 def test_prefill_head_dims(head_dim):
     query_lens, seq_lens = [12, 1, 30], [40, 17, 30]
     k_cache, v_cache, meta = make_batch(
