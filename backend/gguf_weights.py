@@ -8,7 +8,8 @@ dtype, as the cached float32 conversion would hold it.
 
 llama.cpp stores a Llama's q and k projections with the rows of each head interleaved (its
 converter's permutation, which transformers undoes when it reads a GGUF); the permutation moves
-whole rows, so it is undone on rows of blocks as well as on values.
+whole rows, so it is undone on rows of blocks as well as on values. It stores Gemma's norm
+weights as 1 + w; they are read back as w (as transformers does), which our norms add 1 to.
 """
 
 from __future__ import annotations
@@ -35,19 +36,30 @@ _LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3, Gemma 3
+    "attn_k_norm": "self_attn.k_norm",
 }
+_NORM_AFTER_BLOCKS = {  # Gemma 2/3: a norm before and after attention and feed-forward
+    **_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LAYER_NAMES = {"gemma2": _NORM_AFTER_BLOCKS, "gemma3": _NORM_AFTER_BLOCKS}
+_UNIT_OFFSET_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 _IGNORED = ("rope_freqs.weight",)  # llama3 rope factors: computed from the config instead
 _PERMUTED_ARCHITECTURES = ("llama",)  # as transformers reads them
 
 
-def hf_name(gguf_name: str) -> str:
-    """A GGUF tensor name -> the Hugging Face name ("blk.3.attn_q.weight" ->
+def hf_name(gguf_name: str, architecture: str = "llama") -> str:
+    """A GGUF tensor name of `architecture` -> the Hugging Face name ("blk.3.attn_q.weight" ->
     "model.layers.3.self_attn.q_proj.weight"); ValueError for a name this engine does not know."""
     parts = gguf_name.split(".")
+    layer = _LAYER_NAMES.get(architecture, _LAYER)
     if len(parts) == 2 and parts[0] in _TOP:
         return f"{_TOP[parts[0]]}.{parts[1]}"
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}.{parts[3]}"
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for this model")
 
 
@@ -58,6 +70,7 @@ class GGUFTensor:
     data: np.ndarray  # as stored: values, or uint8 [rows, row bytes] of blocks
     shape: tuple[int, ...]  # the Hugging Face shape (rows first)
     heads: int | None  # q/k of a permuting architecture: the heads whose rows to un-permute
+    offset: float = 0.0  # added to the values (-1 for Gemma's norms, stored as 1 + w)
 
     @property
     def kept(self) -> bool:
@@ -79,7 +92,8 @@ class GGUFTensor:
                 np.array(self.data), gguf.GGMLQuantizationType[self.quant_type]
             )
             values = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.float32))
-        return _unpermute(values.reshape(self.shape), self.heads)
+        values = _unpermute(values.reshape(self.shape), self.heads)
+        return values + self.offset if self.offset else values
 
 
 def _unpermute(rows: torch.Tensor, heads: int | None) -> torch.Tensor:
@@ -99,6 +113,7 @@ def read_gguf(path: str, config: ModelConfig) -> list[GGUFTensor]:
     field = reader.fields["general.architecture"]
     architecture = bytes(field.parts[field.data[0]]).decode()
     permuted = architecture in _PERMUTED_ARCHITECTURES
+    unit_offset = architecture in _UNIT_OFFSET_ARCHITECTURES
     heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     tensors = []
     for t in reader.tensors:
@@ -107,11 +122,12 @@ def read_gguf(path: str, config: ModelConfig) -> list[GGUFTensor]:
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
         tensors.append(
             GGUFTensor(
-                hf_name(t.name),
+                hf_name(t.name, architecture),
                 t.tensor_type.name,
                 t.data,
                 tuple(int(n) for n in reversed(t.shape)),
                 heads.get(kind) if permuted else None,
+                -1.0 if unit_offset and t.name.endswith("norm.weight") else 0.0,
             )
         )
     return tensors

@@ -1,9 +1,11 @@
 """The model's shape and numerics, read from a Hugging Face `config.json`.
 
-Only the Llama family is supported: `llama` (Llama 2/3, SmolLM), `mistral` and `qwen2`; `null`
-is the model that computes nothing (backend/models/null.py).
-RoPE settings are read from transformers 5's `rope_parameters` or from the older
-`rope_theta` + `rope_scaling` pair.
+The families in `backend.models.FAMILIES` (`SUPPORTED_MODEL_TYPES`); `null` is the model that
+computes nothing (backend/models/null.py). What sets one family apart from Llama is a field here
+(QK-norm, GeGLU, Gemma's (1 + w) norms, soft-capping, per-layer windows and rotary bases, fused
+checkpoint projections), read by the shared layers in `backend.layers`.
+RoPE settings are read from transformers 5's `rope_parameters` (per layer type for Gemma 3) or
+from the older `rope_theta` + `rope_scaling` pair.
 
 Sliding-window attention: `layer_windows[i]` is layer i's attention window (a query sees the
 last `window` tokens, itself included), None for global attention. Mistral (and Qwen2 with
@@ -19,7 +21,18 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "null")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "null",
+)
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # Hugging Face name -> ours
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
 
@@ -49,7 +62,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2, or Llama with attention_bias
     o_bias: bool = False  # Llama with attention_bias
-    sliding_window: int | None = None  # Mistral
+    sliding_window: int | None = None  # the window of the layers that have one
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU)
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k before rotary
+    norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + weight), in float32
+    embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    attn_scale: float | None = None  # Gemma 2/3: query_pre_attn_scalar ** -0.5
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
+    local_rope: RopeConfig | None = None  # Gemma 3: the rotary of sliding-window layers
+    fused_checkpoint: bool = False  # Phi-3: checkpoints hold qkv_proj and gate_up_proj fused
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     # Per layer: the attention window in tokens, or None (global); default: sliding_window.
@@ -104,26 +126,23 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}: this engine runs "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}: expected 'silu'")
+        gemma = model_type.startswith("gemma")
+        act_key = "hidden_activation" if model_type in ("gemma2", "gemma3_text") else "hidden_act"
+        hidden_act = cfg.get(act_key) or "silu"
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"unsupported {act_key} {hidden_act!r}: expected one of {tuple(ACTIVATIONS)}"
+            )
         if cfg.get("mlp_bias"):
             raise ValueError("unsupported mlp_bias=True")
+        partial_rotary = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+        if cfg.get("partial_rotary_factor", partial_rotary or 1.0) != 1.0:
+            raise ValueError("unsupported partial_rotary_factor: only 1.0 (full rotary)")
         num_heads = cfg["num_attention_heads"]
         attention_bias = bool(cfg.get("attention_bias", False))
-        sliding_window = None
-        if model_type == "mistral" or (model_type == "qwen2" and cfg.get("use_sliding_window")):
-            sliding_window = cfg.get("sliding_window")
-        layer_windows = []  # transformers 5 names each layer's kind (Qwen2: max_window_layers)
-        if sliding_window is not None and cfg.get("layer_types"):
-            layer_windows = [
-                sliding_window if kind == "sliding_attention" else None
-                for kind in cfg["layer_types"]
-            ]
-        elif sliding_window is not None and model_type == "qwen2":  # older configs
-            first = cfg.get("max_window_layers", 0)
-            layer_windows = [
-                sliding_window if i >= first else None for i in range(cfg["num_hidden_layers"])
-            ]
+        windows = _layer_windows(cfg)
+        rope, local_rope = _rope_configs(cfg)
+        pre_attn_scalar = cfg.get("query_pre_attn_scalar")
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -134,13 +153,22 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             intermediate_size=cfg["intermediate_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope=_rope_config(cfg),
+            rope=rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type == "llama" and attention_bias,
-            sliding_window=sliding_window,
-            layer_windows=layer_windows,
+            sliding_window=next((w for w in windows if w is not None), None),
+            layer_windows=windows,
+            hidden_act=ACTIVATIONS[hidden_act],
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            norm_unit_offset=gemma,
+            embedding_scale=cfg["hidden_size"] ** 0.5 if gemma else None,
+            attn_scale=pre_attn_scalar**-0.5 if pre_attn_scalar and gemma else None,
+            attn_logit_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_logit_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+            local_rope=local_rope,
+            fused_checkpoint=model_type == "phi3",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_list(cfg.get("eos_token_id")),
         )
@@ -152,8 +180,51 @@ def _as_list(value) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def _rope_config(cfg: dict) -> RopeConfig:
-    params = dict(cfg.get("rope_parameters") or {})  # transformers >= 5
+def _layer_windows(cfg: dict) -> list[int | None]:
+    """Each layer's attention window (None: global). Layers typed "sliding_attention" have one
+    (Gemma 2/3, Qwen); without types every layer has the configured one (Mistral, Phi-3)."""
+    model_type, window = cfg["model_type"], cfg.get("sliding_window")
+    if model_type.startswith("qwen") and not cfg.get("use_sliding_window"):
+        window = None
+    if model_type == "gemma":
+        window = None
+    layers = cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types") or _default_layer_types(cfg, layers)
+    if layer_types is None:
+        return [window] * layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def _default_layer_types(cfg: dict, layers: int) -> list[str] | None:
+    """Layer types as transformers derives them for configs written without `layer_types`."""
+    model_type = cfg["model_type"]
+    if model_type.startswith("qwen"):
+        first = cfg.get("max_window_layers", 28)  # transformers' Qwen default
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    pattern = {"gemma2": 2, "gemma3_text": cfg.get("sliding_window_pattern", 6)}.get(model_type)
+    if pattern is None:
+        return None
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+    ]
+
+
+def _rope_configs(cfg: dict) -> tuple[RopeConfig, RopeConfig | None]:
+    """The rotary of global layers, and of sliding-window layers where it differs (Gemma 3)."""
+    params = cfg.get("rope_parameters") or {}
+    if cfg["model_type"] != "gemma3_text":
+        return _rope_config(cfg, params), None
+    if "full_attention" in params:  # transformers >= 5: one set per layer type
+        return (
+            _rope_config(cfg, params["full_attention"]),
+            _rope_config(cfg, params["sliding_attention"]),
+        )
+    local = RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
+    return _rope_config({"rope_theta": 1_000_000.0, **cfg}, params), local
+
+
+def _rope_config(cfg: dict, params: dict) -> RopeConfig:
+    params = dict(params)  # transformers >= 5
     params.update(cfg.get("rope_scaling") or {})  # older configs
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))

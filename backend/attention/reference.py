@@ -5,6 +5,8 @@ With `window` (sliding-window attention) a query at position q sees key k <= q o
 q - k < window - sinks or k < sinks: the first `sinks` tokens and the last window - sinks ones
 (positions are the original ones; blocks outside the window may be gone, their table entries
 point anywhere, and are never read into a result).
+
+Scores are q.k * scale, then, with `softcap`, softcap * tanh(scores / softcap) (Gemma 2).
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     sinks: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """query [T, heads, head_dim] -> output [T, heads, head_dim]."""
     if meta.is_decode_only and meta.num_seqs > 1:
-        return _decode_batched(query, k_cache, v_cache, meta, scale, window, sinks)
+        return _decode_batched(query, k_cache, v_cache, meta, scale, window, sinks, softcap)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -57,7 +60,7 @@ def paged_attention(
         q = query[start : start + q_len].float()  # [q, H, D]
         k = keys.float().repeat_interleave(group, dim=1)  # [ctx, H, D]
         v = values.float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        scores = _capped(torch.einsum("qhd,khd->hqk", q, k) * scale, softcap)
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
         k_pos = torch.arange(ctx_len, device=query.device)
         hidden = k_pos[None, :] > q_pos[:, None]
@@ -79,6 +82,7 @@ def _decode_batched(
     scale: float,
     window: int | None = None,
     sinks: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode-only batches (one query row per request, in request order) in a few batched ops
     instead of a loop over requests: gather every context, padded to the longest, and mask.
@@ -99,7 +103,7 @@ def _decode_batched(
         padding |= _outside_window(meta.seq_lens[:, None] - 1, k_pos, window, sinks)
     values = values.masked_fill(padding[:, :, None, None], 0.0)  # unwritten slots may hold NaN
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale
+    scores = _capped(torch.einsum("bkgd,blkd->bkgl", q, keys) * scale, softcap)
     scores.masked_fill_(padding[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bkgl,blkd->bkgd", probs, values)
@@ -111,3 +115,7 @@ def _outside_window(
 ) -> torch.Tensor:
     """Keys (at or before the query) that a windowed query does not see."""
     return (q_pos - k_pos >= window - sinks) & (k_pos >= sinks)
+
+
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap

@@ -31,9 +31,11 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     sinks: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """query [T, heads, head_dim] -> output [T, heads, head_dim] (causal, GQA, paged K/V;
-    sliding-window with sinks when `window` is set)."""
+    sliding-window with sinks when `window` is set); scores tanh soft-capped at `softcap` when
+    given."""
     if meta.max_query_len == 1:
         return decode_attention(
             query,
@@ -46,6 +48,7 @@ def paged_attention(
             scale,
             window=window,
             sinks=sinks,
+            softcap=softcap,
         )
     return prefill_attention(
         query,
@@ -57,6 +60,7 @@ def paged_attention(
         scale,
         window=window,
         sinks=sinks,
+        softcap=softcap,
     )
 
 
@@ -68,6 +72,7 @@ def decode_partials(
     scale: float,
     window: int | None = None,
     sinks: int = 0,
+    softcap: float | None = None,
 ) -> SplitPartials:
     """Decode-only steps: query [T, heads, head_dim] -> each split's output and log-sum-exp,
     unmerged (the one-token o projection merges them as it reads them)."""
@@ -82,6 +87,7 @@ def decode_partials(
         scale,
         window=window,
         sinks=sinks,
+        softcap=softcap,
     )
     return SplitPartials(outputs, lse)
 

@@ -1,6 +1,7 @@
-"""SwiGLU's activation: silu(gate) * up from the fused gate|up projection.
+"""Gated activations of the fused gate|up projection: SwiGLU's silu(gate) * up, GeGLU's
+gelu_tanh(gate) * up (Gemma).
 
-On CUDA one Triton kernel (`backend.kernels.activation`); elsewhere torch.
+SwiGLU on CUDA is one Triton kernel (`backend.kernels.activation`); the rest is torch.
 """
 
 from __future__ import annotations
@@ -20,3 +21,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return fused_silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2 * I] (gate first) -> gelu(gate, tanh approximation) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}

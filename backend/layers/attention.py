@@ -6,9 +6,13 @@ kernels: the qkv projection with the norm before it, rotary and the KV write fus
 the o projection with the residual add fused in. Where the backend has split decode partials
 and the o projection can merge them, attention leaves its splits unmerged for it.
 
-`sliding_window`: this layer's attention window (a query sees the last `sliding_window` tokens,
-itself included), None for global attention; with it, the first `sink_token_length` tokens stay
-visible too (attention sinks: the window then holds them and the last window - sinks tokens).
+What families change is read from the model config: QK-norm (an RMSNorm over each head's q and k
+before rotary: Qwen3, Gemma 3), the score scale and tanh soft-capping (Gemma 2/3), a fused
+q|k|v checkpoint tensor (Phi-3), and for Gemma 3's sliding-window layers their own rotary
+(`AttentionStep.local_rotation`). `sliding_window`: this layer's attention window (a query sees
+the last `sliding_window` tokens, itself included), None for global attention; with it, the first
+`sink_token_length` tokens stay visible too (attention sinks: the window then holds them and the
+last window - sinks tokens).
 """
 
 from __future__ import annotations
@@ -32,61 +36,75 @@ class AttentionStep:
     rotation: Rotation
     meta: AttentionMetadata
     kv_cache: torch.Tensor  # [layers, K | V, blocks, tokens_per_block, kv_heads, head_dim]
+    local_rotation: Rotation | None = None  # sliding-window layers' own rotary (Gemma 3)
 
 
 class SelfAttention(nn.Module):
-    def __init__(
-        self,
-        config: ModelConfig,
-        layer_index: int,
-        backend: AttentionBackend,
-        sliding_window: int | None = None,
-        sink_token_length: int = 0,
-    ):
+    def __init__(self, config: ModelConfig, layer_index: int, backend: AttentionBackend):
         super().__init__()
         self.layer_index = layer_index
-        self.sliding_window = sliding_window
-        self.sink_token_length = sink_token_length if sliding_window is not None else 0
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear.merged(
-            config.hidden_size,
-            {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
-            bias=config.qkv_bias,
-        )
+        self.scale = config.attn_scale or self.head_dim**-0.5
+        self.softcap = config.attn_logit_softcap
+        windows = config.layer_windows
+        self.sliding_window = windows[layer_index] if windows else None
+        self.sink_token_length = config.sink_token_length if self.sliding_window else 0
+        self.local_rope = config.local_rope is not None and self.sliding_window is not None
+        if config.fused_checkpoint:
+            self.qkv_proj = Linear(
+                config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+            )
+        else:
+            self.qkv_proj = Linear.merged(
+                config.hidden_size,
+                {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+                bias=config.qkv_bias,
+            )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_unit_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_unit_offset)
         self.backend = backend
+        # options only when set: a backend without them still serves every other model
+        self.attention_options = {} if self.softcap is None else {"softcap": self.softcap}
+        if self.sliding_window is not None:
+            self.attention_options.update(window=self.sliding_window, sinks=self.sink_token_length)
 
     def forward(self, hidden: torch.Tensor, step: AttentionStep) -> torch.Tensor:
         """hidden [T, hidden_size] (normed) -> [T, hidden_size]; the new keys and values are
         written to the cache before attention reads it."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q, k = (
+                self.q_norm(q.reshape(-1, self.head_dim)),
+                self.k_norm(k.reshape(-1, self.head_dim)),
+            )
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = step.kv_cache[self.layer_index]
-        q = step.rotation.rotate_and_write_kv(
+        rotation = step.local_rotation if self.local_rope else step.rotation
+        q = rotation.rotate_and_write_kv(
             q, k, v, k_cache, v_cache, step.meta.slot_mapping, self.backend.write_kv
         )
         out = self.backend.paged_attention(
-            q, k_cache, v_cache, step.meta, self.scale, **self._window()
+            q, k_cache, v_cache, step.meta, self.scale, **self.attention_options
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 
-    def _window(self) -> dict:
-        """The backend's window arguments; none for global attention (every backend's default)."""
-        if self.sliding_window is None:
-            return {}
-        return {"window": self.sliding_window, "sinks": self.sink_token_length}
-
     def takes_one_token(self, hidden: torch.Tensor) -> bool:
         """Whether `add_one_token` runs for hidden: a hidden size where the GEMV pays, projections
-        it takes, a power-of-two head size (the fused rotary's)."""
+        it takes, a power-of-two head size (the fused rotary's), none of the family options the
+        fused kernels lack (QK-norm, soft-capping, a second rotary)."""
         return (
             hidden.shape[-1] <= ONE_TOKEN_MAX_HIDDEN
+            and self.q_norm is None
+            and self.softcap is None
+            and not self.local_rope
             and self.head_dim & (self.head_dim - 1) == 0
             and self.qkv_proj.takes_one_token(hidden)
             and self.o_proj.takes_one_token(hidden)
@@ -108,11 +126,11 @@ class SelfAttention(nn.Module):
         q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
         if self.backend.decode_partials is not None and self.o_proj.merges_splits(self.head_dim):
             out = self.backend.decode_partials(
-                q, k_cache, v_cache, step.meta, self.scale, **self._window()
+                q, k_cache, v_cache, step.meta, self.scale, **self.attention_options
             )
         else:
             out = self.backend.paged_attention(
-                q, k_cache, v_cache, step.meta, self.scale, **self._window()
+                q, k_cache, v_cache, step.meta, self.scale, **self.attention_options
             )
             out = out.reshape(-1, self.q_size)
         self.o_proj.one_token(out, residual=residual, out=residual)

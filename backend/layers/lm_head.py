@@ -18,7 +18,7 @@ class LMHead(Linear):
 
     def forward(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """hidden [N, hidden_size] (the residual after the last layer) -> logits [N, vocab_size]."""
-        if self.takes_one_token(hidden):
+        if self.takes_one_token(hidden) and not norm.unit_offset:
             logits = torch.empty(
                 (1, self.weight.shape[0]), dtype=torch.float32, device=hidden.device
             )

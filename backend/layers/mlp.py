@@ -1,4 +1,6 @@
-"""SwiGLU feed-forward: down(silu(gate(x)) * up(x)), with gate and up in one projection.
+"""Gated feed-forward: down(act(gate(x)) * up(x)), with gate and up in one projection; act is
+silu (SwiGLU) or tanh-approximated gelu (GeGLU). Checkpoints that store gate|up fused (Phi-3)
+fill the projection as one tensor (`fused_checkpoint`).
 
 At one token on GPU (`add_one_token`) that is two kernels: gate|up with the norm before it as
 its prologue, down with silu·mul as its prologue and the residual add as its epilogue.
@@ -9,27 +11,39 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.layers.activation import silu_and_mul
+from backend.layers.activation import GATED_ACTIVATIONS
 from backend.layers.linear import ONE_TOKEN_MAX_HIDDEN, Linear
 from backend.layers.norm import RMSNorm
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str = "silu",
+        fused_checkpoint: bool = False,
+    ):
         super().__init__()
-        self.gate_up_proj = Linear.merged(
-            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}
-        )
+        if fused_checkpoint:
+            self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
+        else:
+            self.gate_up_proj = Linear.merged(
+                hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}
+            )
         self.down_proj = Linear(intermediate_size, hidden_size)
+        self.act = act
+        self.act_and_mul = GATED_ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
     def takes_one_token(self, hidden: torch.Tensor) -> bool:
         """Whether `add_one_token` runs for hidden: a hidden size where the GEMV pays, projections
         it takes."""
         return (
             hidden.shape[-1] <= ONE_TOKEN_MAX_HIDDEN
+            and self.act == "silu"
             and self.gate_up_proj.takes_one_token(hidden)
             and self.down_proj.takes_one_token(hidden)
         )

@@ -1,4 +1,6 @@
-"""The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2), built from `backend.layers`.
+"""The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1), built from
+`backend.layers`; what sets those apart are model-config options the layers read. `LlamaModel`
+also runs other decoder layers with the same (hidden, residual) protocol (backend/models/gemma.py).
 
 All scheduled tokens of a step are packed along one axis (T tokens, no batch dimension).
 
@@ -35,16 +37,15 @@ from backend.models.hf_weights import load_hf_weights
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, attention: AttentionBackend):
         super().__init__()
-        self.self_attn = SelfAttention(
-            config,
-            layer_index,
-            attention,
-            sliding_window=config.layer_windows[layer_index],
-            sink_token_length=config.sink_token_length,
+        self.self_attn = SelfAttention(config, layer_index, attention)
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            config.fused_checkpoint,
         )
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = model_norm(config)
+        self.post_attention_layernorm = model_norm(config)
 
     def forward(self, hidden, residual, step: AttentionStep):
         if residual is None:
@@ -62,22 +63,43 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp.add_one_token(residual, self.post_attention_layernorm)
 
 
+def model_norm(config: ModelConfig) -> RMSNorm:
+    """An RMSNorm over the hidden size, (1 + w) where the family has it (Gemma)."""
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionBackend, max_positions: int):
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention: AttentionBackend,
+        max_positions: int,
+        layer_class: type[nn.Module] = LlamaDecoderLayer,
+    ):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embedding_scale = config.embedding_scale
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attention) for i in range(config.num_layers)
+            layer_class(config, i, attention) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = model_norm(config)
         self.rotary = RotaryEmbedding(
             config.rope, config.head_dim, config.max_position_embeddings, max_positions
         )
+        self.local_rotary = None
+        if config.local_rope is not None:
+            self.local_rotary = RotaryEmbedding(
+                config.local_rope, config.head_dim, config.max_position_embeddings, max_positions
+            )
 
     def forward(self, input_ids, positions, kv_cache, meta):
         """The residual after the last layer, before the final norm (`self.norm`)."""
         hidden = self.embed_tokens(input_ids)
+        if self.embedding_scale is not None:  # in the model's dtype, as transformers scales
+            hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
         step = AttentionStep(self.rotary.rotator(positions, hidden.dtype), meta, kv_cache)
+        if self.local_rotary is not None:
+            step.local_rotation = self.local_rotary.rotator(positions, hidden.dtype)
         if self.takes_one_token_path(hidden):
             for layer in self.layers:
                 layer.forward_one_token(hidden, step)
@@ -89,10 +111,14 @@ class LlamaModel(nn.Module):
 
     def takes_one_token_path(self, hidden: torch.Tensor) -> bool:
         """Whether the layers run `forward_one_token` (a one-token step on GPU, where it pays)."""
-        if not self.layers:
+        if not self.layers or not hasattr(self.layers[0], "forward_one_token"):
             return False
         first = self.layers[0]
-        return first.self_attn.takes_one_token(hidden) and first.mlp.takes_one_token(hidden)
+        return (
+            not first.input_layernorm.unit_offset  # the fused norm prologues scale by w
+            and first.self_attn.takes_one_token(hidden)
+            and first.mlp.takes_one_token(hidden)
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -106,11 +132,14 @@ class LlamaForCausalLM(nn.Module):
         config: ModelConfig,
         attention: AttentionBackend | None = None,
         max_positions: int | None = None,
+        layer_class: type[nn.Module] = LlamaDecoderLayer,
     ):
         super().__init__()
         self.config = config
         attention = attention or get_attention_backend("torch")
-        self.model = LlamaModel(config, attention, max_positions or config.max_position_embeddings)
+        self.model = LlamaModel(
+            config, attention, max_positions or config.max_position_embeddings, layer_class
+        )
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -121,6 +150,8 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         self.model.rotary.build_cache(device)
+        if self.model.local_rotary is not None:
+            self.model.local_rotary.build_cache(device)
 
     def forward(
         self,
@@ -132,7 +163,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_cache, attn_meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden, self.model.norm)
+        logits = self.lm_head(hidden, self.model.norm)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = ("lm_head.weight",) if self.config.tie_word_embeddings else ()

@@ -37,6 +37,17 @@ def test_gguf_names_map_to_hugging_face_names():
     assert hf_name("output.weight") == "lm_head.weight"
     with pytest.raises(ValueError, match="unexpected GGUF tensor 'blk.0.attn_sinks.weight'"):
         hf_name("blk.0.attn_sinks.weight")
+    # Gemma 2/3: llama.cpp's ffn_norm is the norm before the feed-forward, not after attention
+    assert hf_name("blk.0.ffn_norm.weight", "gemma3") == (
+        "model.layers.0.pre_feedforward_layernorm.weight"
+    )
+    assert hf_name("blk.1.post_attention_norm.weight", "gemma3") == (
+        "model.layers.1.post_attention_layernorm.weight"
+    )
+    assert hf_name("blk.2.post_ffw_norm.weight", "gemma2") == (
+        "model.layers.2.post_feedforward_layernorm.weight"
+    )
+    assert hf_name("blk.3.attn_k_norm.weight", "gemma3") == "model.layers.3.self_attn.k_norm.weight"
 
 
 def test_which_models_keep_gguf_blocks(tiny_hf_model):

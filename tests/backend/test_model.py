@@ -16,7 +16,7 @@ from backend.layers.rotary import inverse_frequencies
 from backend.model_runner import ModelRunner
 from backend.request import Chunk, Request
 from backend.sampling_params import SamplingParams
-from tests.tiny_models import LLAMA3_ROPE
+from tests.tiny_models import FAMILY_KINDS, LLAMA3_ROPE
 
 TPB = 4  # tokens per block: small, so prompts span many blocks
 
@@ -31,6 +31,7 @@ KINDS = {
     "llama-attention-bias": ("llama", dict(attention_bias=True)),
     "mistral": ("mistral", dict(sliding_window=None, head_dim=24)),
     "qwen2-qkv-bias": ("qwen2", dict(tie_word_embeddings=False)),
+    **{kind: (kind, {}) for kind in FAMILY_KINDS},  # tests/tiny_models.family_config
 }
 
 
@@ -66,7 +67,8 @@ def model_pair(request, tiny_hf_model):
 
 def test_full_prompt_logits_match_transformers(model_pair):
     hf, runner = model_pair
-    ids = [random.Random(1).randrange(runner.vocab_size) for _ in range(37)]
+    rng = random.Random(1)
+    ids = [rng.randrange(runner.vocab_size) for _ in range(37)]
     inputs = runner.prepare([Chunk.of_sequence(ids, shuffled_blocks(runner, len(ids), 0))])
     with torch.inference_mode():
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_cache, inputs.attn_meta)

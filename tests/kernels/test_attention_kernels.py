@@ -85,9 +85,14 @@ def random_query(num_tokens, num_heads, head_dim, dtype=torch.float32, seed=1):
     return torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(DEVICE, dtype)
 
 
-def assert_matches_reference(out, query, k_cache, v_cache, meta, scale, atol=ATOL):
+def assert_matches_reference(out, query, k_cache, v_cache, meta, scale, atol=ATOL, softcap=None):
     expected = reference.paged_attention(
-        query.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), meta_on_cpu(meta), scale
+        query.cpu().float(),
+        k_cache.cpu().float(),
+        v_cache.cpu().float(),
+        meta_on_cpu(meta),
+        scale,
+        softcap=softcap,
     )
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.cpu().float(), expected, atol=atol, rtol=0)
@@ -219,7 +224,7 @@ def test_decode_split_merge_leaves_its_counters_at_zero(most_values, monkeypatch
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
 
 
-@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 8, 2), (128, 4, 1)])
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 8, 2), (128, 4, 1), (256, 4, 1)])
 def test_decode_head_dims_through_dispatch(head_dim, num_heads, num_kv_heads):
     k_cache, v_cache, meta = make_batch(
         [1] * 3,
@@ -356,7 +361,7 @@ def test_prefill_small_tiles_cross_pages_and_diagonal(block_m, block_n):
     assert_matches_reference(out, query, k_cache, v_cache, meta, 0.25)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])  # 256: Gemma
 def test_prefill_head_dims(head_dim):
     query_lens, seq_lens = [12, 1, 30], [40, 17, 30]
     k_cache, v_cache, meta = make_batch(
@@ -526,3 +531,33 @@ def test_decode_partials_with_window():
     merged = merge_partials(partials.outputs.cpu(), partials.lse.cpu())
     expected = windowed_reference(query, k_cache, v_cache, meta, 0.25, window, sinks)
     torch.testing.assert_close(merged, expected, atol=ATOL, rtol=0)
+
+
+# Soft-capping (Gemma 2) and a scale other than 1/sqrt(head_dim)
+
+
+@pytest.mark.parametrize(
+    "query_lens,seq_lens",
+    [(MIXED_BATCH[0], MIXED_BATCH[1]), ([1] * 4, [1, 23, 70, 130])],
+    ids=["prefill kernel", "decode kernel"],
+)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_softcap_matches_reference(query_lens, seq_lens, num_splits, monkeypatch):
+    """Scores softcap * tanh(q.k * scale / softcap), in both kernels and the decode partials;
+    the cap is low enough that leaving it out fails."""
+    monkeypatch.setattr(decode, "choose_num_splits", lambda *args: num_splits)
+    k_cache, v_cache, meta = make_batch(
+        query_lens, seq_lens, num_kv_heads=1, head_dim=32, tokens_per_block=16, seed=11
+    )
+    query = random_query(sum(query_lens), 4, 32, seed=12)
+    scale, softcap = 0.3, 1.5
+    out = triton_backend.paged_attention(query, k_cache, v_cache, meta, scale, softcap=softcap)
+    assert_matches_reference(out, query, k_cache, v_cache, meta, scale, softcap=softcap)
+    uncapped = triton_backend.paged_attention(query, k_cache, v_cache, meta, scale)
+    assert (out - uncapped).abs().max() > 0.05
+    if meta.max_query_len == 1:
+        partials = triton_backend.decode_partials(
+            query, k_cache, v_cache, meta, scale, softcap=softcap
+        )
+        merged = merge_partials(partials.outputs.cpu(), partials.lse.cpu())
+        assert_matches_reference(merged, query, k_cache, v_cache, meta, scale, softcap=softcap)

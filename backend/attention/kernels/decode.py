@@ -49,12 +49,17 @@ import triton
 import triton.language as tl
 
 from backend.attention.kernels.prefill import window_bounds
-from backend.attention.kernels.tile import attend_key_tile, attend_loaded_tile, load_key_tile
+from backend.attention.kernels.tile import (
+    attend_key_tile,
+    attend_loaded_tile,
+    exp2_scales,
+    load_key_tile,
+    scaled_scores,
+)
 from backend.kernels import tuning
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
 from backend.kernels.split_merge import merge_splits
 
-LOG2_E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64
 MIN_TILES_PER_SPLIT = 1
 MERGE_AT_ONCE_MAX_VALUES = 8192  # partials a merging program may hold at once
@@ -128,6 +133,7 @@ def _decode_kernel(
     MERGE_AT_ONCE: tl.constexpr = False,
     GROUP_POW2: tl.constexpr = 1,
     PARTIALS: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -206,6 +212,7 @@ def _decode_kernel(
                 MASK_KEYS=True,
                 CAUSAL=False,
                 DOT_PRECISION=DOT_PRECISION,
+                SOFTCAP=SOFTCAP,
             )
         for tile in range(tile_lo + 1, tile_hi):
             m_i, l_i, acc = attend_key_tile(
@@ -235,6 +242,7 @@ def _decode_kernel(
                 MASK_KEYS=True,
                 CAUSAL=False,
                 DOT_PRECISION=DOT_PRECISION,
+                SOFTCAP=SOFTCAP,
             )
         sink_end = tl.minimum(sinks, key_lo)  # sinks before the window
         if split == 0:
@@ -266,6 +274,7 @@ def _decode_kernel(
                     MASK_KEYS=True,
                     CAUSAL=False,
                     DOT_PRECISION=DOT_PRECISION,
+                    SOFTCAP=SOFTCAP,
                 )
         if (split == 0) & (seq_len > 0):
             # The step's own token (position `cached`): the previous kernel wrote its key and value.
@@ -284,7 +293,8 @@ def _decode_kernel(
                 + kv_head * stride_vc_head
                 + dims
             )
-            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+            qk = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
+            score = scaled_scores(qk, qk_scale, SOFTCAP)
             m_new = tl.maximum(m_i, score)
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(score - m_new)
@@ -544,6 +554,7 @@ def decode_attention(
     min_tiles_per_split: int | None = None,
     window: int | None = None,
     sinks: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per request: query [T, heads, head_dim] -> [T, heads, head_dim].
 
@@ -582,6 +593,7 @@ def decode_attention(
         partials=False,
         window=window,
         sinks=sinks,
+        softcap=softcap,
     )
     return out
 
@@ -598,6 +610,7 @@ def decode_attention_partials(
     num_splits: int | None = None,
     window: int | None = None,
     sinks: int = 0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_attention` with the splits left unmerged, for a consumer that merges them as it
     reads them (the one-token o projection, `backend.kernels.gemv`): that saves the merge's
@@ -628,6 +641,7 @@ def decode_attention_partials(
             partials=True,
             window=window,
             sinks=sinks,
+            softcap=softcap,
         )
     return part_out, part_lse
 
@@ -662,6 +676,7 @@ def _launch(
     partials: bool,
     window: int | None = None,
     sinks: int = 0,
+    softcap: float | None = None,
 ) -> None:
     num_heads, head_dim = query.shape[1:]
     num_blocks, tokens_per_block, num_kv_heads = k_cache.shape[:3]
@@ -671,6 +686,7 @@ def _launch(
     group = num_heads // num_kv_heads
     few_programs = FEW_PAIRS_PER_SM * num_seqs * num_kv_heads <= num_sms(query.device)
     config = launch_config(head_dim, few_programs, tuning.device_name(query.device))
+    qk_scale, softcap_log2 = exp2_scales(scale, softcap)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -682,7 +698,7 @@ def _launch(
         part_out,
         part_lse,
         arrivals,
-        scale * LOG2_E,
+        qk_scale,
         *window_bounds(window, sinks),
         num_splits,
         query.stride(0),
@@ -707,6 +723,7 @@ def _launch(
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         SINGLE_SPLIT=num_splits == 1,
         PARTIALS=partials,
+        SOFTCAP=softcap_log2,
         MERGE_AT_ONCE=(
             triton.next_power_of_2(group) * triton.next_power_of_2(num_splits) * head_dim
             <= MERGE_AT_ONCE_MAX_VALUES

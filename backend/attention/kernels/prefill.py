@@ -36,10 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.attention.kernels.tile import attend_key_tile
+from backend.attention.kernels.tile import attend_key_tile, exp2_scales
 from backend.kernels import tuning
-
-LOG2_E = 1.4426950408889634
 
 
 @triton.jit
@@ -88,6 +86,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     # Longest first: a request's last tiles see the most keys, so the last wave holds short tiles.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -158,6 +157,7 @@ def _prefill_kernel(
             MASK_KEYS=True,
             CAUSAL=True,
             DOT_PRECISION=DOT_PRECISION,
+            SOFTCAP=SOFTCAP,
         )
     for start in range(window_start, window_masked_end, BLOCK_N):
         m_i, l_i, acc = attend_key_tile(
@@ -187,6 +187,7 @@ def _prefill_kernel(
             MASK_KEYS=True,
             CAUSAL=True,
             DOT_PRECISION=DOT_PRECISION,
+            SOFTCAP=SOFTCAP,
         )
     for start in range(window_masked_end, unmasked_end, BLOCK_N):
         m_i, l_i, acc = attend_key_tile(
@@ -216,6 +217,7 @@ def _prefill_kernel(
             MASK_KEYS=False,
             CAUSAL=False,
             DOT_PRECISION=DOT_PRECISION,
+            SOFTCAP=SOFTCAP,
         )
     for start in range(unmasked_end, key_end, BLOCK_N):
         m_i, l_i, acc = attend_key_tile(
@@ -245,6 +247,7 @@ def _prefill_kernel(
             MASK_KEYS=True,
             CAUSAL=True,
             DOT_PRECISION=DOT_PRECISION,
+            SOFTCAP=SOFTCAP,
         )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # idle rows (l_i = 0) store zeros
@@ -307,6 +310,7 @@ def prefill_attention(
     block_n: int | None = None,
     window: int | None = None,
     sinks: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """query [T, heads, head_dim] -> [T, heads, head_dim]; any mix of query lengths (>= 0).
     `window`: sliding-window attention with `sinks` (backend.attention.reference's rule)."""
@@ -327,6 +331,7 @@ def prefill_attention(
     block_n = block_n or config["BLOCK_N"]
     block_q = block_m // group
     num_tiles = num_tokens // block_q + num_seqs
+    qk_scale, softcap_log2 = exp2_scales(scale, softcap)
     _prefill_kernel[(num_tiles, num_kv_heads)](
         query,
         k_cache,
@@ -335,7 +340,7 @@ def prefill_attention(
         seq_lens,
         query_start_loc,
         out,
-        scale * LOG2_E,
+        qk_scale,
         *window_bounds(window, sinks),
         num_seqs,
         query.stride(0),
@@ -356,6 +361,7 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        SOFTCAP=softcap_log2,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )

@@ -25,6 +25,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+LOG2_E = 1.4426950408889634
+
 
 @triton.jit
 def load_key_tile(
@@ -81,6 +83,23 @@ def load_key_tile(
     return k, v, key_ok
 
 
+def exp2_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(qk_scale, SOFTCAP) for `scaled_scores`: the kernels score in base 2 (exp2)."""
+    if softcap is None:
+        return scale * LOG2_E, 0.0
+    return scale / softcap, softcap * LOG2_E
+
+
+@triton.jit
+def scaled_scores(qk, qk_scale, SOFTCAP: tl.constexpr = 0.0):
+    """q.k -> base-2 scores: qk * qk_scale, and with SOFTCAP (cap * log2 e; qk_scale is then
+    scale / cap) tanh soft-capped: cap * tanh(qk * scale / cap) * log2 e."""
+    scores = qk * qk_scale
+    if SOFTCAP > 0:
+        scores = (2.0 * tl.sigmoid(2.0 * scores) - 1.0) * SOFTCAP  # tanh, from what Triton has
+    return scores
+
+
 @triton.jit
 def attend_loaded_tile(
     q,
@@ -98,9 +117,11 @@ def attend_loaded_tile(
     MASK_KEYS: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """The online-softmax update with one loaded tile (`load_key_tile`)."""
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, BLOCK_N]
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    scores = scaled_scores(qk, qk_scale, SOFTCAP)  # [M, BLOCK_N]
     if CAUSAL:
         tokens = tile_start + tl.arange(0, BLOCK_N)
         visible = (tokens[None, :] <= q_pos[:, None]) & (tokens[None, :] >= row_key_lo[:, None])
@@ -147,6 +168,7 @@ def attend_key_tile(
     MASK_KEYS: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """Load one tile and update the state with it."""
     k, v, key_ok = load_key_tile(
@@ -184,4 +206,5 @@ def attend_key_tile(
         MASK_KEYS=MASK_KEYS,
         CAUSAL=CAUSAL,
         DOT_PRECISION=DOT_PRECISION,
+        SOFTCAP=SOFTCAP,
     )
