@@ -120,8 +120,10 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
     first difference."""
 
     def prefix(a, b):
+        if a == b:  # empty ones too (the end id first)
+            return 1.0
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        return n / max(len(a), len(b), 1)
+        return n / max(len(a), len(b))
 
     pairs = list(zip(outputs, reference))
     return {
@@ -172,12 +174,7 @@ def run(args) -> dict:
             "seconds": round(time.perf_counter() - start, 1),
         }
         print(f"{fmt}: perplexity {scores['perplexity']:.4f}, {results[fmt]['seconds']} s")
-    base = results.get("none")
-    for fmt, r in results.items():
-        if base is not None:
-            r["perplexity_change"] = r["perplexity"] / base["perplexity"] - 1
-            r.update(agreement(r["greedy"], base["greedy"]))
-    return {
+    data = {
         **provenance(args.device if args.device != "auto" else "cpu"),
         "model": "SmolLM2-135M-Instruct (default; baseline: float32 de-quantized from Q4_1)",
         "dtype": str(torch.float32 if args.device in ("cpu", "auto") else "auto"),
@@ -196,6 +193,16 @@ def run(args) -> dict:
         "greedy_max_tokens": args.max_tokens,
         "formats": results,
     }
+    compare(data)
+    return data
+
+
+def compare(data: dict) -> None:
+    """Each format's perplexity change and greedy agreement against `none`, in place."""
+    base = data["formats"]["none"]
+    for r in data["formats"].values():
+        r["perplexity_change"] = r["perplexity"] / base["perplexity"] - 1
+        r.update(agreement(r["greedy"], base["greedy"]))
 
 
 def plot(data: dict, path: str) -> None:
@@ -232,10 +239,22 @@ def main() -> None:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-num-tokens", type=int, default=4096)
     p.add_argument("--json", help="write the results here (and a PNG beside it)")
+    p.add_argument(
+        "--recompare",
+        action="store_true",
+        help="only recompute the comparisons and "
+        "the PNG of the --json file from its perplexities and greedy outputs",
+    )
     args = p.parse_args()
     if "none" not in args.formats:
         args.formats = ["none", *args.formats]
-    data = run(args)
+    if args.recompare:
+        with open(args.json) as f:
+            data = json.load(f)
+        compare(data)
+        data["recompared"] = provenance("cpu")  # the comparisons' code, not the run's
+    else:
+        data = run(args)
     save_json(args.json, data)
     if args.json:
         plot(data, os.path.splitext(args.json)[0] + ".png")

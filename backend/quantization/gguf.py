@@ -1,4 +1,5 @@
-"""GGUF blocks kept as a GGUF file stores them (`backend.gguf_blocks`)."""
+"""GGUF blocks kept as a GGUF file stores them (`backend.gguf_blocks`). One row on GPU, Q8_0 and
+Q4_1 run the GEMV over blocks (`backend.kernels.gguf_gemv`); the rest de-quantize, then matmul."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import torch
 
 from backend.gguf_blocks import BLOCK_TYPES, dequantize
 from backend.quantization.base import QuantizedWeight
+
+try:  # CPU-only installs without Triton use the torch path
+    from backend.kernels import gguf_gemv
+except ImportError:
+    gguf_gemv = None
 
 
 class GGUFWeight(QuantizedWeight):
@@ -33,3 +39,13 @@ class GGUFWeight(QuantizedWeight):
 
     def extra_repr(self) -> str:
         return f"{self.quant_type}, " + super().extra_repr()
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if (
+            x.is_cuda
+            and gguf_gemv is not None
+            and x.shape[0] == 1
+            and self.quant_type in gguf_gemv.KERNEL_TYPES
+        ):
+            return gguf_gemv.gguf_gemv(x.contiguous(), self.qweight, self.quant_type, bias)
+        return super().matmul(x, bias)

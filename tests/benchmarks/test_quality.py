@@ -21,11 +21,11 @@ def test_windows_score_each_token_once(n, window, stride):
 
 
 def test_agreement_measures():
-    reference = [[1, 2, 3, 4], [5, 6], [7]]
+    reference = [[1, 2, 3, 4], [5, 6], [7], []]  # [] : the end id came first
     assert agreement(reference, reference) == {"exact_sequences": 1.0, "prefix_agreement": 1.0}
-    got = agreement([[1, 2, 9, 9], [5, 6, 7], [8]], reference)
+    got = agreement([[1, 2, 9, 9], [5, 6, 7], [8], [3]], reference)
     assert got["exact_sequences"] == 0.0
-    assert got["prefix_agreement"] == pytest.approx((2 / 4 + 2 / 3 + 0) / 3)
+    assert got["prefix_agreement"] == pytest.approx((2 / 4 + 2 / 3 + 0 + 0) / 4)
 
 
 def test_the_corpus_is_english_prose_of_the_stated_size():
