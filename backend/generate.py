@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quantization",
         default="none",
         choices=QUANTIZATIONS,
-        help="gguf: keep a GGUF's blocks quantized (auto: whatever the checkpoint is)",
+        help="weight format (README, Weight formats); auto: what the checkpoint declares",
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")

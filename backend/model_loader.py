@@ -1,6 +1,8 @@
 """Load a model: a Hugging Face directory (see backend/model_paths.py for names and files) ->
 our model, with safetensors weights or random ones for a preset, or the blocks of a GGUF file
-kept quantized (backend/gguf_weights.py). The weights' resident size is logged."""
+kept quantized (backend/gguf_weights.py). A quantized checkpoint (AWQ, GPTQ, FP8) keeps its
+format; int8_wo and fp8 quantize float weights once loaded (backend/quantization/). The weights'
+resident size is logged."""
 
 from __future__ import annotations
 
@@ -19,14 +21,18 @@ from backend.model_config import ModelConfig
 from backend.models import FAMILIES
 from backend.models.null import NullModel
 from backend.presets import init_random_weights, random_weights_spec
+from backend.quantization.checkpoint import (
+    FORMATS,
+    load_quantized_weights,
+    prepare_quantized,
+    quantize_at_load,
+)
+from backend.weight_formats import pick_quantization, quantization_config
 
 log = logging.getLogger(__name__)
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor) from model_dir's safetensors files, one tensor at a time."""
-    from safetensors import safe_open
-
+def safetensors_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -38,7 +44,25 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         raise FileNotFoundError(
             f"no *.safetensors weights in {model_dir} (other weight formats are not supported)"
         )
-    for file in files:
+    return files
+
+
+def safetensors_names(model_dir: str) -> set[str]:
+    """The tensor names of model_dir's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    names = set()
+    for file in safetensors_files(model_dir):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor) from model_dir's safetensors files, one tensor at a time."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(model_dir):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
@@ -55,10 +79,10 @@ def build_model(
     """An uninitialised model of the config's family, allocated directly on `device` in `dtype`
     (no host copy). `prepare(model)` may change it while it is on the meta device."""
     with torch.device("meta"):
-        model = FAMILIES[config.model_type](config, attention, max_positions)
-        if prepare is not None:
+        model = FAMILIES[config.model_type](config, attention, max_positions).to(dtype=dtype)
+        if prepare is not None:  # after the cast: quantized buffers keep their own dtypes
             prepare(model)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to_empty(device=device)
     model.materialise_buffers(device)
     return model.eval()
 
@@ -71,14 +95,21 @@ def load_model(
     max_positions: int,
     config: ModelConfig | None = None,
     gguf_file: str | None = None,
+    quantization: str = "none",
 ) -> torch.nn.Module:
     """Build the model for `model_dir` and fill it: safetensors weights, random ones for a preset,
-    or, given `gguf_file`, that file's blocks kept quantized (the directory gives the config)."""
+    or, given `gguf_file`, that file's blocks kept quantized (the directory gives the config).
+    `quantization` (the engine parameter, not "gguf"): see `pick_quantization`."""
     config = config or ModelConfig.from_dir(model_dir)
     if config.model_type == "null":
         return NullModel(config)
     if gguf_file is not None:
         return _load_gguf(gguf_file, config, device, dtype, attention, max_positions)
+    quantization = pick_quantization(quantization, model_dir)
+    if quantization in FORMATS and quantization_config(model_dir) is not None:
+        return _load_quantized(
+            model_dir, quantization, config, device, dtype, attention, max_positions
+        )
     model = build_model(config, device, dtype, attention, max_positions)
     spec = random_weights_spec(model_dir)
     with torch.no_grad():
@@ -86,7 +117,40 @@ def load_model(
             init_random_weights(model, seed=spec.get("seed", 0), std=spec.get("std", 0.02))
         else:
             model.load_weights(iter_safetensors(model_dir))
-    log.info("weights: %s (%s)", _megabytes(weight_bytes(model)), str(dtype).split(".")[-1])
+        quantized = quantize_at_load(model, quantization) if quantization != "none" else 0
+    log.info(
+        "weights: %s (%s%s)",
+        _megabytes(weight_bytes(model)),
+        str(dtype).split(".")[-1],
+        f"; {quantization} x{quantized}, quantized at load" if quantized else "",
+    )
+    return model
+
+
+def _load_quantized(model_dir, quantization, config, device, dtype, attention, max_positions):
+    from backend.models.hf_weights import weight_targets
+
+    qconfig = quantization_config(model_dir)
+    names = safetensors_names(model_dir)
+    targets, count = {}, []
+
+    def prepare(model: torch.nn.Module) -> None:
+        targets.update(weight_targets(model))
+        count.append(prepare_quantized(model, quantization, qconfig, names, targets))
+
+    model = build_model(config, device, dtype, attention, max_positions, prepare)
+    tied = ("lm_head.weight",) if config.tie_word_embeddings else ()
+    with torch.no_grad():
+        load_quantized_weights(
+            model, iter_safetensors(model_dir), quantization, qconfig, targets, ignored=tied
+        )
+    log.info(
+        "weights: %s (%s x%d from the checkpoint; the rest %s)",
+        _megabytes(weight_bytes(model)),
+        quantization,
+        count[0],
+        str(dtype).split(".")[-1],
+    )
     return model
 
 

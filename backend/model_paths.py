@@ -21,6 +21,7 @@ import os
 from backend.cache import cache_root
 from backend.gguf_convert import check_gguf_magic, convert_gguf
 from backend.presets import PRESETS, write_preset
+from backend.weight_formats import AT_LOAD, pick_quantization
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -49,10 +50,11 @@ def check_model(path_or_name: str) -> None:
 
 
 def kept_gguf(path_or_name: str, quantization: str = "none") -> str | None:
-    """The GGUF file whose blocks the engine keeps for `quantization` ("none", "gguf", "auto"),
-    or None when the weights are read from a Hugging Face directory (or there are none).
-    Raises ValueError for "gguf" with a model that is not a GGUF."""
-    if quantization == "none":
+    """The GGUF file whose blocks the engine keeps for `quantization` ("gguf", "auto"), or None
+    when the weights are read from a Hugging Face directory (or there are none; other formats
+    quantize the de-quantized copy of a GGUF). Raises ValueError for "gguf" with a model that is
+    not a GGUF."""
+    if quantization not in ("gguf", "auto"):
         return None
     kind, path = _classify(path_or_name)
     if kind in ("default", "gguf"):
@@ -62,6 +64,22 @@ def kept_gguf(path_or_name: str, quantization: str = "none") -> str | None:
             f"quantization 'gguf' needs a .gguf model or 'default', got {path_or_name!r}"
         )
     return None
+
+
+def check_quantization(path_or_name: str, quantization: str) -> None:
+    """Raise ValueError, naming the rule, unless `quantization` can serve the model (reads
+    config.json only; see `backend.weight_formats.pick_quantization`)."""
+    kind, path = _classify(path_or_name)
+    if quantization == "gguf":
+        kept_gguf(path_or_name, quantization)
+    elif kind == "directory":
+        pick_quantization(quantization, path)
+    elif quantization not in ("none", "auto", *AT_LOAD):
+        raise ValueError(
+            f"quantization {quantization!r} needs a checkpoint directory that declares it; "
+            f"{path_or_name!r} is not one: use one of 'none', 'auto', "
+            f"{', '.join(map(repr, AT_LOAD))}"
+        )
 
 
 def resolve_model(path_or_name: str, quantization: str = "none") -> str:

@@ -126,6 +126,7 @@ class ModelRunner:
             self.max_seq_len,
             self.model_config,
             gguf_file,
+            config.quantization,
         )
         self.weight_bytes = weight_bytes(self.model)  # resident parameters and buffers
         self.num_kv_blocks = self._pick_num_kv_blocks()

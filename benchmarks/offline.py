@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--quantization",
         choices=QUANTIZATIONS,
         default="none",
-        help="gguf: serve a GGUF's blocks kept quantized",
+        help="weight format (README, Weight formats)",
     )
     p.add_argument(
         "--no-warmup", action="store_true", help="time the first pass (compiles included)"

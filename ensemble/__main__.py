@@ -17,7 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ensemble.build import SOURCE_REPOSITORY, build_repository, stale_configs
-from backend.model_paths import check_model, kept_gguf, resolve_model
+from backend.model_paths import check_model, check_quantization, resolve_model
 from ensemble.openai_server.process import FrontEndProcess
 from ensemble.server import TritonServer, check_ports_free, serve_forever
 from ensemble.settings import ServeSettings
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"openai_port {args.openai_port} is one of Triton's ports")
         if args.command == "build" or not args.repository:
             check_model(settings.model_path)
-            kept_gguf(settings.model_path, settings.quantization)  # gguf needs a GGUF
+            check_quantization(settings.model_path, settings.quantization)
             if settings.tokenizer_dir:
                 check_model(settings.tokenizer_dir)
     except (ValueError, TypeError, OSError) as exc:

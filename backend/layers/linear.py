@@ -1,9 +1,9 @@
 """Linear layers: the one place a projection's weights are read, so quantized weights plug in here
 (a quantized layer keeps this interface and brings its own kernels).
 
-Kept quantized (`keep_quantized`), a layer holds GGUF blocks (`qweight`, uint8 [out, row bytes],
-`backend.gguf_blocks`) instead of `weight`; steps de-quantize them into the activations' dtype as
-they run, the same values a de-quantized checkpoint holds.
+Quantized, a layer holds a `backend.quantization.QuantizedWeight` (`quantized`: GGUF blocks,
+int8, int4 or fp8) instead of `weight`; its `matmul` runs the product (the format's kernels on
+GPU, de-quantize then matmul on CPU) and `dense_weight` de-quantizes it.
 
 Steps of several tokens run torch's GEMM. One-token steps on GPU run the weight-streaming GEMV
 (`backend.kernels.gemv`) with the neighbouring work fused in: an RMSNorm or silu·mul prologue, a
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.attention.split_partials import SplitPartials
-from backend.gguf_blocks import BLOCK_TYPES, dequantize
 from backend.layers.norm import RMSNorm
+from backend.quantization import GGUFWeight, QuantizedWeight
 
 try:  # CPU-only installs without Triton use the torch path
     from backend.kernels import gemv
@@ -48,7 +48,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.shards = shards
-        self.quant_type: str | None = None  # a GGUF block type when kept quantized
+        self.quantized: QuantizedWeight | None = None  # in place of `weight` when quantized
 
     @classmethod
     def merged(cls, in_features: int, sizes: dict[str, int], bias: bool = False) -> "Linear":
@@ -59,39 +59,56 @@ class Linear(nn.Module):
             start += size
         return cls(in_features, start, bias, shards)
 
-    def keep_quantized(self, quant_type: str, qweight: torch.Tensor | None = None) -> None:
-        """Hold the weight as `quant_type` blocks from now on: `qweight` (shared, e.g. a tied
-        embedding's), else a new uninitialised uint8 [out_features, row bytes] to be filled."""
-        device = (self.weight if self.quant_type is None else self.qweight).device
-        if qweight is None:
-            row_bytes = BLOCK_TYPES[quant_type].row_bytes(self.in_features)
-            qweight = torch.empty(self.out_features, row_bytes, dtype=torch.uint8, device=device)
+    def set_quantized(self, quantized: QuantizedWeight) -> None:
+        """Hold `quantized` (of this layer's shape) in place of the weight from now on."""
+        assert (quantized.out_features, quantized.in_features) == (
+            self.out_features,
+            self.in_features,
+        )
         self.weight = None
-        self.register_buffer("qweight", qweight)
-        self.quant_type = quant_type
+        self.quantized = quantized
+
+    def keep_quantized(self, quant_type: str, qweight: torch.Tensor | None = None) -> None:
+        """Hold the weight as GGUF `quant_type` blocks: `qweight` (shared, e.g. a tied
+        embedding's), else a new uninitialised uint8 [out_features, row bytes] to be filled."""
+        device = (self.weight if self.quantized is None else self.qweight).device
+        shape = (self.out_features, self.in_features)
+        self.set_quantized(GGUFWeight(*shape, quant_type, qweight, device=device))
+
+    @property
+    def quant_type(self) -> str | None:
+        """The GGUF block type of a layer keeping GGUF blocks."""
+        return self.quantized.quant_type if isinstance(self.quantized, GGUFWeight) else None
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        return self.quantized.qweight
 
     def tie_to(self, embedding) -> None:
         """Share the weight of `embedding` (an `Embedding`), quantized or not."""
         if embedding.quant_type is None:
             self.weight = embedding.weight
+            self.quantized = None
         else:
             self.keep_quantized(embedding.quant_type, embedding.qweight)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as a [out_features, in_features] tensor (de-quantized into `dtype`)."""
-        if self.quant_type is None:
+        if self.quantized is None:
             return self.weight
-        return dequantize(self.qweight, self.quant_type).to(dtype)
+        return self.quantized.dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+        if self.quantized is not None:
+            return self.quantized.matmul(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def takes_one_token(self, x: torch.Tensor) -> bool:
         """Whether `one_token` runs for x: one half-precision row on GPU, K in 64-wide tiles."""
         return (
             gemv is not None
             and x.is_cuda
-            and self.quant_type is None
+            and self.quantized is None
             and gemv.supports(x, self.weight)
         )
 

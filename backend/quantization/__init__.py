@@ -1,0 +1,25 @@
+"""Weights kept quantized in a linear layer: one concept, one class per format.
+
+A `QuantizedWeight` stands in for a `Linear`'s [out_features, in_features] weight. It is a module
+holding its tensors as buffers (so they move, materialise and count with the model), every
+buffer with out_features as its first dimension (so a fused q|k|v or gate|up layer fills each
+projection's rows as a dense weight does), and two methods:
+    dequantize(dtype) -> [out_features, in_features] in dtype (the reference of what it holds)
+    matmul(x, bias)   -> x @ W^T (+ bias): on CPU the torch path, on GPU the format's kernels
+Formats (the engine parameter `quantization`, TensorRT-LLM's names where they exist):
+- `gguf`     `GGUFWeight`: a GGUF file's blocks as stored (backend/gguf_blocks.py)
+- `int8_wo`  `Int8Weight`: int8, one symmetric scale per output channel, quantized at load
+- `int4_awq` / `int4_gptq` `Int4Weight`: 4-bit with a scale and zero point per group of input
+  channels, from AWQ / GPTQ checkpoints (backend/quantization/int4_packing.py has the layouts)
+- `fp8`      `Fp8Weight`: float8 e4m3 with per-channel scales, activations quantized per token
+  (W8A8), quantized at load or from an FP8 checkpoint
+The lm_head and the embedding stay dense (quantized checkpoints leave them so too), except GGUF's.
+"""
+
+from backend.quantization.base import QuantizedWeight
+from backend.quantization.fp8 import Fp8Weight
+from backend.quantization.gguf import GGUFWeight
+from backend.quantization.int4 import Int4Weight
+from backend.quantization.int8 import Int8Weight
+
+__all__ = ["Fp8Weight", "GGUFWeight", "Int4Weight", "Int8Weight", "QuantizedWeight"]

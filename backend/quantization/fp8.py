@@ -1,0 +1,57 @@
+"""FP8 W8A8 (`fp8`): float8 e4m3 weights with one scale per output channel, activations
+quantized to e4m3 per token (dynamic scales) as each product runs, products summed in float32.
+
+The torch path below is the reference of what the Hopper kernel (`backend.kernels.fp8_gemm`)
+computes: x's rows quantized, then de-quantized weights times de-quantized activations in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.quantization.base import QuantizedWeight
+
+try:  # CPU-only installs without Triton use the torch path
+    from backend.kernels import fp8_gemm
+except ImportError:
+    fp8_gemm = None
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (e4m3 [T, K], float32 scales [T, 1]) with x ~= values * scales, each row's
+    largest magnitude mapped to the largest e4m3 value."""
+    scales = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+
+
+class Fp8Weight(QuantizedWeight):
+    format = "fp8"
+
+    def __init__(self, out_features: int, in_features: int, device: torch.device | None = None):
+        super().__init__(out_features, in_features)
+        shape = (out_features, in_features)
+        self.register_buffer("qweight", torch.empty(shape, dtype=FP8, device=device))
+        self.register_buffer("scales", torch.empty(out_features, device=device))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Fp8Weight":
+        qweight, scales = quantize_rows(weight.detach())
+        quantized = cls(*weight.shape, device=weight.device)
+        quantized.qweight.copy_(qweight)
+        quantized.scales.copy_(scales[:, 0])
+        return quantized
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.qweight.float() * self.scales[:, None]).to(dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.is_cuda and fp8_gemm is not None and fp8_gemm.supported(x.device):
+            return fp8_gemm.fp8_linear(x, self.qweight, self.scales, bias)
+        xq, x_scales = quantize_rows(x)
+        out = (xq.float() @ self.qweight.float().t()) * x_scales * self.scales
+        if bias is not None:
+            out += bias.float()
+        return out.to(x.dtype)

@@ -1,0 +1,79 @@
+"""W4A16 (`int4_awq`, `int4_gptq`): 4-bit weights with a scale and a zero point per group of
+`group_size` input channels, loaded from AWQ or GPTQ checkpoints (converted at load from their
+packed int32 layouts, backend/quantization/int4_packing.py); activations stay in the compute dtype.
+
+Held as rows (output channels first, like every quantized weight):
+    qweight uint8 [N, K / 2]  byte j of row n: input channel 2j in the low nibble, 2j + 1 high
+    scales  fp16  [N, K / g]
+    zeros   uint8 [N, K / g]  the zero point, 0..15
+    W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.quantization.base import QuantizedWeight
+
+try:  # CPU-only installs without Triton use the torch path
+    from backend.kernels import int4_matmul
+except ImportError:
+    int4_matmul = None
+
+
+class Int4Weight(QuantizedWeight):
+    format = "int4"
+
+    def __init__(
+        self,
+        out_features: int,
+        in_features: int,
+        group_size: int,
+        device: torch.device | None = None,
+    ):
+        super().__init__(out_features, in_features)
+        if in_features % group_size or group_size % 2:
+            raise ValueError(
+                f"group_size must be even and divide in_features {in_features}, got {group_size}"
+            )
+        self.group_size = group_size
+        groups = in_features // group_size
+        kw = dict(device=device)
+        self.register_buffer(
+            "qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, **kw)
+        )
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float16, **kw))
+        self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.uint8, **kw))
+
+    @staticmethod
+    def rows(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The buffers for values in the checkpoints' orientation: q [K, N], z and scales
+        [K / g, N] -> {"qweight", "scales", "zeros"}, output channels first."""
+        q = q.t().to(torch.uint8)
+        return {
+            "qweight": (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(),
+            "scales": scales.t().to(torch.float16).contiguous(),
+            "zeros": z.t().to(torch.uint8).contiguous(),
+        }
+
+    def values(self) -> torch.Tensor:
+        """The 4-bit values q [N, K] (int16)."""
+        low, high = self.qweight & 0x0F, self.qweight >> 4
+        return torch.stack([low, high], dim=-1).reshape(self.out_features, -1).to(torch.int16)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        g = self.group_size
+        zeros = self.zeros.to(torch.int16).repeat_interleave(g, dim=1)
+        scales = self.scales.float().repeat_interleave(g, dim=1)
+        return ((self.values() - zeros).float() * scales).to(dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.is_cuda and int4_matmul is not None:
+            args = (x, self.qweight, self.scales, self.zeros, self.group_size, bias)
+            if x.shape[0] == 1:
+                return int4_matmul.int4_gemv(*args)
+            return int4_matmul.int4_gemm(*args)
+        return super().matmul(x, bias)
+
+    def extra_repr(self) -> str:
+        return f"group_size={self.group_size}, " + super().extra_repr()

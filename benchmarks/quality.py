@@ -1,0 +1,264 @@
+"""Quality of the weight formats on the default model (SmolLM2-135M-Instruct): perplexity on a
+fixed English corpus (benchmarks/quality_corpus.py: the prose of Django's documentation) and
+greedy agreement with the unquantized model over a fixed prompt set.
+
+The unquantized baseline (`none`) is the float32 checkpoint de-quantized from the shipped Q4_1
+GGUF; `gguf` serves those Q4_1 blocks kept quantized (the same values, so the same numbers);
+`int8_wo` and `fp8` quantize the baseline's weights at load; `int4_awq` loads an AWQ-format
+checkpoint written from the baseline by the round-to-nearest packer
+(`backend.quantization.int4_packing.awq_tensors`: AWQ's layout without its activation-aware
+scaling search). SmolLM2's hidden size 576 is not a multiple of 128, so the int4 group is 64.
+
+Perplexity: windows of `--window` tokens every `--stride` tokens, each scoring the tokens the
+previous window did not reach (the first scores all but its first), through the engine's prompt
+log-probs. Agreement: the prompts' greedy continuations (`--max-tokens`) against `none`'s.
+
+    python -m benchmarks.quality --tokens 50000 --json benchmarks/results/quality_smollm2_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+
+from backend.cache import cache_root
+from backend.config import EngineConfig
+from backend.executor import Executor
+from backend.model_paths import resolve_model
+from backend.sampling_params import SamplingParams
+from benchmarks import quality_corpus
+from benchmarks.provenance import provenance, save_json
+
+FORMATS = ("none", "gguf", "int8_wo", "int4_awq", "fp8")
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three colours:",
+    "Once upon a time, in a small village,",
+    "Explain gravity to a child.",
+    "The quick brown fox",
+    "What is 12 times 12?",
+]
+
+
+def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """(start, end, first scored position) of each window over the corpus."""
+    spans, scored_to, start = [], 1, 0
+    while True:
+        end = min(start + window, num_tokens)
+        spans.append((start, end, scored_to))
+        scored_to = end
+        if end == num_tokens:
+            return spans
+        start += stride
+
+
+def awq_checkpoint(float_dir: str, group_size: int) -> str:
+    """An AWQ-format copy of the float checkpoint (cached): every decoder projection packed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from backend.quantization.int4_packing import awq_tensors
+
+    out = os.path.join(cache_root(), f"{os.path.basename(float_dir)}-awq-rtn-g{group_size}")
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    os.makedirs(out, exist_ok=True)
+    tensors = {}
+    for file in sorted(f for f in os.listdir(float_dir) if f.endswith(".safetensors")):
+        for name, weight in load_file(os.path.join(float_dir, file)).items():
+            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+                prefix = name[: -len(".weight")]
+                packed = awq_tensors(weight, group_size)
+                tensors.update({f"{prefix}.{k}": v for k, v in packed.items()})
+            else:
+                tensors[name] = weight
+    for name in os.listdir(float_dir):
+        if not name.endswith(".safetensors") and name != "config.json":
+            shutil.copy(os.path.join(float_dir, name), out)
+    with open(os.path.join(float_dir, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = dict(
+        quant_method="awq", bits=4, group_size=group_size, zero_point=True, version="gemm"
+    )
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file(tensors, os.path.join(out, "model.safetensors.tmp"))
+    os.replace(os.path.join(out, "model.safetensors.tmp"), os.path.join(out, "model.safetensors"))
+    return out
+
+
+def perplexity(executor: Executor, ids: list[int], window: int, stride: int) -> dict:
+    spans = windows(len(ids), window, stride)
+    params = SamplingParams(max_tokens=1, return_prompt_log_probs=True)
+    results = executor.generate([ids[s:e] for s, e, _ in spans], params, timeout=None)
+    nll, count = 0.0, 0
+    for (start, end, first), result in zip(spans, results):
+        if result["error"]:
+            raise RuntimeError(result["error"])
+        logprobs = result["prompt_logprobs"]
+        scored = logprobs[first - start : end - start]
+        nll -= sum(scored)
+        count += len(scored)
+    return {"perplexity": math.exp(nll / count), "scored_tokens": count, "windows": len(spans)}
+
+
+def greedy(executor: Executor, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    results = executor.generate(prompts, SamplingParams(max_tokens=max_tokens), timeout=None)
+    return [r["token_ids"] for r in results]
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
+    """Exactly equal continuations, and the mean share of each continuation's tokens before the
+    first difference."""
+
+    def prefix(a, b):
+        if a == b:  # empty ones too (the end id first)
+            return 1.0
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return n / max(len(a), len(b))
+
+    pairs = list(zip(outputs, reference))
+    return {
+        "exact_sequences": sum(a == b for a, b in pairs) / len(pairs),
+        "prefix_agreement": sum(prefix(a, b) for a, b in pairs) / len(pairs),
+    }
+
+
+def run(args) -> dict:
+    from transformers import AutoTokenizer
+
+    float_dir = resolve_model("default")
+    tokenizer = AutoTokenizer.from_pretrained(float_dir)
+    ids = tokenizer.encode(quality_corpus.CORPUS.read_text(), add_special_tokens=False)
+    if len(ids) < args.tokens:
+        raise SystemExit(f"--tokens {args.tokens}: the corpus has {len(ids)}")
+    ids = ids[: args.tokens]
+    chat = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+        )["input_ids"]
+        for p in PROMPTS
+    ]
+    prompts = [tokenizer.encode(p) for p in PROMPTS] + [list(c) for c in chat]
+    models = {f: "default" for f in FORMATS}
+    models["int4_awq"] = awq_checkpoint(float_dir, args.group_size)
+    results = {}
+    for fmt in args.formats:
+        config = EngineConfig(
+            model_path=models[fmt],
+            device=args.device,
+            quantization=fmt,
+            max_batch_size=args.max_batch_size,
+            max_num_tokens=args.max_num_tokens,
+        )
+        start = time.perf_counter()
+        executor = Executor(config)
+        try:
+            weights = executor.runner.weight_bytes
+            outputs = greedy(executor, prompts, args.max_tokens)
+            scores = perplexity(executor, ids, args.window, args.stride)
+        finally:
+            executor.shutdown()
+        results[fmt] = {
+            **scores,
+            "weight_bytes": weights,
+            "greedy": outputs,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        print(f"{fmt}: perplexity {scores['perplexity']:.4f}, {results[fmt]['seconds']} s")
+    data = {
+        **provenance(args.device if args.device != "auto" else "cpu"),
+        "model": "SmolLM2-135M-Instruct (default; baseline: float32 de-quantized from Q4_1)",
+        "dtype": str(torch.float32 if args.device in ("cpu", "auto") else "auto"),
+        "kv_cache_dtype": "the model dtype (the engine has no other KV cache dtype yet)",
+        "corpus": {
+            **quality_corpus.SOURCE,
+            "sha256": quality_corpus.sha256(),
+            "tokens": len(ids),
+            "full_size": args.tokens >= 50000,
+        },
+        "window": args.window,
+        "stride": args.stride,
+        "int4_group_size": args.group_size,
+        "int4_source": "AWQ layout packed by round to nearest (no activation-aware search)",
+        "greedy_prompts": len(prompts),
+        "greedy_max_tokens": args.max_tokens,
+        "formats": results,
+    }
+    compare(data)
+    return data
+
+
+def compare(data: dict) -> None:
+    """Each format's perplexity change and greedy agreement against `none`, in place."""
+    base = data["formats"]["none"]
+    for r in data["formats"].values():
+        r["perplexity_change"] = r["perplexity"] / base["perplexity"] - 1
+        r.update(agreement(r["greedy"], base["greedy"]))
+
+
+def plot(data: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    formats = list(data["formats"])
+    change = [100 * data["formats"][f].get("perplexity_change", 0.0) for f in formats]
+    agree = [100 * data["formats"][f].get("prefix_agreement", 1.0) for f in formats]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(formats, change, color="tab:blue")
+    left.set_ylabel("perplexity change vs none (%)")
+    left.set_title(f"perplexity, {data['corpus']['tokens']} tokens of Django docs")
+    right.bar(formats, agree, color="tab:green")
+    right.set_ylim(0, 105)
+    right.set_ylabel("greedy prefix agreement with none (%)")
+    right.set_title(f"{data['greedy_prompts']} prompts, {data['greedy_max_tokens']} tokens")
+    fig.suptitle(f"{data['model']}\n{data['device']}, {data['date']}, {data['commit']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tokens", type=int, default=50000, help="corpus tokens scored")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--stride", type=int, default=256)
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32, help="greedy continuation length")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-num-tokens", type=int, default=4096)
+    p.add_argument("--json", help="write the results here (and a PNG beside it)")
+    p.add_argument(
+        "--recompare",
+        action="store_true",
+        help="only recompute the comparisons and "
+        "the PNG of the --json file from its perplexities and greedy outputs",
+    )
+    args = p.parse_args()
+    if "none" not in args.formats:
+        args.formats = ["none", *args.formats]
+    if args.recompare:
+        with open(args.json) as f:
+            data = json.load(f)
+        compare(data)
+        data["recompared"] = provenance("cpu")  # the comparisons' code, not the run's
+    else:
+        data = run(args)
+    save_json(args.json, data)
+    if args.json:
+        plot(data, os.path.splitext(args.json)[0] + ".png")
+
+
+if __name__ == "__main__":
+    main()
