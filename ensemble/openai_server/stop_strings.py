@@ -1,4 +1,5 @@
-"""OpenAI's `stop` on text: the output ends before the first stop string, which is not returned.
+"""OpenAI's `stop` on text: the output ends before the stop string that begins first, which is not
+returned (however the text is split into pieces).
 
 Streamed text is held back while it ends with the beginning of a stop string, so a stop string
 never leaks its first characters into a delta and the deltas concatenate to the unstreamed text.
@@ -22,6 +23,10 @@ class StopStrings:
         self.pending += text
         cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
+            start = cut if final else self._partial_start(cut)
+            if start < cut:  # a stop string beginning earlier may still complete: wait for it
+                released, self.pending = self.pending[:start], self.pending[start:]
+                return released
             self.matched = True
             released, self.pending = self.pending[:cut], ""
             return released
@@ -29,6 +34,15 @@ class StopStrings:
         released = self.pending[: len(self.pending) - held]
         self.pending = self.pending[len(self.pending) - held :]
         return released
+
+    def _partial_start(self, cut: int) -> int:
+        """The first position before `cut` where the rest of `pending` begins a stop string,
+        else `cut`."""
+        for start in range(cut):
+            rest = self.pending[start:]
+            if any(len(stop) > len(rest) and stop.startswith(rest) for stop in self.stops):
+                return start
+        return cut
 
     def _partial_match_length(self) -> int:
         """Length of the longest end of `pending` that is a proper beginning of a stop string."""

@@ -4,7 +4,7 @@ delta shows the beginning of a stop string that later completes."""
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from ensemble.openai_server.stop_strings import StopStrings
@@ -17,6 +17,7 @@ def expected(text: str, stops: list[str]) -> tuple[str, bool]:
     return (text[: min(cuts)], True) if cuts else (text, False)
 
 
+@example(text="aaba", stops=["b", "aba"], splits=[3])  # "aba" begins first, completes last
 @given(
     text=st.text(ALPHABET, max_size=40),
     stops=st.lists(st.text(ALPHABET, min_size=1, max_size=4), max_size=3),
