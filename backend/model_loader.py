@@ -19,6 +19,7 @@ from backend.model_config import ModelConfig
 from backend.models import FAMILIES
 from backend.models.null import NullModel
 from backend.presets import init_random_weights, random_weights_spec
+from backend.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +52,21 @@ def build_model(
     attention: AttentionBackend,
     max_positions: int,
     prepare: Callable[[torch.nn.Module], None] | None = None,
+    tp: TensorParallel | None = None,
 ) -> torch.nn.Module:
     """An uninitialised model of the config's family, allocated directly on `device` in `dtype`
-    (no host copy). `prepare(model)` may change it while it is on the meta device."""
+    (no host copy). `prepare(model)` may change it while it is on the meta device. With `tp`
+    (more than one rank) the model is this rank's shard."""
+    family = FAMILIES[config.model_type]
+    shard = {}
+    if tp is not None and tp.enabled:
+        if not getattr(family, "supports_tensor_parallel", False):
+            raise ValueError(
+                f"tensor_parallel_size > 1 is not supported for model_type {config.model_type!r}"
+            )
+        shard = {"tp": tp}
     with torch.device("meta"):
-        model = FAMILIES[config.model_type](config, attention, max_positions)
+        model = family(config, attention, max_positions, **shard)
         if prepare is not None:
             prepare(model)
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -71,15 +82,24 @@ def load_model(
     max_positions: int,
     config: ModelConfig | None = None,
     gguf_file: str | None = None,
+    tp: TensorParallel | None = None,
 ) -> torch.nn.Module:
     """Build the model for `model_dir` and fill it: safetensors weights, random ones for a preset,
-    or, given `gguf_file`, that file's blocks kept quantized (the directory gives the config)."""
+    or, given `gguf_file`, that file's blocks kept quantized (the directory gives the config).
+    With `tp`, this rank's shard: each full tensor is cut as it is read (a preset's random
+    weights are drawn per shard, so they differ from one rank's)."""
     config = config or ModelConfig.from_dir(model_dir)
     if config.model_type == "null":
         return NullModel(config)
     if gguf_file is not None:
+        if tp is not None and tp.enabled:
+            # Row-parallel layers would cut GGUF blocks across their columns.
+            raise ValueError(
+                "quantization 'gguf' keeps GGUF blocks, which are not split across ranks: "
+                "use quantization 'none' with tensor_parallel_size > 1"
+            )
         return _load_gguf(gguf_file, config, device, dtype, attention, max_positions)
-    model = build_model(config, device, dtype, attention, max_positions)
+    model = build_model(config, device, dtype, attention, max_positions, tp=tp)
     spec = random_weights_spec(model_dir)
     with torch.no_grad():
         if spec is not None:

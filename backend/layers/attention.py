@@ -5,6 +5,9 @@ The qkv projection, rotary and the KV-cache write, paged attention through the a
 kernels: the qkv projection with the norm before it, rotary and the KV write fused in; attention;
 the o projection with the residual add fused in. Where the backend has split decode partials
 and the o projection can merge them, attention leaves its splits unmerged for it.
+
+Tensor parallel, a rank computes its query heads and the KV heads they read
+(`TensorParallel.kv_heads`); the o projection is row-parallel.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from backend.layers.linear import ONE_TOKEN_MAX_HIDDEN, Linear
 from backend.layers.norm import RMSNorm
 from backend.layers.rotary import Rotation
 from backend.model_config import ModelConfig
+from backend.tensor_parallel import TensorParallel
 
 
 @dataclass(slots=True)
@@ -31,20 +35,30 @@ class AttentionStep:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, backend: AttentionBackend):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        backend: AttentionBackend,
+        tp: TensorParallel | None = None,
+    ):
         super().__init__()
+        tp = tp or TensorParallel()
         self.layer_index = layer_index
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear.merged(
+        d = self.head_dim = config.head_dim
+        first_head, self.num_heads = tp.part(config.num_heads, "attention heads")
+        first_kv, self.num_kv_heads = tp.kv_heads(config.num_heads, config.num_kv_heads)
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        self.scale = d**-0.5
+        q_rows, kv_rows = (first_head * d, self.q_size), (first_kv * d, self.kv_size)
+        self.qkv_proj = Linear.column(
             config.hidden_size,
-            {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows},
+            tp,
             bias=config.qkv_bias,
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear.row(config.num_heads * d, config.hidden_size, tp, bias=config.o_bias)
         self.backend = backend
 
     def forward(self, hidden: torch.Tensor, step: AttentionStep) -> torch.Tensor:

@@ -2,6 +2,9 @@
 
 At one token on GPU (`add_one_token`) that is two kernels: gate|up with the norm before it as
 its prologue, down with silu·mul as its prologue and the residual add as its epilogue.
+
+Tensor parallel, gate|up is column-parallel (a slice of the intermediate size) and down
+row-parallel.
 """
 
 from __future__ import annotations
@@ -12,15 +15,16 @@ from torch import nn
 from backend.layers.activation import silu_and_mul
 from backend.layers.linear import ONE_TOKEN_MAX_HIDDEN, Linear
 from backend.layers.norm import RMSNorm
+from backend.tensor_parallel import TensorParallel
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.gate_up_proj = Linear.merged(
-            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}
-        )
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        tp = tp or TensorParallel()
+        rows = tp.part(intermediate_size, "intermediate size")
+        self.gate_up_proj = Linear.column(hidden_size, {"gate_proj": rows, "up_proj": rows}, tp)
+        self.down_proj = Linear.row(intermediate_size, hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

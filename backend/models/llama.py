@@ -30,13 +30,20 @@ from backend.layers import (
 )
 from backend.model_config import ModelConfig
 from backend.models.hf_weights import load_hf_weights
+from backend.tensor_parallel import TensorParallel
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, attention: AttentionBackend):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        attention: AttentionBackend,
+        tp: TensorParallel | None = None,
+    ):
         super().__init__()
-        self.self_attn = SelfAttention(config, layer_index, attention)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.self_attn = SelfAttention(config, layer_index, attention, tp)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -57,11 +64,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionBackend, max_positions: int):
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention: AttentionBackend,
+        max_positions: int,
+        tp: TensorParallel | None = None,
+    ):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attention) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, attention, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(
@@ -92,20 +105,25 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """See the module docstring for the engine interface.
 
-    `max_positions` sizes the RoPE cache (the longest sequence served).
+    `max_positions` sizes the RoPE cache (the longest sequence served). `tp`: this rank's place
+    in a tensor-parallel group (`backend.tensor_parallel`); then the model holds its shard.
     """
+
+    supports_tensor_parallel = True
 
     def __init__(
         self,
         config: ModelConfig,
         attention: AttentionBackend | None = None,
         max_positions: int | None = None,
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
         self.config = config
         attention = attention or get_attention_backend("torch")
-        self.model = LlamaModel(config, attention, max_positions or config.max_position_embeddings)
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        max_positions = max_positions or config.max_position_embeddings
+        self.model = LlamaModel(config, attention, max_positions, tp)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
