@@ -112,6 +112,7 @@ class EngineProcess:
         self._callbacks: dict[str, object] = {}
         self._stats = None
         self._exit_error: str | None = None
+        self.fatal: str | None = None  # why the engine failed ("fatal"), once it has
         try:
             self._conn.send(config)
             self.info: EngineInfo = self._wait_ready(start_timeout_s)
@@ -215,7 +216,7 @@ class EngineProcess:
                 continue
             if kind == "fatal":
                 with lock:
-                    self._exit_error = payload
+                    self._exit_error = self.fatal = payload
                 log.error("the engine failed: %s", payload)
                 continue
             for values in payload:

@@ -153,7 +153,7 @@ class Executor:
         injected runner stays the caller's)."""
         with self._lock:
             self._stopping = True
-            self._stop_reason = reason
+            self._stop_reason = self.error or reason  # a failure keeps its own message
             self._work.notify()
         self._thread.join(timeout=30)
         if self._owns_runner and not self._thread.is_alive():

@@ -21,6 +21,7 @@ from `prepare`. Decode CUDA graphs are off then (the ranks would have to replay 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from operator import attrgetter
@@ -114,6 +115,8 @@ class ModelRunner:
             self.device = tp_workers.rank_device(config, tp_rank, self.device)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
+            elif "OMP_NUM_THREADS" not in os.environ:  # the ranks share this host's cores
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
         try:
             self._load(config, tp_rank, tp_port)
         except BaseException:

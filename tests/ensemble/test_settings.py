@@ -30,6 +30,8 @@ def other_value(name: str):
         return (default or 1) + 3
     if kind is float:
         return default / 2
+    if name == "gpu_device_ids":  # one per rank of tensor_parallel_size's other value
+        return ",".join(map(str, range(other_value("tensor_parallel_size"))))
     return f"/other/{name}"
 
 
