@@ -110,6 +110,7 @@ class ModelRunner:
         self.tp = TensorParallel()
         self.workers: tp_workers.Workers | None = None
         self.model = self.kv_cache = self.decode_graphs = None
+        self._sends_steps = False  # rank 0 of a group, once every rank has started
         self.device = pick_device(config.device)
         if config.tensor_parallel_size > 1:
             self.device = tp_workers.rank_device(config, tp_rank, self.device)
@@ -173,6 +174,8 @@ class ModelRunner:
         self.decode_graphs = self._capture_decode_graphs()
         if self.workers is not None:
             self.workers.on_death = lambda message: self.on_fatal(message)
+            # From now on the workers follow (a warm-up step ran on every rank by itself).
+            self._sends_steps = True
         log.info(
             "model %s on %s (%s): %d KV blocks x %d tokens, max_seq_len %d, attention %s%s",
             self.model_dir,
@@ -407,7 +410,7 @@ class ModelRunner:
         if in_flight is not None:
             chunks_in_flight = np.flatnonzero(in_flight >= 0)
             arrays.append((query_start_loc[1:] - 1)[chunks_in_flight])
-        if self.tp.enabled:
+        if self._sends_steps:
             tp_workers.send_step(self.tp, arrays, list(prompt_spans))
         if in_flight is not None:
             arrays.append(in_flight[chunks_in_flight])

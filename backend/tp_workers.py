@@ -126,20 +126,29 @@ class Workers:
         if self._stopping:
             return
         rank = sentinels[ended[0]]
+        self.processes[rank - 1].join(timeout=1)
+        message = self._death(rank)
+        log.error(message)
+        self.on_death(message)
+
+    def _death(self, rank: int) -> str:
+        """Record and return the message naming `rank`, which has exited (the first one wins)."""
         process = self.processes[rank - 1]
-        process.join(timeout=1)
-        self.dead = (
-            f"tensor-parallel rank {rank} (pid {process.pid}) died "
-            f"(exit code {process.exitcode}); the engine cannot run"
-        )
-        log.error(self.dead)
-        self.on_death(self.dead)
+        if self.dead is None:
+            self.dead = (
+                f"tensor-parallel rank {rank} (pid {process.pid}) died "
+                f"(exit code {process.exitcode}); the engine cannot run"
+            )
+        return self.dead
 
     def explain(self, exc: TensorParallelError) -> TensorParallelError:
-        """A failed collective, named after the rank that died when the watchdog finds one."""
-        if self.dead is None:
-            for process in self.processes:
+        """A failed collective, named after the rank that died when one did (waiting a moment
+        for it to be gone)."""
+        for rank, process in enumerate(self.processes, start=1):
+            if self.dead is None:
                 process.join(timeout=DEATH_GRACE_S / len(self.processes))
+                if process.exitcode is not None:
+                    self._death(rank)
         return TensorParallelError(self.dead) if self.dead else exc
 
     def stop(self, tp, timeout_s: float = 30.0) -> None:
