@@ -111,6 +111,7 @@ class ModelRunner:
         self.workers: tp_workers.Workers | None = None
         self.model = self.kv_cache = self.decode_graphs = None
         self._sends_steps = False  # rank 0 of a group, once every rank has started
+        self._step_sent = False  # the step being executed has reached the workers
         self.device = pick_device(config.device)
         if config.tensor_parallel_size > 1:
             self.device = tp_workers.rank_device(config, tp_rank, self.device)
@@ -232,12 +233,18 @@ class ModelRunner:
         rows = None
         if prompt_logprobs:
             rows = prompt_rows(chunks, accumulate(map(_num_tokens, chunks), initial=0))
-        if self.tp.enabled:
-            try:
-                return self._execute(chunks, in_flight_ids, banned_ids, rows)
-            except TensorParallelError as exc:
-                raise self.workers.explain(exc) from exc
-        return self._execute(chunks, in_flight_ids, banned_ids, rows)
+        if self.workers is None:
+            return self._execute(chunks, in_flight_ids, banned_ids, rows)
+        self._step_sent = False
+        try:
+            return self._execute(chunks, in_flight_ids, banned_ids, rows)
+        except TensorParallelError as exc:
+            raise self.workers.explain(exc) from exc
+        except Exception as exc:
+            if not self._step_sent:  # nothing reached the workers: this step's requests' fault
+                raise
+            # The workers are inside a step rank 0 left: their collectives would pair wrongly.
+            raise TensorParallelError(f"rank 0 failed inside a tensor-parallel step: {exc!r}")
 
     def _execute(self, chunks, in_flight_ids, banned_ids, rows) -> StepLogits:
         if self.workers is not None and self.workers.dead:
@@ -412,6 +419,7 @@ class ModelRunner:
             arrays.append((query_start_loc[1:] - 1)[chunks_in_flight])
         if self._sends_steps:
             tp_workers.send_step(self.tp, arrays, list(prompt_spans))
+            self._step_sent = True
         if in_flight is not None:
             arrays.append(in_flight[chunks_in_flight])
         return self._device_inputs(arrays, in_flight_ids)
