@@ -39,6 +39,10 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode-only steps on GPU
     quantization: str = "none"  # one of QUANTIZATIONS
     seed: int = 0  # engine-wide generator for unseeded sampling
+    # Ranks the model is split across (backend/tensor_parallel.py): processes on this host, gloo
+    # on CPU, NCCL on CUDA; `gpu_device_ids` ("0,1") picks each rank's GPU (else rank i: GPU i).
+    tensor_parallel_size: int = 1
+    gpu_device_ids: str | None = None
     # Overlap host work (scheduling, packing, stop checks, delivery) with the device's step;
     # None = on for CUDA, off on CPU (nothing to overlap with). True forces it on (tests on CPU).
     overlap_scheduling: bool | None = None
@@ -62,6 +66,14 @@ class EngineConfig:
                 f"got {self.kv_cache_free_gpu_mem_fraction!r}"
             )
         self.attention_windows()
+        if self.gpu_device_ids is not None:
+            ids = self.gpu_device_ids.split(",")
+            if not all(i.strip().isdigit() for i in ids) or len(ids) != self.tensor_parallel_size:
+                raise ValueError(
+                    "gpu_device_ids must list one GPU index per rank, comma-separated "
+                    f"(tensor_parallel_size {self.tensor_parallel_size}), "
+                    f"got {self.gpu_device_ids!r}"
+                )
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
@@ -93,6 +105,7 @@ _LOWEST = {
     "max_queue_size": 0,
     "seed": 0,
     "sink_token_length": 0,
+    "tensor_parallel_size": 1,
 }
 CHOICES = {
     "batch_scheduler_policy": SCHEDULER_POLICIES,

@@ -44,6 +44,7 @@ from backend.output_processor import OutputProcessor
 from backend.request import Chunk, FinishReason, Request
 from backend.sampler import PendingSample, Sampler
 from backend.scheduler import Scheduler, SchedulerOutput
+from backend.tensor_parallel import TensorParallelError
 
 log = logging.getLogger(__name__)
 STEP_FAILED = "the model step failed for this request"
@@ -112,6 +113,8 @@ class Engine:
             return None
         try:
             launched = [self._launch(batch.chunks, previous)]  # nothing waits for the device
+        except TensorParallelError:  # no request is at fault: the engine cannot compute
+            raise
         except Exception:
             log.exception("batched step failed; running its requests one at a time")
             if previous is not None:
@@ -156,6 +159,8 @@ class Engine:
         was not written). Re-running a chunk rewrites the same KV values."""
         try:
             return self._launch([chunk], None)
+        except TensorParallelError:
+            raise
         except Exception:
             log.exception("request %s failed in the model step", chunk.request.request_id)
             return LaunchedStep([chunk.request], None)

@@ -18,13 +18,17 @@ Protocol: one socket pair, `multiprocessing.connection` framing, pickled tuples.
     handle -> engine   EngineConfig (first), then ("submit", id, prompt_ids, SamplingParams)
                        | ("cancel", id) | ("stop",)
     engine -> handle   ("ready", EngineInfo) | ("failed", traceback) (once, first), then
-                       ("outputs", [output, ...]) | ("stats", ExecutorStats)
+                       ("outputs", [output, ...]) | ("stats", ExecutorStats), and
+                       ("fatal", message) (last) when the engine cannot compute any more
 
 An output travels as the tuple of `RequestOutput`'s fields (a tenth of the pickling cost of the
 objects); the outputs produced since the last message go together, about one message per step.
 A request the engine refuses after the handle's own checks (a full queue) comes back as a
 finished output with reason `error` and `rejected` set. When the engine process dies, every
-request in flight ends with an error output and later submits raise.
+request in flight ends with an error output and later submits raise. When the engine fails (a
+tensor-parallel rank died), its requests end with an error output naming the cause, it sends
+"fatal" with it, and exits with FATAL_EXIT_CODE; the handle is then no longer `alive` and later
+submits raise that message.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ ENGINE_PYTHON_ENV = "TRITONLLM_ENGINE_PYTHON"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 STATS_PERIOD_S = 0.1
 SHUTTING_DOWN = "the server is shutting down; retry the request (on another replica)"
+FATAL_EXIT_CODE = 3
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,7 @@ class EngineProcess:
         self._callbacks: dict[str, object] = {}
         self._stats = None
         self._exit_error: str | None = None
+        self.fatal: str | None = None  # why the engine failed ("fatal"), once it has
         try:
             self._conn.send(config)
             self.info: EngineInfo = self._wait_ready(start_timeout_s)
@@ -208,6 +214,11 @@ class EngineProcess:
             if kind == "stats":
                 self._stats = payload
                 continue
+            if kind == "fatal":
+                with lock:
+                    self._exit_error = self.fatal = payload
+                log.error("the engine failed: %s", payload)
+                continue
             for values in payload:
                 out = RequestOutput(*values)
                 with lock:
@@ -226,7 +237,7 @@ class EngineProcess:
     def _engine_gone(self) -> None:
         code = self.process.wait()
         with self._lock:
-            self._exit_error = (
+            self._exit_error = self._exit_error or (
                 f"the engine process exited (code {code})" if code else "the engine was shut down"
             )
             orphans, self._callbacks = self._callbacks, {}
@@ -347,12 +358,18 @@ def serve(conn: Connection) -> int:
     )
     wake_read, wake_write = os.pipe()
     signal.signal(signal.SIGTERM, lambda signum, frame: os.write(wake_write, b"x"))
+    executor.on_fatal = lambda message: os.write(wake_write, b"f")
     draining = False
     try:
         while True:
+            if executor.error is not None:  # its requests have failed with it: tell and exit
+                executor.shutdown()
+                outbox.close()
+                conn.send(("fatal", executor.error))
+                return FATAL_EXIT_CODE
             if wake_read in wait([conn, wake_read]):
                 os.read(wake_read, 64)
-                if not draining:
+                if executor.error is None and not draining:
                     draining = True
                     outbox.rejected_reason = "shutting_down"
                     executor.shutdown(reason=SHUTTING_DOWN)

@@ -7,7 +7,9 @@ stops, deliver outputs, free finished requests.
 `submit`, `cancel` and `stats` are thread-safe. Outputs reach the caller through the `on_output`
 callback, called from the executor thread; every request gets exactly one output with
 `finished=True`, whatever the reason it ends. An exception while serving one request fails that
-request alone and the loop goes on.
+request alone and the loop goes on; one that leaves the engine unable to compute (a
+tensor-parallel rank died) fails every request with its message and stops the executor
+(`error` is set, `ready` false, `on_fatal` is called).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from backend.sampler import Sampler
 from backend.sampling_params import SamplingParams
 from backend.scheduler import QueueFullError, Scheduler, SchedulerOutput
 from backend.stats import ExecutorStats
+from backend.tensor_parallel import TensorParallelError
 
 __all__ = ["Executor", "QueueFullError"]
 
@@ -85,10 +88,18 @@ class Executor:
         self._work = threading.Condition(self._lock)
         self._stopping = False
         self._stop_reason = "executor shut down"
+        self.error: str | None = None  # why the engine cannot compute any more
+        self.on_fatal = lambda message: None  # called once, when `error` is set
+        self.runner.on_fatal = self._fail
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._thread.start()
 
     # ---- public, thread-safe -------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Whether the executor serves (neither shut down nor failed)."""
+        return not self._stopping
+
     def submit(
         self,
         request_id: str,
@@ -106,7 +117,7 @@ class Executor:
             )
         with self._lock:
             if self._stopping:
-                raise RuntimeError("executor is shut down")
+                raise RuntimeError(self.error or "executor is shut down")
             if request.request_id in self._live:
                 raise ValueError(f"request_id {request.request_id!r} is already in flight")
             self.scheduler.add(request)
@@ -148,7 +159,7 @@ class Executor:
         injected runner stays the caller's)."""
         with self._lock:
             self._stopping = True
-            self._stop_reason = reason
+            self._stop_reason = self.error or reason  # a failure keeps its own message
             self._work.notify()
         self._thread.join(timeout=30)
         if self._owns_runner and not self._thread.is_alive():
@@ -228,10 +239,9 @@ class Executor:
                 stopping = self._stopping
                 cancelled, self._cancel_requests = self._cancel_requests, set()
             if stopping:
+                reason = FinishReason.CANCELLED if self.error is None else FinishReason.ERROR
                 for live in list(self._live.values()):
-                    self.outputs.finish(
-                        live.request, FinishReason.CANCELLED, error=self._stop_reason
-                    )
+                    self.outputs.finish(live.request, reason, error=self._stop_reason)
                 return
             for request_id in cancelled:
                 live = self._live.get(request_id)
@@ -240,11 +250,25 @@ class Executor:
             was_in_flight = engine.in_flight is not None
             try:
                 ran = engine.step()
+            except TensorParallelError as exc:
+                self._fail(str(exc))
+                continue
             except Exception:  # never let the loop die
                 log.exception("executor step failed")
                 continue
             if ran is None and not was_in_flight:
                 time.sleep(0.001)  # nothing could be scheduled yet (KV blocks, budget)
+
+    def _fail(self, message: str) -> None:
+        """The engine cannot compute again: stop; every live request ends with `message`."""
+        with self._lock:
+            if self.error is not None:
+                return
+            log.error("the engine failed: %s", message)
+            self.error = self._stop_reason = message
+            self._stopping = True
+            self._work.notify()
+        self.on_fatal(message)
 
     def _record_step(self, batch: SchedulerOutput) -> None:
         """Engine hook, under `_lock`: a step ran."""

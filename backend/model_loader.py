@@ -28,6 +28,7 @@ from backend.quantization.checkpoint import (
     quantize_at_load,
 )
 from backend.weight_formats import pick_quantization, quantization_config
+from backend.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +76,21 @@ def build_model(
     attention: AttentionBackend,
     max_positions: int,
     prepare: Callable[[torch.nn.Module], None] | None = None,
+    tp: TensorParallel | None = None,
 ) -> torch.nn.Module:
     """An uninitialised model of the config's family, allocated directly on `device` in `dtype`
-    (no host copy). `prepare(model)` may change it while it is on the meta device."""
+    (no host copy). `prepare(model)` may change it while it is on the meta device. With `tp`
+    (more than one rank) the model is this rank's shard."""
+    family = FAMILIES[config.model_type]
+    shard = {}
+    if tp is not None and tp.enabled:
+        if not getattr(family, "supports_tensor_parallel", False):
+            raise ValueError(
+                f"tensor_parallel_size > 1 is not supported for model_type {config.model_type!r}"
+            )
+        shard = {"tp": tp}
     with torch.device("meta"):
-        model = FAMILIES[config.model_type](config, attention, max_positions).to(dtype=dtype)
+        model = family(config, attention, max_positions, **shard).to(dtype=dtype)
         if prepare is not None:  # after the cast: quantized buffers keep their own dtypes
             prepare(model)
     model = model.to_empty(device=device)
@@ -96,21 +107,36 @@ def load_model(
     config: ModelConfig | None = None,
     gguf_file: str | None = None,
     quantization: str = "none",
+    tp: TensorParallel | None = None,
 ) -> torch.nn.Module:
     """Build the model for `model_dir` and fill it: safetensors weights, random ones for a preset,
     or, given `gguf_file`, that file's blocks kept quantized (the directory gives the config).
-    `quantization` (the engine parameter, not "gguf"): see `pick_quantization`."""
+    `quantization` (the engine parameter, not "gguf"): see `pick_quantization`.
+    With `tp`, this rank's shard: each full tensor is cut as it is read (a preset's random
+    weights are drawn per shard, so they differ from one rank's); float weights only."""
     config = config or ModelConfig.from_dir(model_dir)
     if config.model_type == "null":
         return NullModel(config)
     if gguf_file is not None:
+        if tp is not None and tp.enabled:
+            # Row-parallel layers would cut GGUF blocks across their columns.
+            raise ValueError(
+                "quantization 'gguf' keeps GGUF blocks, which are not split across ranks: "
+                "use quantization 'none' with tensor_parallel_size > 1"
+            )
         return _load_gguf(gguf_file, config, device, dtype, attention, max_positions)
     quantization = pick_quantization(quantization, model_dir)
+    if tp is not None and tp.enabled and quantization != "none":
+        # Quantized weights keep per-group or per-block scales that a shard would have to cut.
+        raise ValueError(
+            f"quantization {quantization!r} is not supported with tensor_parallel_size > 1: "
+            "use quantization 'none'"
+        )
     if quantization in FORMATS and quantization_config(model_dir) is not None:
         return _load_quantized(
             model_dir, quantization, config, device, dtype, attention, max_positions
         )
-    model = build_model(config, device, dtype, attention, max_positions)
+    model = build_model(config, device, dtype, attention, max_positions, tp=tp)
     spec = random_weights_spec(model_dir)
     with torch.no_grad():
         if spec is not None:

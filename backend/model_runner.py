@@ -12,11 +12,16 @@ Sizing: `max_tokens_in_paged_kv_cache` when set; on CUDA otherwise
 `kv_cache_free_gpu_mem_fraction` of the memory left free after a warm-up step of
 `max_num_tokens` tokens (peak activations are set aside); on CPU enough for `max_batch_size`
 sequences of `max_seq_len` tokens, at most 4 GiB.
+
+Tensor parallel (`tensor_parallel_size` > 1, `backend.tp_workers`): this runner is rank 0; it
+starts the other ranks, each a runner of its own shard that `follow`s the steps rank 0 sends
+from `prepare`. Decode CUDA graphs are off then (the ranks would have to replay in step).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from operator import attrgetter
@@ -27,12 +32,14 @@ import torch
 from backend.attention import AttentionMetadata, get_attention_backend
 from backend.config import EngineConfig
 from backend.cuda_graphs import DecodeGraphs, ReplayIds
-from backend.logprobs import compute_prompt_logprobs, prompt_rows
+from backend.logprobs import PromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
 from backend.staging import StagingBuffer
 from backend.model_config import ModelConfig
 from backend.model_loader import load_model, weight_bytes
 from backend.model_paths import kept_gguf, resolve_model
 from backend.request import Chunk
+from backend.tensor_parallel import TensorParallel, TensorParallelError, connect
+from backend import tp_workers
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +102,30 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_port: int | None = None):
+        """`tp_rank`, `tp_port`: a tensor-parallel worker's rank and its group's port (rank 0,
+        the engine's runner, starts the workers and picks the port)."""
         config.validate()
         self.config = config
+        self.tp = TensorParallel()
+        self.workers: tp_workers.Workers | None = None
+        self.model = self.kv_cache = self.decode_graphs = None
+        self._sends_steps = False  # rank 0 of a group, once every rank has started
+        self._step_sent = False  # the step being executed has reached the workers
         self.device = pick_device(config.device)
+        if config.tensor_parallel_size > 1:
+            self.device = tp_workers.rank_device(config, tp_rank, self.device)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            elif "OMP_NUM_THREADS" not in os.environ:  # the ranks share this host's cores
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+        try:
+            self._load(config, tp_rank, tp_port)
+        except BaseException:
+            self.release()
+            raise
+
+    def _load(self, config: EngineConfig, tp_rank: int, tp_port: int | None) -> None:
         self.dtype = pick_dtype(config.dtype, self.device)
         gguf_file = kept_gguf(config.model_path, config.quantization)
         self.model_dir = resolve_model(config.model_path, config.quantization)
@@ -110,6 +137,18 @@ class ModelRunner:
             32 if self.device.type == "cuda" else 16
         )
         self.attention = get_attention_backend(config.attention_backend, self.device)
+        size = config.tensor_parallel_size
+        self.num_kv_heads = check_split(self.model_config, TensorParallel(tp_rank, size))
+        if size > 1:
+            if gguf_file is not None:  # row-parallel layers would cut blocks across columns
+                raise ValueError(
+                    "quantization 'gguf' keeps GGUF blocks, which are not split across ranks: "
+                    "use quantization 'none' with tensor_parallel_size > 1"
+                )
+            if tp_rank == 0:  # the model splits: start the other ranks
+                tp_port = tp_workers.free_port()
+                self.workers = tp_workers.Workers(config, tp_port)
+            self.tp = connect(tp_rank, size, tp_port, self.device)
         self.decode_graphs: DecodeGraphs | None = None
         # Two staging buffers, used in turn, each with an event marking its last copy: with
         # overlap scheduling step n+1 is packed while step n's inputs may still be waiting in
@@ -127,13 +166,22 @@ class ModelRunner:
             self.model_config,
             gguf_file,
             config.quantization,
+            self.tp,
         )
         self.weight_bytes = weight_bytes(self.model)  # resident parameters and buffers
         self.num_kv_blocks = self._pick_num_kv_blocks()
+        if self.tp.enabled:  # block ids address every rank's pool: the least of them
+            blocks = torch.tensor([self.num_kv_blocks])
+            self.tp.cpu_group.allreduce([blocks], dist_min()).wait()
+            self.num_kv_blocks = int(blocks)
         self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
         self.decode_graphs = self._capture_decode_graphs()
+        if self.workers is not None:
+            self.workers.on_death = lambda message: self.on_fatal(message)
+            # From now on the workers follow (a warm-up step ran on every rank by itself).
+            self._sends_steps = True
         log.info(
-            "model %s on %s (%s): %d KV blocks x %d tokens, max_seq_len %d, attention %s",
+            "model %s on %s (%s): %d KV blocks x %d tokens, max_seq_len %d, attention %s%s",
             self.model_dir,
             self.device,
             self.dtype,
@@ -141,7 +189,12 @@ class ModelRunner:
             self.tokens_per_block,
             self.max_seq_len,
             self.attention.name,
+            f", tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp.enabled else "",
         )
+
+    def on_fatal(self, message: str) -> None:
+        """Called from the watchdog thread when a tensor-parallel worker dies: the runner cannot
+        compute again (the executor sets its own, to fail its requests and stop)."""
 
     @property
     def vocab_size(self) -> int:
@@ -154,8 +207,11 @@ class ModelRunner:
     def release(self) -> None:
         """Drop the model, the KV cache and the decode graphs, and hand their device memory back
         at once, without waiting for the garbage collector to find the engine's reference cycles
-        (on an 80 GB GPU a benchmark's transformers baseline needs it). The runner is unusable
-        afterwards."""
+        (on an 80 GB GPU a benchmark's transformers baseline needs it). Rank 0 stops its
+        tensor-parallel workers. The runner is unusable afterwards."""
+        if self.workers is not None:
+            self.workers.stop(self.tp if self.tp.enabled else None)
+            self.workers = None
         self.decode_graphs = None
         self.model = self.kv_cache = None
         if self.device.type == "cuda":
@@ -180,7 +236,26 @@ class ModelRunner:
         rows = None
         if prompt_logprobs:
             rows = prompt_rows(chunks, accumulate(map(_num_tokens, chunks), initial=0))
-        inputs = self.prepare(chunks, in_flight_ids, banned_ids, allow_graph=not rows)
+        if self.workers is None:
+            return self._execute(chunks, in_flight_ids, banned_ids, rows)
+        self._step_sent = False
+        try:
+            return self._execute(chunks, in_flight_ids, banned_ids, rows)
+        except TensorParallelError as exc:
+            raise self.workers.explain(exc) from exc
+        except Exception as exc:
+            if not self._step_sent:  # nothing reached the workers: this step's requests' fault
+                raise
+            # The workers are inside a step rank 0 left: their collectives would pair wrongly.
+            raise TensorParallelError(f"rank 0 failed inside a tensor-parallel step: {exc!r}")
+
+    def _execute(self, chunks, in_flight_ids, banned_ids, rows) -> StepLogits:
+        if self.workers is not None and self.workers.dead:
+            raise TensorParallelError(self.workers.dead)
+        spans = [(r.first_row, len(r.targets)) for r in rows] if self.tp.enabled and rows else []
+        inputs = self.prepare(
+            chunks, in_flight_ids, banned_ids, allow_graph=not rows, prompt_spans=spans
+        )
         with torch.inference_mode():
             graphs = self.decode_graphs
             if inputs.in_graph:
@@ -192,6 +267,23 @@ class ModelRunner:
             )
             return StepLogits(logits, None, prompt=prompt)
 
+    def follow(self) -> None:
+        """A tensor-parallel worker: run the steps rank 0 sends, computing what its forward
+        pass and logits compute (their collectives pair up), until rank 0 stops."""
+        with torch.inference_mode():
+            while (step := tp_workers.receive_step(self.tp)) is not None:
+                arrays, spans = step
+                inputs = self._device_inputs(arrays)
+                hidden = self._run_model(inputs)
+                self.model.compute_logits(hidden[inputs.logits_indices])
+                if spans:  # the same slices as rank 0's, for nobody
+                    unused = PromptLogprobs(0, 0)
+                    compute_prompt_logprobs(
+                        self.model.compute_logits,
+                        hidden,
+                        [PromptRows(unused, [0] * n, first) for first, n in spans],
+                    )
+
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The eager forward pass (prefill chunks, mixed batches, CPU)."""
         return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_meta)
@@ -201,6 +293,7 @@ class ModelRunner:
         rows; the torch reference does not)."""
         if not (
             self.config.cuda_graphs
+            and not self.tp.enabled
             and self.device.type == "cuda"
             and self.attention.name == "triton"
         ):
@@ -222,11 +315,14 @@ class ModelRunner:
         in_flight_ids: torch.Tensor | None = None,
         banned_ids: np.ndarray | None = None,
         allow_graph: bool = True,
+        prompt_spans: list[tuple[int, int]] = (),
     ) -> StepInputs:
-        """Pack the chunks into one batch. No Python loop over requests beyond reading their
-        lists: at batch 256 this runs every step, so block tables are filled with one masked
-        numpy assignment from all block ids chained together. A step that a decode CUDA graph
-        will run is staged straight into the graph's inputs (`in_graph`)."""
+        """Pack the chunks into one batch (tensor parallel: and send it to the other ranks, with
+        the prompt rows `prompt_spans` whose logits the step computes). No Python loop over
+        requests beyond reading their lists: at batch 256 this runs every step, so block tables
+        are filled with one masked numpy assignment from all block ids chained together. A step
+        that a decode CUDA graph will run is staged straight into the graph's inputs
+        (`in_graph`)."""
         if not chunks:
             raise ValueError("execute() needs at least one chunk")
         tokens_per_block = self.tokens_per_block
@@ -324,10 +420,31 @@ class ModelRunner:
         ]
         if in_flight is not None:
             chunks_in_flight = np.flatnonzero(in_flight >= 0)
-            arrays += [(query_start_loc[1:] - 1)[chunks_in_flight], in_flight[chunks_in_flight]]
+            arrays.append((query_start_loc[1:] - 1)[chunks_in_flight])
+        if self._sends_steps:
+            tp_workers.send_step(self.tp, arrays, list(prompt_spans))
+            self._step_sent = True
+        if in_flight is not None:
+            arrays.append(in_flight[chunks_in_flight])
+        return self._device_inputs(arrays, in_flight_ids)
+
+    def _device_inputs(
+        self, arrays: list[np.ndarray], in_flight_ids: torch.Tensor | None = None
+    ) -> StepInputs:
+        """A step's packed host arrays (`prepare`'s, or those rank 0 sent) on the device. The
+        ids of the rows in flight come from `in_flight_ids` (by the last array's rows), or from
+        rank 0 when tensor parallel."""
         ids_d, pos_d, slots_d, qsl_d, seq_d, bt_d, li_d, *fill = self._to_device(arrays)
         if fill:
-            ids_d[fill[0]] = in_flight_ids[fill[1]]
+            if len(fill) == 2:
+                filled = in_flight_ids[fill[1]].to(torch.int64)
+            else:  # a worker
+                filled = torch.empty(fill[0].shape, dtype=torch.int64, device=self.device)
+            if self.tp.enabled:
+                self.tp.broadcast(filled)
+            ids_d[fill[0]] = filled
+        query_lens = np.diff(arrays[3])
+        seq_lens = arrays[4]
         meta = AttentionMetadata(
             slot_mapping=slots_d,
             query_start_loc=qsl_d,
@@ -382,7 +499,7 @@ class ModelRunner:
             mc.num_layers
             * 2
             * self.tokens_per_block
-            * mc.num_kv_heads
+            * self.num_kv_heads
             * mc.head_dim
             * torch.empty(0, dtype=self.dtype).element_size()
         )
@@ -409,7 +526,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         mc = self.model_config
-        shape = (mc.num_layers, 2, num_blocks, self.tokens_per_block, mc.num_kv_heads, mc.head_dim)
+        block = (self.tokens_per_block, self.num_kv_heads, mc.head_dim)
+        shape = (mc.num_layers, 2, num_blocks, *block)
         # Zeroed on the host too: the pages are committed now, so a cache too large fails at
         # start and the process does not grow under load as blocks are first touched.
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -452,3 +570,18 @@ class ModelRunner:
             budget / 2**30,
         )
         return int(budget // self.kv_block_bytes())
+
+
+def check_split(mc: ModelConfig, tp: TensorParallel) -> int:
+    """Raise ValueError naming what `tp` cannot split evenly; -> the KV heads of a rank."""
+    kv_heads = tp.kv_heads(mc.num_heads, mc.num_kv_heads)[1]
+    tp.part(mc.intermediate_size, "intermediate size")
+    return kv_heads
+
+
+def dist_min():
+    import torch.distributed as dist
+
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    return options

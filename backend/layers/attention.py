@@ -13,6 +13,10 @@ q|k|v checkpoint tensor (Phi-3), and for Gemma 3's sliding-window layers their o
 the last `sliding_window` tokens, itself included), None for global attention; with it, the first
 `sink_token_length` tokens stay visible too (attention sinks: the window then holds them and the
 last window - sinks tokens).
+
+Tensor parallel, a rank computes its query heads and the KV heads they read
+(`TensorParallel.kv_heads`), with the same options (window, sinks, softcap, QK-norm per head);
+the o projection is row-parallel.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from backend.layers.linear import ONE_TOKEN_MAX_HIDDEN, Linear
 from backend.layers.norm import RMSNorm
 from backend.layers.rotary import Rotation
 from backend.model_config import ModelConfig
+from backend.tensor_parallel import TensorParallel
 
 
 @dataclass(slots=True)
@@ -40,34 +45,45 @@ class AttentionStep:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, backend: AttentionBackend):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        backend: AttentionBackend,
+        tp: TensorParallel | None = None,
+    ):
         super().__init__()
+        tp = tp or TensorParallel()
         self.layer_index = layer_index
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = config.attn_scale or self.head_dim**-0.5
+        d = self.head_dim = config.head_dim
+        first_head, self.num_heads = tp.part(config.num_heads, "attention heads")
+        first_kv, self.num_kv_heads = tp.kv_heads(config.num_heads, config.num_kv_heads)
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        self.scale = config.attn_scale or d**-0.5
         self.softcap = config.attn_logit_softcap
         windows = config.layer_windows
         self.sliding_window = windows[layer_index] if windows else None
         self.sink_token_length = config.sink_token_length if self.sliding_window else 0
         self.local_rope = config.local_rope is not None and self.sliding_window is not None
-        if config.fused_checkpoint:
-            self.qkv_proj = Linear(
-                config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
-            )
+        q_rows, kv_rows = (first_head * d, self.q_size), (first_kv * d, self.kv_size)
+        if config.fused_checkpoint:  # one q|k|v tensor: this rank's rows of each part
+            q_full, kv_full = config.num_heads * d, config.num_kv_heads * d
+            parts = {
+                "q": q_rows,
+                "k": (q_full + kv_rows[0], self.kv_size),
+                "v": (q_full + kv_full + kv_rows[0], self.kv_size),
+            }
         else:
-            self.qkv_proj = Linear.merged(
-                config.hidden_size,
-                {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
-                bias=config.qkv_bias,
-            )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+            parts = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}
+        self.qkv_proj = Linear.column(
+            config.hidden_size, parts, tp, bias=config.qkv_bias, fused=config.fused_checkpoint
+        )
+        self.o_proj = Linear.row(config.num_heads * d, config.hidden_size, tp, bias=config.o_bias)
         self.q_norm = self.k_norm = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_unit_offset)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_unit_offset)
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, config.norm_unit_offset)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, config.norm_unit_offset)
         self.backend = backend
         # options only when set: a backend without them still serves every other model
         self.attention_options = {} if self.softcap is None else {"softcap": self.softcap}

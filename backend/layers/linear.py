@@ -9,6 +9,10 @@ Steps of several tokens run torch's GEMM. One-token steps on GPU run the weight-
 (`backend.kernels.gemv`) with the neighbouring work fused in: an RMSNorm or silu·mul prologue, a
 residual-add epilogue, split attention merged as it is read, or (the qkv projection) rotary and
 the KV-cache write (`backend.kernels.qkv_rope`).
+
+Tensor parallel (`backend.tensor_parallel`): a column-parallel layer holds its rank's output rows
+(of each fused projection), a row-parallel one its input columns and all-reduces its partial
+sums before adding the bias; `shard_of` cuts a full checkpoint tensor down to the rank's part.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 from backend.attention.split_partials import SplitPartials
 from backend.layers.norm import RMSNorm
 from backend.quantization import GGUFWeight, QuantizedWeight
+from backend.tensor_parallel import TensorParallel
 
 try:  # CPU-only installs without Triton use the torch path
     from backend.kernels import gemv
@@ -49,6 +54,12 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.shards = shards
         self.quantized: QuantizedWeight | None = None  # in place of `weight` when quantized
+        self.tp = TensorParallel()
+        self.parallel: str | None = None  # "column" | "row" across the ranks of `tp`
+        # column: each projection's first row in its full tensor; row: the first input column
+        self.full_start: dict[str | None, int] | int = 0
+        # column, from a fused checkpoint tensor: (first row, rows) of each of its parts
+        self.fused_parts: list[tuple[int, int]] | None = None
 
     @classmethod
     def merged(cls, in_features: int, sizes: dict[str, int], bias: bool = False) -> "Linear":
@@ -58,6 +69,53 @@ class Linear(nn.Module):
             shards[name] = (start, size)
             start += size
         return cls(in_features, start, bias, shards)
+
+    @classmethod
+    def column(
+        cls,
+        in_features: int,
+        parts: dict[str, tuple[int, int]],
+        tp: TensorParallel,
+        bias: bool = False,
+        fused: bool = False,
+    ) -> "Linear":
+        """A column-parallel layer of the projections `parts` (Hugging Face name -> (first row,
+        rows) of this rank's part of its full tensor), fused in order. `fused`: the checkpoint
+        stores the parts as one tensor (Phi-3), their first rows counted in it."""
+        sizes = {name: rows for name, (_, rows) in parts.items()}
+        if fused:
+            layer = cls(in_features, sum(sizes.values()), bias)
+        else:
+            layer = cls.merged(in_features, sizes, bias)
+        if tp.enabled:
+            layer.tp, layer.parallel = tp, "column"
+            layer.full_start = {name: first for name, (first, _) in parts.items()}
+            if fused:
+                layer.fused_parts = list(parts.values())
+        return layer
+
+    @classmethod
+    def row(
+        cls, in_features: int, out_features: int, tp: TensorParallel, bias: bool = False
+    ) -> "Linear":
+        """A row-parallel layer: this rank's `in_features` share of the input columns."""
+        layer = cls(in_features // tp.size, out_features, bias)
+        if tp.enabled:
+            layer.tp, layer.parallel = tp, "row"
+            layer.full_start = tp.part(in_features, "projection inputs")[0]
+        return layer
+
+    def shard_of(self, projection: str | None, kind: str, full: torch.Tensor) -> torch.Tensor:
+        """The part of a full checkpoint tensor (`kind` "weight" or "bias" of `projection`, a
+        name of `shards`) that this rank holds."""
+        if self.parallel == "column" and self.fused_parts is not None:
+            return torch.cat([full.narrow(0, first, rows) for first, rows in self.fused_parts])
+        if self.parallel == "column":
+            rows = self.shards[projection][1] if self.shards else self.out_features
+            return full.narrow(0, self.full_start[projection], rows)
+        if self.parallel == "row" and kind == "weight":
+            return full.narrow(1, self.full_start, self.in_features)
+        return full
 
     def set_quantized(self, quantized: QuantizedWeight) -> None:
         """Hold `quantized` (of this layer's shape) in place of the weight from now on."""
@@ -99,6 +157,9 @@ class Linear(nn.Module):
         return self.quantized.dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel == "row":  # the bias once, after the partial sums
+            y = self.tp.all_reduce(F.linear(x, self.dense_weight(x.dtype)))
+            return y if self.bias is None else y + self.bias
         if self.quantized is not None:
             return self.quantized.matmul(x, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -109,6 +170,7 @@ class Linear(nn.Module):
             gemv is not None
             and x.is_cuda
             and self.quantized is None
+            and self.parallel != "row"  # its residual epilogue would add partial sums
             and gemv.supports(x, self.weight)
         )
 

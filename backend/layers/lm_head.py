@@ -2,22 +2,38 @@
 
 At one row on GPU it is one GEMV with the norm as its prologue and float32 out (one kernel
 instead of a norm, a GEMM and a cast).
+
+Tensor parallel, each rank projects onto its slice of the vocabulary (the embedding's slice, so
+a tied head shares it) and the slices are gathered: every rank ends with the whole row.
 """
 
 from __future__ import annotations
 
 import torch
 
+from backend.layers.embedding import vocab_rows
 from backend.layers.linear import Linear
 from backend.layers.norm import RMSNorm
+from backend.tensor_parallel import TensorParallel
 
 
 class LMHead(Linear):
-    def __init__(self, hidden_size: int, vocab_size: int):
-        super().__init__(hidden_size, vocab_size, bias=False)
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel | None = None):
+        tp = tp or TensorParallel()
+        first_id, rows = tp.vocab_part(vocab_size)
+        super().__init__(hidden_size, rows, bias=False)
+        self.tp, self.vocab_size, self.first_id = tp, vocab_size, first_id
 
     def forward(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """hidden [N, hidden_size] (the residual after the last layer) -> logits [N, vocab_size]."""
+        if self.tp.enabled:
+            return self.tp.gather_columns(self._local(hidden, norm), self.vocab_size)
+        return self._local(hidden, norm)
+
+    def shard_of(self, projection, kind: str, full: torch.Tensor) -> torch.Tensor:
+        return vocab_rows(full, self.first_id, self.out_features)
+
+    def _local(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         if self.takes_one_token(hidden) and not norm.unit_offset:
             logits = torch.empty(
                 (1, self.weight.shape[0]), dtype=torch.float32, device=hidden.device

@@ -4,6 +4,9 @@ fill the projection as one tensor (`fused_checkpoint`).
 
 At one token on GPU (`add_one_token`) that is two kernels: gate|up with the norm before it as
 its prologue, down with silu·mul as its prologue and the residual add as its epilogue.
+
+Tensor parallel, gate|up is column-parallel (a slice of the intermediate size) and down
+row-parallel.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from torch import nn
 from backend.layers.activation import GATED_ACTIVATIONS
 from backend.layers.linear import ONE_TOKEN_MAX_HIDDEN, Linear
 from backend.layers.norm import RMSNorm
+from backend.tensor_parallel import TensorParallel
 
 
 class GatedMLP(nn.Module):
@@ -23,15 +27,20 @@ class GatedMLP(nn.Module):
         intermediate_size: int,
         act: str = "silu",
         fused_checkpoint: bool = False,
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
-        if fused_checkpoint:
-            self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
-        else:
-            self.gate_up_proj = Linear.merged(
-                hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}
-            )
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        tp = tp or TensorParallel()
+        first, rows = tp.part(intermediate_size, "intermediate size")
+        # a fused gate|up checkpoint tensor: this rank's rows of each half
+        up_first = intermediate_size + first if fused_checkpoint else first
+        self.gate_up_proj = Linear.column(
+            hidden_size,
+            {"gate_proj": (first, rows), "up_proj": (up_first, rows)},
+            tp,
+            fused=fused_checkpoint,
+        )
+        self.down_proj = Linear.row(intermediate_size, hidden_size, tp)
         self.act = act
         self.act_and_mul = GATED_ACTIVATIONS[act]
 

@@ -1,7 +1,8 @@
 """Hugging Face-named weights into a model built from `backend.layers`.
 
 A parameter keeps its Hugging Face name, except in fused projections (`Linear.shards`: q|k|v,
-gate|up), whose Hugging Face tensors each fill their rows of the fused weight.
+gate|up), whose Hugging Face tensors each fill their rows of the fused weight. A tensor-parallel
+layer (one with `shard_of`) takes its rank's part of each full tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def load_hf_weights(
     Names in `ignored` (and rotary inverse frequencies) are skipped. Raises ValueError on an
     unknown name, a wrong shape or a missing tensor."""
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     targets = weight_targets(model)
     loaded = set()
     for hf_name, tensor in weights:
@@ -29,6 +31,10 @@ def load_hf_weights(
         if hf_name not in targets:
             raise ValueError(f"unexpected weight {hf_name!r} for this model")
         name, rows = targets[hf_name]
+        module_name, _, kind = name.rpartition(".")
+        shard_of = getattr(modules[module_name], "shard_of", None)
+        if shard_of is not None:
+            tensor = shard_of(hf_name.split(".")[-2] if rows else None, kind, tensor)
         dst = params[name].data if rows is None else params[name].data.narrow(0, *rows)
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(

@@ -32,17 +32,25 @@ from backend.layers import (
 )
 from backend.model_config import ModelConfig
 from backend.models.hf_weights import load_hf_weights
+from backend.tensor_parallel import TensorParallel
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, attention: AttentionBackend):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_index: int,
+        attention: AttentionBackend,
+        tp: TensorParallel | None = None,
+    ):
         super().__init__()
-        self.self_attn = SelfAttention(config, layer_index, attention)
+        self.self_attn = SelfAttention(config, layer_index, attention, tp)
         self.mlp = GatedMLP(
             config.hidden_size,
             config.intermediate_size,
             config.hidden_act,
             config.fused_checkpoint,
+            tp,
         )
         self.input_layernorm = model_norm(config)
         self.post_attention_layernorm = model_norm(config)
@@ -75,12 +83,13 @@ class LlamaModel(nn.Module):
         attention: AttentionBackend,
         max_positions: int,
         layer_class: type[nn.Module] = LlamaDecoderLayer,
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, tp)
         self.embedding_scale = config.embedding_scale
         self.layers = nn.ModuleList(
-            layer_class(config, i, attention) for i in range(config.num_layers)
+            layer_class(config, i, attention, tp) for i in range(config.num_layers)
         )
         self.norm = model_norm(config)
         self.rotary = RotaryEmbedding(
@@ -124,8 +133,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """See the module docstring for the engine interface.
 
-    `max_positions` sizes the RoPE cache (the longest sequence served).
+    `max_positions` sizes the RoPE cache (the longest sequence served). `tp`: this rank's place
+    in a tensor-parallel group (`backend.tensor_parallel`); then the model holds its shard.
     """
+
+    supports_tensor_parallel = True
 
     def __init__(
         self,
@@ -133,14 +145,14 @@ class LlamaForCausalLM(nn.Module):
         attention: AttentionBackend | None = None,
         max_positions: int | None = None,
         layer_class: type[nn.Module] = LlamaDecoderLayer,
+        tp: TensorParallel | None = None,
     ):
         super().__init__()
         self.config = config
         attention = attention or get_attention_backend("torch")
-        self.model = LlamaModel(
-            config, attention, max_positions or config.max_position_embeddings, layer_class
-        )
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        max_positions = max_positions or config.max_position_embeddings
+        self.model = LlamaModel(config, attention, max_positions, layer_class, tp)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 

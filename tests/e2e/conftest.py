@@ -2,10 +2,13 @@
 
 The repository is built by `ensemble` with small engine settings for a CPU (small KV cache, short
 max_seq_len) into a temporary directory, on free ports; the server is stopped at the end.
+$E2E_TENSOR_PARALLEL_SIZE (e.g. 3 for the default model's 9 heads) runs every server's engine
+split across that many ranks.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,7 @@ E2E_SETTINGS = dict(
     default_max_tokens=32,
     cancellation_check_period_ms=50,
     stats_check_period_ms=100,
+    tensor_parallel_size=int(os.environ.get("E2E_TENSOR_PARALLEL_SIZE", "1")),
 )
 
 

@@ -16,7 +16,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about
 
 @pytest.fixture(scope="module")
 def kept(tmp_path_factory):
-    with running_triton(tmp_path_factory.mktemp("triton-gguf"), quantization="gguf") as server:
+    with running_triton(
+        tmp_path_factory.mktemp("triton-gguf"), quantization="gguf", tensor_parallel_size=1
+    ) as server:
         yield server
 
 

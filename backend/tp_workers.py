@@ -1,0 +1,178 @@
+"""The worker processes of a tensor-parallel engine, and the step inputs rank 0 sends them.
+
+Rank 0 is the engine (scheduler, sampler, outputs); it starts ranks 1..N-1 with the spawn start
+method (fork can deadlock on a parent's threads). Each worker builds its shard of the model and
+a KV pool of its own (the same number of blocks on every rank: the least any rank can hold,
+since rank 0's block tables address them all), then follows: for each step rank 0 broadcasts
+the packed step inputs it built (token ids, positions, cache slots, query starts, context
+lengths, block tables, logit rows, the rows whose ids are in flight, and the prompt rows some
+request wants log-probs of) and every rank runs the forward pass and the logits (whose
+collectives pair up). Only rank 0 samples, from the gathered logits: sampling state (seeded
+generators, penalties' token history) lives with the requests on rank 0 alone, and the ids every
+rank computes with next are the ones rank 0 sends, so no rank can pick another token.
+
+A worker's death: a watchdog thread on rank 0 waits on the workers' process sentinels and names
+the rank that died; a collective with a dead peer fails at once (a hung one after
+`COLLECTIVE_TIMEOUT_S`), and the engine then fails its requests with that message and stops
+(`backend.executor`).
+
+Step message on the gloo group: a header of HEADER_LEN int64 (command, the eight array lengths,
+chunks, block-table width, prompt spans), then one int64 payload of the arrays and the spans.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import socket
+import threading
+from multiprocessing.connection import wait
+
+import numpy as np
+import torch
+
+from backend.config import EngineConfig
+from backend.tensor_parallel import TensorParallelError
+
+log = logging.getLogger(__name__)
+
+HEADER_LEN = 12
+STOP, STEP = 0, 1
+# input ids, positions, slots, query starts, context lengths, block tables, logit rows, fill rows
+ARRAY_DTYPES = (np.int64, np.int64, np.int64, np.int32, np.int32, np.int32, np.int64, np.int64)
+IDLE_WAIT = datetime.timedelta(days=3650)  # a worker waits for the next step as long as it takes
+DEATH_GRACE_S = 2.0  # how long a failed collective waits for the watchdog to name a dead rank
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(config: EngineConfig, rank: int, device: torch.device) -> torch.device:
+    """The device of `rank`: on CUDA the `gpu_device_ids` entry of the rank, else its index."""
+    if device.type != "cuda":
+        return device
+    ids = [int(i) for i in config.gpu_device_ids.split(",")] if config.gpu_device_ids else None
+    return torch.device("cuda", ids[rank] if ids else rank)
+
+
+# ---- step inputs ---------------------------------------------------------------------------------
+def send_step(tp, arrays: list[np.ndarray], spans: list[tuple[int, int]]) -> None:
+    """Rank 0: broadcast a step's host arrays (ARRAY_DTYPES' order; the fill rows only when
+    some input is in flight) and its prompt spans (first row, rows)."""
+    header = np.zeros(HEADER_LEN, dtype=np.int64)
+    header[0] = STEP
+    header[1 : 1 + len(arrays)] = [a.size for a in arrays]
+    header[9], header[10] = arrays[5].shape
+    header[11] = len(spans)
+    parts = [a.reshape(-1).astype(np.int64, copy=False) for a in arrays]
+    parts.append(np.asarray(spans, dtype=np.int64).reshape(-1))
+    tp.broadcast(torch.from_numpy(header), host=True)
+    tp.broadcast(torch.from_numpy(np.concatenate(parts)), host=True)
+
+
+def send_stop(tp) -> None:
+    header = np.zeros(HEADER_LEN, dtype=np.int64)
+    tp.broadcast(torch.from_numpy(header), host=True)
+
+
+def receive_step(tp) -> tuple[list[np.ndarray], list[tuple[int, int]]] | None:
+    """A worker: the next step's arrays and prompt spans, or None when rank 0 stops."""
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    tp.cpu_group.broadcast(header, 0, IDLE_WAIT).wait()
+    header = header.numpy()
+    if header[0] == STOP:
+        return None
+    sizes = header[1:9]
+    payload = torch.empty(int(sizes.sum() + 2 * header[11]), dtype=torch.int64)
+    tp.broadcast(payload, host=True)
+    values, arrays, at = payload.numpy(), [], 0
+    for i, (size, dtype) in enumerate(zip(sizes, ARRAY_DTYPES)):
+        if size or i < len(ARRAY_DTYPES) - 1:  # the fill rows only when some id is in flight
+            arrays.append(values[at : at + size].astype(dtype))
+        at += size
+    arrays[5] = arrays[5].reshape(int(header[9]), int(header[10]))
+    spans = values[at:].reshape(-1, 2).tolist()
+    return arrays, [tuple(s) for s in spans]
+
+
+# ---- the workers, seen from rank 0 ---------------------------------------------------------------
+class Workers:
+    """Ranks 1..N-1 as processes, with a watchdog. `on_death(message)` is called (from the
+    watchdog thread) when one of them exits while the engine runs."""
+
+    def __init__(self, config: EngineConfig, port: int):
+        context = multiprocessing.get_context("spawn")
+        self.processes = [
+            context.Process(
+                target=worker_main, args=(config, rank, port), name=f"tp-rank-{rank}", daemon=True
+            )
+            for rank in range(1, config.tensor_parallel_size)
+        ]
+        for process in self.processes:
+            process.start()
+        self.dead: str | None = None  # names the first rank that died
+        self.on_death = lambda message: None
+        self._stopping = False
+        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+        ended = wait(list(sentinels))
+        if self._stopping:
+            return
+        rank = sentinels[ended[0]]
+        self.processes[rank - 1].join(timeout=1)
+        message = self._death(rank)
+        log.error(message)
+        self.on_death(message)
+
+    def _death(self, rank: int) -> str:
+        """Record and return the message naming `rank`, which has exited (the first one wins)."""
+        process = self.processes[rank - 1]
+        if self.dead is None:
+            self.dead = (
+                f"tensor-parallel rank {rank} (pid {process.pid}) died "
+                f"(exit code {process.exitcode}); the engine cannot run"
+            )
+        return self.dead
+
+    def explain(self, exc: TensorParallelError) -> TensorParallelError:
+        """A failed collective, named after the rank that died when one did (waiting a moment
+        for it to be gone)."""
+        for rank, process in enumerate(self.processes, start=1):
+            if self.dead is None:
+                process.join(timeout=DEATH_GRACE_S / len(self.processes))
+                if process.exitcode is not None:
+                    self._death(rank)
+        return TensorParallelError(self.dead) if self.dead else exc
+
+    def stop(self, tp, timeout_s: float = 30.0) -> None:
+        """Tell the workers to exit (when all live) and wait; kill those that do not."""
+        self._stopping = True
+        if tp is not None and self.dead is None and all(p.is_alive() for p in self.processes):
+            try:
+                send_stop(tp)
+            except TensorParallelError:
+                pass
+        for process in self.processes:
+            process.join(timeout=timeout_s)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+# ---- a worker (its own process) ------------------------------------------------------------------
+def worker_main(config: EngineConfig, rank: int, port: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO, format=f"tp-rank-{rank} %(levelname)s %(name)s: %(message)s"
+    )
+    from backend.model_runner import ModelRunner
+
+    runner = ModelRunner(config, tp_rank=rank, tp_port=port)
+    runner.follow()
+    runner.release()
