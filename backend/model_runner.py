@@ -147,7 +147,7 @@ class ModelRunner:
                 )
             if tp_rank == 0:  # the model splits: start the other ranks
                 tp_port = tp_workers.free_port()
-                self.workers = tp_workers.Workers(config, tp_port)
+                self.workers = tp_workers.Workers(config, tp_port, type(self))
             self.tp = connect(tp_rank, size, tp_port, self.device)
         self.decode_graphs: DecodeGraphs | None = None
         # Two staging buffers, used in turn, each with an event marking its last copy: with

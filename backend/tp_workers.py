@@ -104,11 +104,14 @@ class Workers:
     """Ranks 1..N-1 as processes, with a watchdog. `on_death(message)` is called (from the
     watchdog thread) when one of them exits while the engine runs."""
 
-    def __init__(self, config: EngineConfig, port: int):
+    def __init__(self, config: EngineConfig, port: int, runner_class: type):
         context = multiprocessing.get_context("spawn")
         self.processes = [
             context.Process(
-                target=worker_main, args=(config, rank, port), name=f"tp-rank-{rank}", daemon=True
+                target=worker_main,
+                args=(runner_class, config, rank, port),
+                name=f"tp-rank-{rank}",
+                daemon=True,
             )
             for rank in range(1, config.tensor_parallel_size)
         ]
@@ -167,12 +170,11 @@ class Workers:
 
 
 # ---- a worker (its own process) ------------------------------------------------------------------
-def worker_main(config: EngineConfig, rank: int, port: int) -> None:
+def worker_main(runner_class: type, config: EngineConfig, rank: int, port: int) -> None:
+    """`runner_class`: rank 0's model runner class (passed, not imported: it imports this)."""
     logging.basicConfig(
         level=logging.INFO, format=f"tp-rank-{rank} %(levelname)s %(name)s: %(message)s"
     )
-    from backend.model_runner import ModelRunner
-
-    runner = ModelRunner(config, tp_rank=rank, tp_port=port)
+    runner = runner_class(config, tp_rank=rank, tp_port=port)
     runner.follow()
     runner.release()

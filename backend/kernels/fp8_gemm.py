@@ -55,22 +55,21 @@ def _fp8_gemm_kernel(
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    xq: torch.Tensor,
+    x_scales: torch.Tensor,
     qweight: torch.Tensor,
     w_scales: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    out_dtype: torch.dtype,
     block_m: int = 64,
     block_n: int = 64,
     block_k: int = 128,
 ) -> torch.Tensor:
-    """x [M, K] (bf16/fp16/fp32) -> x @ W^T (+ bias) [M, N] in x's dtype; qweight e4m3 [N, K],
-    w_scales float32 [N]."""
-    from backend.quantization.fp8 import quantize_rows
-
-    xq, x_scales = quantize_rows(x)
-    m, (n, k) = x.shape[0], qweight.shape
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    """Activations already quantized per row (xq e4m3 [M, K], x_scales float32 [M, 1]) ->
+    x @ W^T (+ bias) [M, N] in out_dtype; qweight e4m3 [N, K], w_scales float32 [N]."""
+    m, (n, k) = xq.shape[0], qweight.shape
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     _fp8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         xq.contiguous(),
         x_scales.contiguous(),

@@ -49,7 +49,10 @@ class Fp8Weight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda and fp8_gemm is not None and fp8_gemm.supported(x.device):
-            return fp8_gemm.fp8_linear(x, self.qweight, self.scales, bias)
+            xq, x_scales = quantize_rows(x)
+            return fp8_gemm.fp8_linear(
+                xq, x_scales, self.qweight, self.scales, bias, out_dtype=x.dtype
+            )
         xq, x_scales = quantize_rows(x)
         out = (xq.float() @ self.qweight.float().t()) * x_scales * self.scales
         if bias is not None:

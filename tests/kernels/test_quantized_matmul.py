@@ -17,6 +17,7 @@ from backend.kernels.fp8_gemm import fp8_linear  # noqa: E402
 from backend.kernels.int4_matmul import int4_gemm, int4_gemv  # noqa: E402
 from backend.kernels.int8_matmul import int8_gemm, int8_gemv  # noqa: E402
 from backend.quantization import Fp8Weight, Int4Weight, Int8Weight  # noqa: E402
+from backend.quantization.fp8 import quantize_rows  # noqa: E402
 from backend.quantization.int4_packing import quantize_groups  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("interpretable_triton_language")
@@ -99,6 +100,8 @@ def test_fp8_gemm_is_the_torch_path(m, n, k):
     bias = torch.randn(n)
     expected = weight.matmul(x, bias)  # the CPU torch path
     weight, x, bias = weight.to(DEVICE), x.to(DEVICE), bias.to(DEVICE)
-    _relative_close(fp8_linear(x, weight.qweight, weight.scales, bias).cpu(), expected)
-    small = fp8_linear(x, weight.qweight, weight.scales, bias, block_m=16, block_n=16, block_k=32)
+    xq, x_scales = quantize_rows(x)
+    args = (xq, x_scales, weight.qweight, weight.scales, bias)
+    _relative_close(fp8_linear(*args, out_dtype=x.dtype).cpu(), expected)
+    small = fp8_linear(*args, out_dtype=x.dtype, block_m=16, block_n=16, block_k=32)
     _relative_close(small.cpu(), expected)
