@@ -13,10 +13,10 @@ from backend.validation import check_fields, check_int
 SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # Weight formats (backend/quantization/): "none" de-quantizes a GGUF once into a cached float32
-# copy; "gguf" keeps a GGUF's blocks; int8_wo quantizes float weights at load; int4_awq/int4_gptq
-# load AWQ/GPTQ checkpoints; fp8 loads an FP8 checkpoint or quantizes float weights at load;
-# "auto" is what the checkpoint declares (a .gguf file or the default model: gguf).
-QUANTIZATIONS = ("none", "gguf", "int8_wo", "int4_awq", "int4_gptq", "fp8", "auto")
+# copy; "gguf" keeps a GGUF's blocks; int8_wo/int4_wo quantize float weights at load;
+# int4_awq/int4_gptq load AWQ/GPTQ checkpoints; fp8 loads an FP8 checkpoint or quantizes float
+# weights at load; "auto" is what the checkpoint declares (a .gguf file or the default model: gguf).
+QUANTIZATIONS = ("none", "gguf", "int8_wo", "int4_wo", "int4_awq", "int4_gptq", "fp8", "auto")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Load a model: a Hugging Face directory (see backend/model_paths.py for names and files) ->
 our model, with safetensors weights or random ones for a preset, or the blocks of a GGUF file
 kept quantized (backend/gguf_weights.py). A quantized checkpoint (AWQ, GPTQ, FP8) keeps its
-format; int8_wo and fp8 quantize float weights once loaded (backend/quantization/). The weights'
-resident size is logged."""
+format; int8_wo, int4_wo and fp8 quantize float weights once loaded (backend/quantization/).
+The weights' resident size is logged."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import os
 # quantization_config.quant_method -> the `quantization` value that serves it
 DECLARED = {"awq": "int4_awq", "gptq": "int4_gptq", "fp8": "fp8"}
 # Formats quantized at load from a float checkpoint.
-AT_LOAD = ("int8_wo", "fp8")
+AT_LOAD = ("int8_wo", "int4_wo", "fp8")
 
 
 def quantization_config(model_dir: str) -> dict | None:
@@ -38,8 +38,9 @@ def declared_quantization(model_dir: str) -> str:
 def pick_quantization(requested: str, model_dir: str) -> str:
     """The format to load `model_dir` in for the engine parameter `quantization` (not "gguf",
     which `backend.model_paths.kept_gguf` handles): "auto" is what the checkpoint declares;
-    int4 formats need their checkpoint; int8_wo and fp8 quantize a float checkpoint at load;
-    fp8 also loads an FP8 checkpoint. Raises ValueError naming the rule otherwise."""
+    int4_awq/int4_gptq need their checkpoint; int8_wo, int4_wo and fp8 quantize a float
+    checkpoint at load; fp8 also loads an FP8 checkpoint. Raises ValueError naming the rule
+    otherwise."""
     declared = declared_quantization(model_dir)
     if requested == "auto" or requested == declared:
         return declared

@@ -10,6 +10,10 @@ difference: B requests of `--isl` prompt tokens generate N1 and then N2 tokens; 
 N2 - N1 decode steps take (wall2 - wall1), so prefill and start-up cancel out.
 
     python -m benchmarks.decode_floor --model llama-3.2-1b --batch 1 --isl 128 --json OUT
+
+`--quantization` reads the weights in that format (a preset's random weights: a format quantized at
+load, int8_wo, int4_wo or fp8); the floor then counts the bytes the format stores. With
+`--max-attention-window W` each sequence's KV read is its last W tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from backend.config import EngineConfig
 from backend.executor import Executor
 from backend.sampling_params import SamplingParams
+from backend.quantization import QuantizedWeight
 from benchmarks.provenance import provenance, save_json
 
 
@@ -47,10 +52,11 @@ def _sync(device: torch.device) -> None:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Every parameter once (a tied embedding/lm_head matrix is read once, by the lm_head)."""
+    """Every parameter and quantized weight once (a tied embedding/lm_head matrix is read once)."""
     seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
+    quantized = [b for m in model.modules() if isinstance(m, QuantizedWeight) for b in m.buffers()]
+    for p in [*model.parameters(), *quantized]:
+        if p.numel() and p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
@@ -74,7 +80,9 @@ def timed_generate(executor: Executor, prompts, max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(executor: Executor, batch: int, isl: int, n1: int, n2: int, repeats: int) -> dict:
+def measure(
+    executor: Executor, batch: int, isl: int, n1: int, n2: int, repeats: int, window: int | None
+) -> dict:
     rng = random.Random(0)
     # Distinct prompts: prefix reuse must not shrink the work.
     prompts = [
@@ -90,7 +98,7 @@ def measure(executor: Executor, batch: int, isl: int, n1: int, n2: int, repeats:
     step_s = diffs[len(diffs) // 2]
     runner = executor.runner
     mean_context = isl + (n1 + n2) / 2
-    kv_read = batch * mean_context * kv_bytes_per_token(runner)
+    kv_read = batch * min(mean_context, window or mean_context) * kv_bytes_per_token(runner)
     kv_write = batch * kv_bytes_per_token(runner)
     logits = batch * runner.vocab_size * 4
     total = weight_bytes(runner.model) + kv_read + kv_write + logits
@@ -116,19 +124,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default="none")
+    p.add_argument("--max-attention-window", type=int, default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
     max_batch = max(args.batch)
     seq = args.isl + args.n2 + 1
+    budget = max(2048, min(max_batch * args.isl, 16384))
+    held = (
+        seq if args.max_attention_window is None else min(seq, args.max_attention_window + budget)
+    )
     config = EngineConfig(
         model_path=args.model,
+        quantization=args.quantization,
+        max_attention_window_size=(
+            None if args.max_attention_window is None else str(args.max_attention_window)
+        ),
         device=args.device,
         dtype=args.dtype,
         max_batch_size=max_batch,
-        max_num_tokens=max(2048, min(max_batch * args.isl, 16384)),
+        max_num_tokens=budget,
         max_seq_len=seq,
-        max_tokens_in_paged_kv_cache=max_batch * (seq + 64),
+        max_tokens_in_paged_kv_cache=max_batch * (held + 64),
         enable_kv_cache_reuse=False,
     )
     executor = Executor(config)
@@ -136,7 +154,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rate = copy_rate_bytes_per_s(device)
     results = []
     for batch in args.batch:
-        r = measure(executor, batch, args.isl, args.n1, args.n2, args.repeats)
+        r = measure(
+            executor, batch, args.isl, args.n1, args.n2, args.repeats, args.max_attention_window
+        )
         floor_s = r["bytes_per_step"] / rate
         results.append(
             {
@@ -144,6 +164,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 **provenance(device),
                 "model": args.model,
                 "dtype": str(executor.runner.dtype).replace("torch.", ""),
+                "quantization": args.quantization,
+                "max_attention_window_size": args.max_attention_window,
                 "batch": batch,
                 "isl": args.isl,
                 **r,

@@ -10,7 +10,8 @@ Formats (the engine parameter `quantization`, TensorRT-LLM's names where they ex
 - `gguf`     `GGUFWeight`: a GGUF file's blocks as stored (backend/gguf_blocks.py)
 - `int8_wo`  `Int8Weight`: int8, one symmetric scale per output channel, quantized at load
 - `int4_awq` / `int4_gptq` `Int4Weight`: 4-bit with a scale and zero point per group of input
-  channels, from AWQ / GPTQ checkpoints (backend/quantization/int4_packing.py has the layouts)
+  channels, from AWQ / GPTQ checkpoints (backend/quantization/int4_packing.py has the layouts);
+  `int4_wo`: the same, rounded to nearest from float weights at load
 - `fp8`      `Fp8Weight`: float8 e4m3 with per-channel scales, activations quantized per token
   (W8A8), quantized at load or from an FP8 checkpoint
 The lm_head and the embedding stay dense (quantized checkpoints leave them so too), except GGUF's.

@@ -1,6 +1,6 @@
-"""Quantized weights into a model: float weights quantized at load (int8_wo, fp8), and quantized
-Hugging Face checkpoints (AWQ, GPTQ, FP8; which one a directory holds: backend/weight_formats.py)
-loaded into `QuantizedWeight`s.
+"""Quantized weights into a model: float weights quantized at load (int8_wo, int4_wo, fp8), and
+quantized Hugging Face checkpoints (AWQ, GPTQ, FP8; which one a directory holds:
+backend/weight_formats.py) loaded into `QuantizedWeight`s.
 
 A quantized checkpoint names each quantized projection's tensors after it
 (`model.layers.0.self_attn.q_proj.qweight`, `.qzeros`, `.scales`, ...), in place of `.weight`;
@@ -26,12 +26,16 @@ from backend.quantization.int4_packing import awq_values, gptq_values
 from backend.quantization.int8 import Int8Weight
 
 # Formats quantized at load from a float checkpoint (backend.weight_formats.AT_LOAD).
-QUANTIZERS = {"int8_wo": Int8Weight.quantize, "fp8": Fp8Weight.quantize}
+QUANTIZERS = {
+    "int8_wo": Int8Weight.quantize,
+    "int4_wo": Int4Weight.quantize,
+    "fp8": Fp8Weight.quantize,
+}
 
 
 def quantize_at_load(model: nn.Module, quantization: str) -> int:
     """Replace the weight of every Linear except the lm_head by its `quantization` form
-    (int8_wo, fp8); returns how many layers changed."""
+    (int8_wo, int4_wo, fp8); returns how many layers changed."""
     quantize = QUANTIZERS[quantization]
     count = 0
     for name, module in model.named_modules():

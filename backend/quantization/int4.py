@@ -1,6 +1,7 @@
-"""W4A16 (`int4_awq`, `int4_gptq`): 4-bit weights with a scale and a zero point per group of
-`group_size` input channels, loaded from AWQ or GPTQ checkpoints (converted at load from their
-packed int32 layouts, backend/quantization/int4_packing.py); activations stay in the compute dtype.
+"""W4A16 (`int4_awq`, `int4_gptq`, `int4_wo`): 4-bit weights with a scale and a zero point per group
+of `group_size` input channels, loaded from AWQ or GPTQ checkpoints (converted at load from their
+packed int32 layouts, backend/quantization/int4_packing.py) or, `int4_wo`, rounded to nearest
+from float weights at load; activations stay in the compute dtype.
 
 Held as rows (output channels first, like every quantized weight):
     qweight uint8 [N, K / 2]  byte j of row n: input channel 2j in the low nibble, 2j + 1 high
@@ -14,6 +15,9 @@ from __future__ import annotations
 import torch
 
 from backend.quantization.base import QuantizedWeight
+from backend.quantization.int4_packing import quantize_groups
+
+AT_LOAD_GROUPS = (128, 64, 32)  # int4_wo: the largest that divides a layer's input width
 
 try:  # CPU-only installs without Triton use the torch path
     from backend.kernels import int4_matmul
@@ -44,6 +48,21 @@ class Int4Weight(QuantizedWeight):
         )
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float16, **kw))
         self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.uint8, **kw))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Int4Weight":
+        """Round-to-nearest, asymmetric, in groups of 128 input channels (64 or 32 where 128
+        does not divide the width)."""
+        out_features, in_features = weight.shape
+        group = next((g for g in AT_LOAD_GROUPS if in_features % g == 0), None)
+        if group is None:
+            raise ValueError(
+                f"quantization 'int4_wo' needs in_features divisible by 32, got {in_features}"
+            )
+        quantized = cls(out_features, in_features, group, device=weight.device)
+        for name, tensor in cls.rows(*quantize_groups(weight, group)).items():
+            getattr(quantized, name).copy_(tensor)
+        return quantized
 
     @staticmethod
     def rows(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:

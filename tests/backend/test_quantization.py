@@ -243,3 +243,25 @@ def test_building_a_repository_checks_the_format_first(tiny_hf_model, tmp_path, 
         check_quantization("default", quantization)
     with pytest.raises(ValueError, match="'int4_gptq' needs a checkpoint directory that declares"):
         check_quantization("default", "int4_gptq")
+
+
+def test_int4_wo_rounds_every_projection_to_nearest_at_load(tiny_hf_model, tmp_path):
+    _, directory = tiny_hf_model("llama", hidden_size=96, intermediate_size=256)
+    dense, kept = _load(directory), _load(directory, "int4_wo")
+    groups = set()
+    for name, layer in _projections(kept).items():
+        weight = dense.get_submodule(name).weight
+        assert isinstance(layer.quantized, Int4Weight)
+        groups.add(layer.quantized.group_size)
+        step = layer.quantized.scales.float().repeat_interleave(layer.quantized.group_size, 1)
+        error = (layer.dense_weight(torch.float32) - weight).abs()
+        # round to nearest: half a step, a whole one where a group's zero point was rounded
+        assert (error <= step + 1e-6).all() and (error / step).mean() < 0.3
+    assert groups == {32, 128}  # 96 wide inputs take 32, the 256 wide down projection 128
+    assert kept.lm_head.quantized is None
+    plain = rewritten_checkpoint(
+        directory,
+        tmp_path / "int4-dequantized",
+        lambda w: Int4Weight.quantize(w).dequantize(w.dtype),
+    )
+    assert _tokens(directory, "int4_wo") == _tokens(plain)
