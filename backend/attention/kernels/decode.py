@@ -509,10 +509,15 @@ def _merge_splits(
 
 def default_launch_config(head_dim: int, few_programs: bool = False) -> dict:
     """Key tile and launch shape for devices without a table entry: 64-token tiles, and 128-token
-    tiles with 8 warps for grids of few programs (benchmarks/README.md, "Kernel choices")."""
-    if few_programs:
-        return dict(BLOCK_N=128, num_warps=8, num_stages=3)
-    return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+    tiles with 8 warps for grids of few programs (benchmarks/README.md, "Kernel choices"); wider
+    heads take shorter tiles and two stages, so the K and V stages fit in shared memory."""
+    block_n = 128 if few_programs else 64
+    wide = head_dim > 128
+    return dict(
+        BLOCK_N=block_n * 128 // head_dim if wide else block_n,
+        num_warps=8 if few_programs else 4,
+        num_stages=2 if wide else 3,
+    )
 
 
 def tuning_key(head_dim: int, few_programs: bool) -> str:
