@@ -160,6 +160,9 @@ TOP_LOGPROB_INPUTS = (
     _opt("num_top_log_probs", "INT32"),
     _opt("return_prompt_log_probs", "BOOL"),
 )
+# Ours: the text of the response's tokens, when the repository has detokenize_in_llm (the ensemble
+# then reads it instead of running postprocessing).
+LLM_TEXT_OUTPUT = Tensor("text_output", "STRING", (-1,))
 TOP_LOGPROB_OUTPUTS = (
     Tensor("top_log_probs", "FP32", (-1, -1, -1)),
     Tensor("top_token_ids", "INT32", (-1, -1, -1)),
@@ -184,7 +187,8 @@ TENSORRT_LLM = ModelIO(
     )
     + LLM_SIDE_OUTPUTS
     + DETOK_OUTPUTS
-    + TOP_LOGPROB_OUTPUTS,
+    + TOP_LOGPROB_OUTPUTS
+    + (LLM_TEXT_OUTPUT,),
 )
 
 # ---- postprocessing ------------------------------------------------------------------------------
@@ -221,10 +225,16 @@ _LLM_TO_POST = {  # tensorrt_llm output -> (internal tensor, postprocessing inpu
     "llm_request_id": ("_LLM_REQUEST_ID", "LLM_REQUEST_ID"),
 }
 
-ENSEMBLE = ModelIO(
-    inputs=TEXT_INPUTS,
-    outputs=TEXT_OUTPUTS,
-    steps=(
+
+def ensemble_io(detokenize_in_llm: bool = False) -> ModelIO:
+    """preprocessing -> tensorrt_llm -> postprocessing, or with `detokenize_in_llm` the LLM's
+    own text_output and no postprocessing step."""
+    llm_outputs = {t.name: t.name for t in LLM_SIDE_OUTPUTS}
+    if detokenize_in_llm:
+        llm_outputs[LLM_TEXT_OUTPUT.name] = "text_output"
+    else:
+        llm_outputs.update({out: internal for out, (internal, _) in _LLM_TO_POST.items()})
+    steps = (
         Step(
             "preprocessing",
             ensemble_names("preprocessing"),
@@ -233,18 +243,21 @@ ENSEMBLE = ModelIO(
         Step(
             "tensorrt_llm",
             {**{inp: internal for internal, inp in _PRE_TO_LLM.values()}, **_LLM_FROM_ENSEMBLE},
-            {
-                **{t.name: t.name for t in LLM_SIDE_OUTPUTS},
-                **{out: internal for out, (internal, _) in _LLM_TO_POST.items()},
-            },
+            llm_outputs,
         ),
-        Step(
-            "postprocessing",
-            {inp: internal for internal, inp in _LLM_TO_POST.values()},
-            {"OUTPUT": "text_output"},
-        ),
-    ),
-)
+    )
+    if not detokenize_in_llm:
+        steps += (
+            Step(
+                "postprocessing",
+                {inp: internal for internal, inp in _LLM_TO_POST.values()},
+                {"OUTPUT": "text_output"},
+            ),
+        )
+    return ModelIO(inputs=TEXT_INPUTS, outputs=TEXT_OUTPUTS, steps=steps)
+
+
+ENSEMBLE = ensemble_io()
 
 BLS = ModelIO(inputs=TEXT_INPUTS, outputs=TEXT_OUTPUTS)
 
