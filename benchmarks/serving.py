@@ -130,7 +130,6 @@ def settings_for(args, model_dir: str):
         default_max_tokens=osl[1],
         triton_max_batch_size=min(64, top),
         postprocessing_batching=args.postprocessing_batching,
-        detokenize_in_llm=args.detokenize_in_llm,
         preprocessing_instance_count=4,
         http_port=free_port(),
         grpc_port=free_port(),
@@ -329,11 +328,6 @@ def main(argv: list[str] | None = None) -> int:
         "--postprocessing-batching",
         action="store_true",
         help="batch postprocessing (faster; ensemble cancellation then stops at Triton)",
-    )
-    p.add_argument(
-        "--detokenize-in-llm",
-        action="store_true",
-        help="the LLM model detokenizes; the ensemble skips postprocessing",
     )
     p.add_argument("--check-text", type=int, default=4)
     p.add_argument(
