@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ensemble.render import MODEL_NAMES, render_configs
 from ensemble.settings import ServeSettings
-from ensemble.tensors import MODELS, ensemble_io
+from ensemble.tensors import ENSEMBLE, MODELS
 from ensemble.wiring import check_wiring
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +19,7 @@ def build_repository(
     settings: ServeSettings, out_dir: str | Path, source: str | Path = SOURCE_REPOSITORY
 ) -> Path:
     """Render every config.pbtxt into out_dir and copy each model's `1/` code beside it."""
-    check_wiring(ensemble_io(settings.detokenize_in_llm), MODELS)
+    check_wiring(ENSEMBLE, MODELS)
     configs = render_configs(settings)
     out = Path(out_dir).resolve()
     source = Path(source).resolve()

@@ -7,14 +7,7 @@ written as "auto", which the models read back as "let the engine decide".
 from __future__ import annotations
 
 from ensemble.settings import ServeSettings, to_param
-from ensemble.tensors import (
-    BLS,
-    POSTPROCESSING,
-    PREPROCESSING,
-    TENSORRT_LLM,
-    Tensor,
-    ensemble_io,
-)
+from ensemble.tensors import BLS, ENSEMBLE, POSTPROCESSING, PREPROCESSING, TENSORRT_LLM, Tensor
 
 HEADER = (
     "# Rendered by `python -m ensemble build` from ensemble/settings.py; "
@@ -42,11 +35,10 @@ def render_ensemble(s: ServeSettings) -> str:
         'platform: "ensemble"',
         f"max_batch_size: {s.triton_max_batch_size}",
     ]
-    ensemble = ensemble_io(s.detokenize_in_llm)
-    lines += _tensors("input", ensemble.inputs) + _tensors("output", ensemble.outputs)
+    lines += _tensors("input", ENSEMBLE.inputs) + _tensors("output", ENSEMBLE.outputs)
     lines.append("ensemble_scheduling {")
     lines.append("  step [")
-    for i, step in enumerate(ensemble.steps):
+    for i, step in enumerate(ENSEMBLE.steps):
         lines.append("    {")
         lines.append(f'      model_name: "{step.model}"')
         lines.append("      model_version: -1")
@@ -54,7 +46,7 @@ def render_ensemble(s: ServeSettings) -> str:
             lines.append(f'      input_map {{ key: "{key}" value: "{value}" }}')
         for key, value in step.outputs.items():
             lines.append(f'      output_map {{ key: "{key}" value: "{value}" }}')
-        lines.append("    }" + ("," if i < len(ensemble.steps) - 1 else ""))
+        lines.append("    }" + ("," if i < len(ENSEMBLE.steps) - 1 else ""))
     lines += ["  ]", "}"]
     return _text(lines)
 
@@ -90,8 +82,6 @@ def render_tensorrt_llm(s: ServeSettings) -> str:
             "default_max_tokens": s.default_max_tokens,
             "cancellation_check_period_ms": s.cancellation_check_period_ms,
             "stats_check_period_ms": s.stats_check_period_ms,
-            "detokenize_in_llm": s.detokenize_in_llm,
-            "skip_special_tokens": s.skip_special_tokens,
         }
     )
     lines += _parameters(params)

@@ -44,10 +44,6 @@ class ServeSettings(EngineConfig):
     # request before postprocessing sees them, so the cancellation no longer reaches the engine.
     postprocessing_batching: bool = False
     postprocessing_instance_count: int = 1  # more only with postprocessing_batching (ordering)
-    # The LLM model detokenizes (its `text_output`) and the ensemble skips postprocessing: one
-    # round trip less per streamed response. A cancelled ensemble stream then runs to its end:
-    # Triton 2.51 tells only the steps after the LLM of an ensemble's cancellation.
-    detokenize_in_llm: bool = False
     bls_instance_count: int = 1
     max_queue_delay_microseconds: int = 0  # dynamic batching delay of preprocessing/tensorrt_llm
     cancellation_check_period_ms: int = 100

@@ -88,10 +88,7 @@ MEANING = {
         "the first response; such a request reuses no cached prefix"
     ),
     # ---- outputs
-    "text_output": (
-        "the generated text: the new piece when streaming, all of it otherwise "
-        "(`tensorrt_llm`: ours, only in a repository built with `detokenize_in_llm`)"
-    ),
+    "text_output": "the generated text: the new piece when streaming, all of it otherwise",
     "output_ids": "[beam, tokens]: the new ids when streaming, all of them otherwise",
     "sequence_length": "number of ids in `output_ids`, per beam",
     "cum_log_probs": "summed log-probs of the generated tokens (with `return_log_probs`, else 0)",

@@ -160,9 +160,6 @@ TOP_LOGPROB_INPUTS = (
     _opt("num_top_log_probs", "INT32"),
     _opt("return_prompt_log_probs", "BOOL"),
 )
-# Ours: the text of the response's tokens, when the repository has detokenize_in_llm (the ensemble
-# then reads it instead of running postprocessing).
-LLM_TEXT_OUTPUT = Tensor("text_output", "STRING", (-1,))
 TOP_LOGPROB_OUTPUTS = (
     Tensor("top_log_probs", "FP32", (-1, -1, -1)),
     Tensor("top_token_ids", "INT32", (-1, -1, -1)),
@@ -187,8 +184,7 @@ TENSORRT_LLM = ModelIO(
     )
     + LLM_SIDE_OUTPUTS
     + DETOK_OUTPUTS
-    + TOP_LOGPROB_OUTPUTS
-    + (LLM_TEXT_OUTPUT,),
+    + TOP_LOGPROB_OUTPUTS,
 )
 
 # ---- postprocessing ------------------------------------------------------------------------------
@@ -225,16 +221,10 @@ _LLM_TO_POST = {  # tensorrt_llm output -> (internal tensor, postprocessing inpu
     "llm_request_id": ("_LLM_REQUEST_ID", "LLM_REQUEST_ID"),
 }
 
-
-def ensemble_io(detokenize_in_llm: bool = False) -> ModelIO:
-    """preprocessing -> tensorrt_llm -> postprocessing, or with `detokenize_in_llm` the LLM's
-    own text_output and no postprocessing step."""
-    llm_outputs = {t.name: t.name for t in LLM_SIDE_OUTPUTS}
-    if detokenize_in_llm:
-        llm_outputs[LLM_TEXT_OUTPUT.name] = "text_output"
-    else:
-        llm_outputs.update({out: internal for out, (internal, _) in _LLM_TO_POST.items()})
-    steps = (
+ENSEMBLE = ModelIO(
+    inputs=TEXT_INPUTS,
+    outputs=TEXT_OUTPUTS,
+    steps=(
         Step(
             "preprocessing",
             ensemble_names("preprocessing"),
@@ -243,21 +233,18 @@ def ensemble_io(detokenize_in_llm: bool = False) -> ModelIO:
         Step(
             "tensorrt_llm",
             {**{inp: internal for internal, inp in _PRE_TO_LLM.values()}, **_LLM_FROM_ENSEMBLE},
-            llm_outputs,
+            {
+                **{t.name: t.name for t in LLM_SIDE_OUTPUTS},
+                **{out: internal for out, (internal, _) in _LLM_TO_POST.items()},
+            },
         ),
-    )
-    if not detokenize_in_llm:
-        steps += (
-            Step(
-                "postprocessing",
-                {inp: internal for internal, inp in _LLM_TO_POST.values()},
-                {"OUTPUT": "text_output"},
-            ),
-        )
-    return ModelIO(inputs=TEXT_INPUTS, outputs=TEXT_OUTPUTS, steps=steps)
-
-
-ENSEMBLE = ensemble_io()
+        Step(
+            "postprocessing",
+            {inp: internal for internal, inp in _LLM_TO_POST.values()},
+            {"OUTPUT": "text_output"},
+        ),
+    ),
+)
 
 BLS = ModelIO(inputs=TEXT_INPUTS, outputs=TEXT_OUTPUTS)
 

@@ -209,7 +209,6 @@ def test_each_response_holds_every_output_asked_for(log_probs, perf):
         set() if perf else {t.name for t in PERF_OUTPUTS}
     )
     left_out |= {t.name for t in TOP_LOGPROB_OUTPUTS}  # not asked
-    left_out.add("text_output")  # only with detokenize_in_llm
     for out in outs:
         stream.add(out)
         tensors = stream.take(out)
@@ -333,35 +332,3 @@ def test_top_log_probs_per_response_and_prompt_log_probs_in_the_first_only(strea
     shapes = [(1, 1, k)] * 3 if streaming else [(1, 3, k)]
     assert [r["top_log_probs"].shape for r in responses] == shapes
     np.testing.assert_allclose(responses[-1]["top_log_probs"][0, -1], [-0.5, -3.5])
-
-
-@pytest.mark.parametrize("streaming", [True, False])
-def test_detokenize_in_llm_pieces_join_to_the_whole_text(streaming):
-    """With detokenize_in_llm each response's text_output is postprocessing's delta of its
-    window: coalesced pieces of multi-byte text join to the one-shot decode, exactly."""
-    import functools
-
-    from postprocessing.detokenizer import text_delta
-    from preprocessing.tokenizer import load_tokenizer
-    from tests.tokenizer_fixtures import smollm2_tokenizer_dir
-
-    tokenizer = load_tokenizer(smollm2_tokenizer_dir())
-    ids = tokenizer.encode(
-        "Zürich 😀🎉 日本語のテキスト, then plain words 🙂🙂 ß", add_special_tokens=False
-    )
-    detokenize = functools.partial(text_delta, tokenizer)
-    stream = RowStream.start("r", 0, streaming, [1, 2], echo_prompt=False, detokenize=detokenize)
-    cuts = [1, 2, 3, 7, 8, 9, 15, len(ids)]  # responses carrying 1..6 tokens each
-    pieces, start = [], 0
-    for step, cut in enumerate(cuts):
-        last = step == len(cuts) - 1
-        out = RequestOutput(
-            "r", ids[start:cut], [], cut, last, FinishReason.LENGTH if last else None
-        )
-        stream.add(out)
-        if stream.ready(out):
-            pieces.append(stream.take(out)["text_output"][0].decode())
-        start = cut
-    assert len(pieces) == (len(cuts) if streaming else 1)
-    assert "".join(pieces) == tokenizer.decode(ids)
-    assert "\ufffd" not in "".join(pieces[:-1])  # no half character is ever sent

@@ -5,7 +5,6 @@ exclude_input_in_output) followed by the generated ids; a streaming response car
 shown yet, a non-streaming one all of them. The detok_* outputs give the postprocessing model what
 it needs to turn a piece into exact text without state of its own: a window of ids starting a few
 ids before the new ones, how many of those were already shown, and whether this is the last piece.
-With detokenize_in_llm the row computes that text itself (`text_output`, ours) from the same window.
 
 As in TensorRT-LLM, the optional outputs are left out unless asked: the perf metrics without
 return_perf_metrics, the log-probs without return_log_probs. The ensemble then leaves them out of
@@ -21,7 +20,6 @@ whose position-0 row (no context) is 0.0 / -1. Later responses leave the prompt 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,8 +47,6 @@ class RowStream:
     top_logprobs: list[list[float]] = field(default_factory=list)
     num_top_sent: int = 0
     prompt: RequestOutput | None = None  # the output with the prompt log-probs, until sent
-    # detokenize_in_llm: (window ids, how many were shown, final) -> the new text (text_output)
-    detokenize: Callable[[list[int], int, bool], str] | None = None
 
     @classmethod
     def start(
@@ -63,7 +59,6 @@ class RowStream:
         log_probs: bool = False,
         perf_metrics: bool = False,
         num_top: int = 0,
-        detokenize: Callable[[list[int], int, bool], str] | None = None,
     ) -> "RowStream":
         return cls(
             handle,
@@ -73,7 +68,6 @@ class RowStream:
             perf_metrics,
             num_top,
             shown=list(prompt_ids) if echo_prompt else [],
-            detokenize=detokenize,
         )
 
     def add(self, out: RequestOutput) -> None:
@@ -109,9 +103,6 @@ class RowStream:
             "detok_final": np.array([out.finished], dtype=np.bool_),
             "llm_request_id": np.array([self.handle.encode()], dtype=np.object_),
         }
-        if self.detokenize is not None:
-            text = self.detokenize(window, start_sent - start, out.finished)
-            tensors["text_output"] = np.array([text.encode()], dtype=np.object_)
         if self.log_probs:
             new_logprobs = (
                 self.logprobs[self.num_logprobs_sent :] if self.streaming else self.logprobs

@@ -75,10 +75,8 @@ class LiveRow:
 
 
 class ResponseDispatcher:
-    def __init__(self, engine, metrics: LlmMetrics | None, decoupled: bool = True, detokenize=None):
-        """`detokenize`: text_delta bound to the tokenizer, when this model sends text_output."""
+    def __init__(self, engine, metrics: LlmMetrics | None, decoupled: bool = True):
         self._engine = engine
-        self._detokenize = detokenize
         self._metrics = metrics
         self._decoupled = decoupled
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -103,8 +101,6 @@ class ResponseDispatcher:
             frozenset(request.requested_output_names()),
             pending=len(rows),
         )
-        wants_text = not live.requested or "text_output" in live.requested
-        detokenize = self._detokenize if wants_text else None
         entries = []
         for i, row in enumerate(rows):
             engine_id = f"{self._prefix}{number}.{i}"
@@ -117,7 +113,6 @@ class ResponseDispatcher:
                 log_probs=row.sampling.return_log_probs,
                 perf_metrics=row.return_perf_metrics,
                 num_top=row.sampling.num_top_log_probs,
-                detokenize=detokenize,
             )
             entries.append((engine_id, row, LiveRow(live, stream, len(row.prompt_ids))))
         with self._lock:

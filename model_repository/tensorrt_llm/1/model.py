@@ -15,7 +15,6 @@ server, so that clients get errors and a supervisor restarts it.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import threading
@@ -26,14 +25,12 @@ import triton_python_backend_utils as pb_utils
 from backend.config import EngineConfig
 from backend.engine_process import EngineProcess
 from ensemble.environment import check_stub_numpy
-from ensemble.params import engine_kwargs, get_setting, parameters, tokenizer_dir
+from ensemble.params import engine_kwargs, get_setting, parameters
 from ensemble.request_loop import dispatch
 from ensemble.stub_watch import dismiss, watch_stub
 from llm_inputs import Defaults, convert_request, is_stop_request
 from llm_metrics import LlmMetrics
 from llm_responses import ResponseDispatcher
-from postprocessing.detokenizer import text_delta
-from preprocessing.tokenizer import load_tokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 FATAL_GRACE_S = 2.0
@@ -58,9 +55,7 @@ class TritonPythonModel:
         self.metrics = LlmMetrics(
             args["model_name"], args["model_version"], self.config.max_batch_size
         )
-        self.dispatcher = ResponseDispatcher(
-            self.engine, self.metrics, self.decoupled, self._detokenizer(params)
-        )
+        self.dispatcher = ResponseDispatcher(self.engine, self.metrics, self.decoupled)
         self.stopping = threading.Event()
         self.poller = threading.Thread(target=self._poll, name="llm-poll", daemon=True)
         self.poller.start()
@@ -72,17 +67,6 @@ class TritonPythonModel:
             f"config {json.dumps(vars(self.config))}"
         )
         self.stub_watch = watch_stub(args["model_name"])  # last: a failed load is not a death
-
-    @staticmethod
-    def _detokenizer(params):
-        """With detokenize_in_llm: the text_output of a window (postprocessing's computation)."""
-        if not get_setting(params, "detokenize_in_llm"):
-            return None
-        return functools.partial(
-            text_delta,
-            load_tokenizer(tokenizer_dir(params)),
-            skip_special_tokens=get_setting(params, "skip_special_tokens"),
-        )
 
     def execute(self, requests):
         dispatch("tensorrt_llm", requests, self._handle)
