@@ -142,6 +142,7 @@ class ModelRunner:
             32 if self.device.type == "cuda" else 16
         )
         self.attention = get_attention_backend(config.attention_backend, self.device)
+        check_kv_dtype(self.kv_dtype, self.attention.name, self.device)
         size = config.tensor_parallel_size
         self.num_kv_heads = check_split(self.model_config, TensorParallel(tp_rank, size))
         if size > 1:
@@ -579,6 +580,20 @@ class ModelRunner:
             budget / 2**30,
         )
         return int(budget // self.kv_block_bytes())
+
+
+def check_kv_dtype(kv_dtype: torch.dtype, attention: str, device: torch.device) -> None:
+    """Raise ValueError for an fp8 cache the Triton kernels cannot convert on this GPU."""
+    if (
+        kv_dtype == torch.float8_e4m3fn
+        and attention == "triton"
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) < (8, 9)
+    ):
+        raise ValueError(
+            "kv_cache_dtype 'fp8' needs compute capability 8.9 or newer with the triton "
+            "attention backend (float8 e4m3 conversions): use 'int8' or attention_backend 'torch'"
+        )
 
 
 def check_split(mc: ModelConfig, tp: TensorParallel) -> int:

@@ -46,7 +46,7 @@ def round_to_e4m3(y):
     bits = y.to(tl.int32, bitcast=True)
     lsb = (bits >> 20) & 1  # the last of the 3 mantissa bits kept
     normal = ((bits + 0x7FFFF + lsb) & -0x100000).to(tl.float32, bitcast=True)
-    # Below 2**-6 (subnormals) the step is 2**-9: rounded to it by adding and taking away 1.5 * 2**23.
+    # Below 2**-6 (subnormals) the step is 2**-9: adding and taking away 1.5 * 2**23 rounds to it
     subnormal = (y * 512.0 + 12582912.0 - 12582912.0) * 0.001953125
     return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
 
