@@ -1,6 +1,7 @@
 """fp8 / int8 KV caches (`backend.attention.kv_dtype`): the write kernel stores the values and
 scales the torch reference stores, bit for bit, and the decode and prefill kernels read a
-quantized cache as the reference does (windows, sinks, split-K, tiles across pages).
+quantized cache as the reference does (windows, sinks, soft-capping, split-K, tiles across
+pages).
 
 Without a GPU the kernels run in Triton's interpreter. Slots that hold no token have NaN scales
 (and NaN / 127 values), so a kernel that reads one returns NaN.
@@ -57,7 +58,7 @@ def quantized_batch(dtype, query_lens, seq_lens, window=None, sinks=0, **shape):
     return k_values, v_values, meta, {"k_scales": k_scales, "v_scales": v_scales}
 
 
-def expected(query, k_values, v_values, meta, scales, scale, window=None, sinks=0):
+def expected(query, k_values, v_values, meta, scales, scale, window=None, sinks=0, softcap=None):
     on_cpu = {name: s.cpu() for name, s in scales.items()}
     return reference.paged_attention(
         query.cpu().float(),
@@ -67,6 +68,7 @@ def expected(query, k_values, v_values, meta, scales, scale, window=None, sinks=
         scale,
         window=window,
         sinks=sinks,
+        softcap=softcap,
         **on_cpu,
     )
 
@@ -156,8 +158,10 @@ DECODE_SEQ_LENS = [1, 16, 17, 70, 130]
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=["fp8", "int8"])
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("window,sinks", [(None, 0), (48, 4)], ids=["global", "window"])
-def test_decode_reads_a_quantized_cache_as_the_reference(dtype, num_splits, window, sinks):
+@pytest.mark.parametrize(
+    "window,sinks,softcap", [(None, 0, None), (48, 4, 1.5)], ids=["global", "window-softcap"]
+)
+def test_decode_reads_a_quantized_cache_as_the_reference(dtype, num_splits, window, sinks, softcap):
     k_values, v_values, meta, scales = quantized_batch(
         dtype,
         [1] * len(DECODE_SEQ_LENS),
@@ -182,10 +186,11 @@ def test_decode_reads_a_quantized_cache_as_the_reference(dtype, num_splits, wind
         num_splits=num_splits,
         window=window,
         sinks=sinks,
+        softcap=softcap,
         **scales,
     )
     assert not torch.isnan(out).any()
-    want = expected(query, k_values, v_values, meta, scales, 0.2, window, sinks)
+    want = expected(query, k_values, v_values, meta, scales, 0.2, window, sinks, softcap)
     torch.testing.assert_close(out.cpu(), want, atol=ATOL, rtol=0)
 
 
@@ -205,8 +210,10 @@ def test_decode_partials_of_a_quantized_cache_merge_to_the_reference(dtype, monk
 
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=["fp8", "int8"])
-@pytest.mark.parametrize("window,sinks", [(None, 0), (24, 4)], ids=["global", "window"])
-def test_prefill_reads_a_quantized_cache_as_the_reference(dtype, window, sinks):
+@pytest.mark.parametrize(
+    "window,sinks,softcap", [(None, 0, None), (24, 4, 1.5)], ids=["global", "window-softcap"]
+)
+def test_prefill_reads_a_quantized_cache_as_the_reference(dtype, window, sinks, softcap):
     """A mixed batch (chunks and decode rows) with 32-key tiles spanning 16-token pages."""
     query_lens, seq_lens = MIXED_BATCH
     k_values, v_values, meta, scales = quantized_batch(
@@ -233,10 +240,11 @@ def test_prefill_reads_a_quantized_cache_as_the_reference(dtype, window, sinks):
         block_n=32,
         window=window,
         sinks=sinks,
+        softcap=softcap,
         **scales,
     )
     assert not torch.isnan(out).any()
-    want = expected(query, k_values, v_values, meta, scales, 0.2, window, sinks)
+    want = expected(query, k_values, v_values, meta, scales, 0.2, window, sinks, softcap)
     torch.testing.assert_close(out.cpu(), want, atol=ATOL, rtol=0)
 
 

@@ -24,6 +24,9 @@ kernel, `backend.kernels.step_inputs`), so a program reads them, its first key t
 before it waits for the previous kernel; after the wait it reads the query and the step's own
 key and value, which that kernel (the KV write, or the fused qkv projection) has just written.
 
+A quantized cache (fp8 / int8, KV_SCALED) has its scales read with each key tile (tile.py) and
+with the step's own key and value.
+
 With one split used, the program writes the output itself. Otherwise each split writes a
 normalised partial output and its log-sum-exp, and counts itself in on an arrival counter of its
 (request, kv head); the last to arrive merges the splits,

@@ -16,9 +16,9 @@ T // BLOCK_Q + num_seqs programs cover any batch; a program finds its request by
 over query_start_loc and exits if its tile is past the request's end.
 
 Keys are walked in tiles of BLOCK_N tokens gathered through the block table, with an fp32 online
-softmax (see tile.py). Key tiles below the first query's position need no mask; the last few,
-up to the tile's last query position, get the causal mask; tiles fully above the diagonal are
-never visited.
+softmax (see tile.py; a quantized cache's scales are read with each tile). Key tiles below the
+first query's position need no mask; the last few, up to the tile's last query position, get the
+causal mask; tiles fully above the diagonal are never visited.
 
 Sliding window (`recent` = window - sinks): query at position q sees keys q - recent < k <= q,
 and the sinks k < sinks. Key tiles wholly before the first row's window are never visited; the
