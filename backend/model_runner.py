@@ -537,9 +537,10 @@ class ModelRunner:
         shape = (mc.num_layers, 2, num_blocks, *block)
         # Zeroed on the host too: the pages are committed now, so a cache too large fails at
         # start and the process does not grow under load as blocks are first touched.
-        cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         if not is_scaled(self.kv_dtype):
-            return cache, None
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device), None
+        # one-byte values, zeroed as bytes (fill has no float8 kernels everywhere)
+        cache = torch.zeros(shape, dtype=torch.uint8, device=self.device).view(self.kv_dtype)
         return cache, torch.zeros(shape[:-1], dtype=KV_SCALE_DTYPE, device=self.device)
 
     def _blocks_from_free_memory(self) -> int:

@@ -36,15 +36,18 @@ def write_kv(
         slots = cache.view(-1, *cache.shape[2:])  # [blocks * tokens_per_block, kv_heads, D]
         if scales is None:
             slots[slot_mapping] = new.to(cache.dtype)
-        else:
+        else:  # one-byte values, moved as bytes (indexing has no float8 kernels everywhere)
             values, vector_scales = kv_dtype.quantize(new, cache.dtype)
-            slots[slot_mapping] = values
+            slots.view(torch.uint8)[slot_mapping] = values.view(torch.uint8)
             scales.view(-1, scales.shape[-1])[slot_mapping] = vector_scales
 
 
 def _read(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
     """The float32 keys or values of `blocks` (any index shape), de-quantized."""
-    return kv_dtype.dequantize(cache[blocks], None if scales is None else scales[blocks])
+    if scales is None:
+        return cache[blocks].float()
+    values = cache.view(torch.uint8)[blocks].view(cache.dtype)
+    return kv_dtype.dequantize(values, scales[blocks])
 
 
 def paged_attention(
