@@ -17,6 +17,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # int4_awq/int4_gptq load AWQ/GPTQ checkpoints; fp8 loads an FP8 checkpoint or quantizes float
 # weights at load; "auto" is what the checkpoint declares (a .gguf file or the default model: gguf).
 QUANTIZATIONS = ("none", "gguf", "int8_wo", "int4_wo", "int4_awq", "int4_gptq", "fp8", "auto")
+# What the paged KV cache stores (backend/attention/kv_dtype.py): "auto" = the model dtype; fp8
+# (e4m3) and int8 = quantized values with a dynamic scale per token and kv head beside them.
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class EngineConfig:
     tokens_per_block: int | None = None  # None = 32 on GPU, 16 on CPU
     max_tokens_in_paged_kv_cache: int | None = None
     kv_cache_free_gpu_mem_fraction: float = 0.9
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     enable_kv_cache_reuse: bool = True
     enable_chunked_context: bool = True
     batch_scheduler_policy: str = "guaranteed_no_evict"
@@ -111,4 +115,5 @@ CHOICES = {
     "batch_scheduler_policy": SCHEDULER_POLICIES,
     "attention_backend": ATTENTION_BACKENDS,
     "quantization": QUANTIZATIONS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
 }

@@ -83,10 +83,13 @@ class DecodeGraphs:
         max_seq_len: int,
         tokens_per_block: int,
         max_banned: int = 1,
+        kv_scales: torch.Tensor | None = None,
     ):
+        """`kv_scales`: a quantized cache's scales, read and written by the graphs in place."""
         device = kv_cache.device
         self.model = model
         self.kv_cache = kv_cache
+        self.kv_scales = {} if kv_scales is None else {"kv_scales": kv_scales}
         self.max_seq_len = max_seq_len
         self.sizes = capture_sizes(max_batch_size)
         n, blocks = max_batch_size, -(-max_seq_len // tokens_per_block)
@@ -170,7 +173,11 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         self.load_inputs(size)
         hidden = self.model(
-            self.input_ids[:size], self.positions[:size], self.kv_cache, self._meta(size)
+            self.input_ids[:size],
+            self.positions[:size],
+            self.kv_cache,
+            self._meta(size),
+            **self.kv_scales,
         )
         logits = self.model.compute_logits(hidden)
         argmax_rows(

@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 
-from backend.config import QUANTIZATIONS, EngineConfig
+from backend.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from backend.sampling_params import SamplingParams
 
 
@@ -46,6 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=QUANTIZATIONS,
         help="weight format (README, Weight formats); auto: what the checkpoint declares",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores (README, KV cache dtype); auto: the model dtype",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-batch-size", type=int, default=64)
@@ -73,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(
             model_path=args.model,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             dtype=args.dtype,
             max_batch_size=args.max_batch_size,

@@ -7,7 +7,10 @@ for them (`backend.logprobs`: only then are other rows projected to the vocabula
 token's input id (overlap scheduling, `backend.engine`) is taken on the device from the sampled
 ids of the step in flight.
 
-KV cache: one tensor kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V).
+KV cache: one tensor kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V),
+in the model dtype, or quantized (`kv_cache_dtype` fp8 / int8, `backend.attention.kv_dtype`) with
+its scales beside it in kv_scales[layer, 0 | 1, block, offset, kv_head]. Blocks are counted from
+their real bytes, scales included, so a quantized cache holds more of them in the same memory.
 Sizing: `max_tokens_in_paged_kv_cache` when set; on CUDA otherwise
 `kv_cache_free_gpu_mem_fraction` of the memory left free after a warm-up step of
 `max_num_tokens` tokens (peak activations are set aside); on CPU enough for `max_batch_size`
@@ -30,6 +33,7 @@ import numpy as np
 import torch
 
 from backend.attention import AttentionMetadata, get_attention_backend
+from backend.attention.kv_dtype import KV_SCALE_DTYPE, is_scaled, storage_dtype, vector_bytes
 from backend.config import EngineConfig
 from backend.cuda_graphs import DecodeGraphs, ReplayIds
 from backend.logprobs import PromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
@@ -109,7 +113,7 @@ class ModelRunner:
         self.config = config
         self.tp = TensorParallel()
         self.workers: tp_workers.Workers | None = None
-        self.model = self.kv_cache = self.decode_graphs = None
+        self.model = self.kv_cache = self.kv_scales = self.decode_graphs = None
         self._sends_steps = False  # rank 0 of a group, once every rank has started
         self._step_sent = False  # the step being executed has reached the workers
         self.device = pick_device(config.device)
@@ -127,6 +131,7 @@ class ModelRunner:
 
     def _load(self, config: EngineConfig, tp_rank: int, tp_port: int | None) -> None:
         self.dtype = pick_dtype(config.dtype, self.device)
+        self.kv_dtype = storage_dtype(config.kv_cache_dtype, self.dtype)
         gguf_file = kept_gguf(config.model_path, config.quantization)
         self.model_dir = resolve_model(config.model_path, config.quantization)
         self.model_config = ModelConfig.from_dir(self.model_dir).with_attention_windows(
@@ -137,6 +142,7 @@ class ModelRunner:
             32 if self.device.type == "cuda" else 16
         )
         self.attention = get_attention_backend(config.attention_backend, self.device)
+        check_kv_dtype(self.kv_dtype, self.attention.name, self.device)
         size = config.tensor_parallel_size
         self.num_kv_heads = check_split(self.model_config, TensorParallel(tp_rank, size))
         if size > 1:
@@ -174,19 +180,20 @@ class ModelRunner:
             blocks = torch.tensor([self.num_kv_blocks])
             self.tp.cpu_group.allreduce([blocks], dist_min()).wait()
             self.num_kv_blocks = int(blocks)
-        self.kv_cache = self._allocate_kv_cache(self.num_kv_blocks)
+        self.kv_cache, self.kv_scales = self._allocate_kv_cache(self.num_kv_blocks)
         self.decode_graphs = self._capture_decode_graphs()
         if self.workers is not None:
             self.workers.on_death = lambda message: self.on_fatal(message)
             # From now on the workers follow (a warm-up step ran on every rank by itself).
             self._sends_steps = True
         log.info(
-            "model %s on %s (%s): %d KV blocks x %d tokens, max_seq_len %d, attention %s%s",
+            "model %s on %s (%s): %d KV blocks x %d tokens (%s), max_seq_len %d, attention %s%s",
             self.model_dir,
             self.device,
             self.dtype,
             self.num_kv_blocks,
             self.tokens_per_block,
+            self.kv_dtype,
             self.max_seq_len,
             self.attention.name,
             f", tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp.enabled else "",
@@ -213,7 +220,7 @@ class ModelRunner:
             self.workers.stop(self.tp if self.tp.enabled else None)
             self.workers = None
         self.decode_graphs = None
-        self.model = self.kv_cache = None
+        self.model = self.kv_cache = self.kv_scales = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -286,7 +293,10 @@ class ModelRunner:
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The eager forward pass (prefill chunks, mixed batches, CPU)."""
-        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_meta)
+        scales = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
+        return self.model(
+            inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_meta, **scales
+        )
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """Decode-only steps replay CUDA graphs on GPU with the Triton kernels (they skip padded
@@ -305,6 +315,7 @@ class ModelRunner:
             self.max_seq_len,
             self.tokens_per_block,
             max_banned=max(1, len(self.eos_token_ids)),
+            kv_scales=self.kv_scales,
         )
         graphs.capture()
         return graphs
@@ -494,15 +505,10 @@ class ModelRunner:
         return min(requested, limit)
 
     def kv_block_bytes(self) -> int:
+        """A block's bytes on this rank: every layer's keys and values, with their scales."""
         mc = self.model_config
-        return (
-            mc.num_layers
-            * 2
-            * self.tokens_per_block
-            * self.num_kv_heads
-            * mc.head_dim
-            * torch.empty(0, dtype=self.dtype).element_size()
-        )
+        vectors = mc.num_layers * 2 * self.tokens_per_block * self.num_kv_heads
+        return vectors * vector_bytes(mc.head_dim, self.kv_dtype)
 
     def _pick_num_kv_blocks(self) -> int:
         tokens_per_block = self.tokens_per_block
@@ -524,13 +530,18 @@ class ModelRunner:
             raise ValueError("no memory left for the KV cache")
         return int(blocks)
 
-    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+    def _allocate_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The cache and, for a quantized one, its scales (else None)."""
         mc = self.model_config
         block = (self.tokens_per_block, self.num_kv_heads, mc.head_dim)
         shape = (mc.num_layers, 2, num_blocks, *block)
         # Zeroed on the host too: the pages are committed now, so a cache too large fails at
         # start and the process does not grow under load as blocks are first touched.
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if not is_scaled(self.kv_dtype):
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device), None
+        # one-byte values, zeroed as bytes (fill has no float8 kernels everywhere)
+        cache = torch.zeros(shape, dtype=torch.uint8, device=self.device).view(self.kv_dtype)
+        return cache, torch.zeros(shape[:-1], dtype=KV_SCALE_DTYPE, device=self.device)
 
     def _blocks_from_free_memory(self) -> int:
         """Warm up at max_num_tokens with a temporary cache, then size the real one."""
@@ -547,8 +558,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        self.kv_cache = self._allocate_kv_cache(next_block)
-        warmup_cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        self.kv_cache, self.kv_scales = self._allocate_kv_cache(next_block)
+        warmup_cache_bytes = next_block * self.kv_block_bytes()
         self.execute(chunks)
         rows = min(self.config.max_batch_size, total)
         with torch.inference_mode():  # logits of a full decode batch
@@ -559,7 +570,7 @@ class ModelRunner:
             )
         torch.cuda.synchronize(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - base - warmup_cache_bytes
-        del self.kv_cache
+        self.kv_cache = self.kv_scales = None
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
         budget = (free - activations) * self.config.kv_cache_free_gpu_mem_fraction
@@ -570,6 +581,20 @@ class ModelRunner:
             budget / 2**30,
         )
         return int(budget // self.kv_block_bytes())
+
+
+def check_kv_dtype(kv_dtype: torch.dtype, attention: str, device: torch.device) -> None:
+    """Raise ValueError for an fp8 cache the Triton kernels cannot convert on this GPU."""
+    if (
+        kv_dtype == torch.float8_e4m3fn
+        and attention == "triton"
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) < (8, 9)
+    ):
+        raise ValueError(
+            "kv_cache_dtype 'fp8' needs compute capability 8.9 or newer with the triton "
+            "attention backend (float8 e4m3 conversions): use 'int8' or attention_backend 'torch'"
+        )
 
 
 def check_split(mc: ModelConfig, tp: TensorParallel) -> int:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from backend.config import QUANTIZATIONS, EngineConfig
+from backend.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from backend.executor import Executor
 from backend.model_paths import resolve_model
 from backend.sampling_params import SamplingParams
@@ -205,6 +205,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="weight format (README, Weight formats)",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores (README, KV cache dtype); auto: the model dtype",
+    )
+    p.add_argument(
         "--no-warmup", action="store_true", help="time the first pass (compiles included)"
     )
     p.add_argument(
@@ -219,6 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = EngineConfig(
         model_path=args.model,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
@@ -243,6 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "dtype": str(executor.runner.dtype).replace("torch.", ""),
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "weight_bytes": executor.runner.weight_bytes,
         "num_requests": args.num_requests,
         "isl": list(args.isl),

@@ -1,6 +1,6 @@
-"""Quality of the weight formats on the default model (SmolLM2-135M-Instruct): perplexity on a
-fixed English corpus (benchmarks/quality_corpus.py: the prose of Django's documentation) and
-greedy agreement with the unquantized model over a fixed prompt set.
+"""Quality of the weight formats and KV cache dtypes on the default model (SmolLM2-135M-Instruct):
+perplexity on a fixed English corpus (benchmarks/quality_corpus.py: the prose of Django's
+documentation) and greedy agreement with the unquantized model over a fixed prompt set.
 
 The unquantized baseline (`none`) is the float32 checkpoint de-quantized from the shipped Q4_1
 GGUF; `gguf` serves those Q4_1 blocks kept quantized (the same values, so the same numbers);
@@ -8,6 +8,8 @@ GGUF; `gguf` serves those Q4_1 blocks kept quantized (the same values, so the sa
 checkpoint written from the baseline by the round-to-nearest packer
 (`backend.quantization.int4_packing.awq_tensors`: AWQ's layout without its activation-aware
 scaling search). SmolLM2's hidden size 576 is not a multiple of 128, so the int4 group is 64.
+`kv_fp8` and `kv_int8` keep the baseline's weights and store the KV cache as fp8 / int8 with a
+dynamic scale per token and kv head (`kv_cache_dtype`, backend/attention/kv_dtype.py).
 
 Perplexity: windows of `--window` tokens every `--stride` tokens, each scoring the tokens the
 previous window did not reach (the first scores all but its first), through the engine's prompt
@@ -34,7 +36,17 @@ from backend.sampling_params import SamplingParams
 from benchmarks import quality_corpus
 from benchmarks.provenance import provenance, save_json
 
-FORMATS = ("none", "gguf", "int8_wo", "int4_awq", "fp8")
+# Each row: (quantization, kv_cache_dtype), compared with `none`.
+ROWS = {
+    "none": ("none", "auto"),
+    "gguf": ("gguf", "auto"),
+    "int8_wo": ("int8_wo", "auto"),
+    "int4_awq": ("int4_awq", "auto"),
+    "fp8": ("fp8", "auto"),
+    "kv_fp8": ("none", "fp8"),
+    "kv_int8": ("none", "int8"),
+}
+FORMATS = tuple(ROWS)
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -152,24 +164,31 @@ def run(args) -> dict:
     models["int4_awq"] = awq_checkpoint(float_dir, args.group_size)
     results = {}
     for fmt in args.formats:
+        quantization, kv_cache_dtype = ROWS[fmt]
         config = EngineConfig(
             model_path=models[fmt],
             device=args.device,
-            quantization=fmt,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
             max_batch_size=args.max_batch_size,
             max_num_tokens=args.max_num_tokens,
         )
         start = time.perf_counter()
         executor = Executor(config)
         try:
-            weights = executor.runner.weight_bytes
+            runner = executor.runner
+            weights = runner.weight_bytes
+            kv_token_bytes = runner.kv_block_bytes() // runner.tokens_per_block
             outputs = greedy(executor, prompts, args.max_tokens)
             scores = perplexity(executor, ids, args.window, args.stride)
         finally:
             executor.shutdown()
         results[fmt] = {
             **scores,
+            "quantization": quantization,
+            "kv_cache_dtype": kv_cache_dtype,
             "weight_bytes": weights,
+            "kv_bytes_per_token": kv_token_bytes,
             "greedy": outputs,
             "seconds": round(time.perf_counter() - start, 1),
         }
@@ -178,7 +197,7 @@ def run(args) -> dict:
         **provenance(args.device if args.device != "auto" else "cpu"),
         "model": "SmolLM2-135M-Instruct (default; baseline: float32 de-quantized from Q4_1)",
         "dtype": str(torch.float32 if args.device in ("cpu", "auto") else "auto"),
-        "kv_cache_dtype": "the model dtype (the engine has no other KV cache dtype yet)",
+        "kv_cache_dtype": "each row's (auto: the model dtype, float32 on CPU)",
         "corpus": {
             **quality_corpus.SOURCE,
             "sha256": quality_corpus.sha256(),
@@ -222,6 +241,8 @@ def plot(data: dict, path: str) -> None:
     right.set_ylim(0, 105)
     right.set_ylabel("greedy prefix agreement with none (%)")
     right.set_title(f"{data['greedy_prompts']} prompts, {data['greedy_max_tokens']} tokens")
+    for axes in (left, right):
+        axes.tick_params(axis="x", labelrotation=30)
     fig.suptitle(f"{data['model']}\n{data['device']}, {data['date']}, {data['commit']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -6,6 +6,9 @@ Every implementation is a module with
 and optionally, for decode-only steps whose consumer merges split-K attention itself,
     decode_partials(query, k_cache, v_cache, meta, scale, window=None, sinks=0) -> SplitPartials
 `window` (tokens, None = global) and `sinks` are a sliding-window layer's (reference.py's rule).
+A quantized cache (`kv_dtype.py`: fp8 / int8) passes its scales to all three as `k_scales=`,
+`v_scales=` ([blocks, tokens_per_block, kv_heads]); the functions quantize when they write and
+de-quantize when they read.
 - 'torch':  backend.attention.reference (plain torch; CPU and ground truth; no decode_partials)
 - 'triton': backend.attention.triton_backend (Triton-language kernels; imported lazily)
 - 'auto':   'triton' on CUDA when it imports, 'torch' otherwise

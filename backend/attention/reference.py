@@ -7,12 +7,17 @@ q - k < window - sinks or k < sinks: the first `sinks` tokens and the last windo
 point anywhere, and are never read into a result).
 
 Scores are q.k * scale, then, with `softcap`, softcap * tanh(scores / softcap) (Gemma 2).
+
+A quantized cache (`kv_dtype.py`: fp8 or int8 values) comes with `k_scales` / `v_scales`
+[blocks, tokens_per_block, kv_heads]: keys and values are stored quantized and read back as
+value * scale, in float32.
 """
 
 from __future__ import annotations
 
 import torch
 
+from backend.attention import kv_dtype
 from backend.attention.metadata import AttentionMetadata
 
 
@@ -22,15 +27,27 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their cache slots."""
-    num_blocks, tokens_per_block = k_cache.shape[:2]
-    k_cache.view(num_blocks * tokens_per_block, *k_cache.shape[2:])[slot_mapping] = key.to(
-        k_cache.dtype
-    )
-    v_cache.view(num_blocks * tokens_per_block, *v_cache.shape[2:])[slot_mapping] = value.to(
-        v_cache.dtype
-    )
+    """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their cache slots (quantized,
+    with their scales, when the cache has scales)."""
+    for new, cache, scales in ((key, k_cache, k_scales), (value, v_cache, v_scales)):
+        slots = cache.view(-1, *cache.shape[2:])  # [blocks * tokens_per_block, kv_heads, D]
+        if scales is None:
+            slots[slot_mapping] = new.to(cache.dtype)
+        else:  # one-byte values, moved as bytes (indexing has no float8 kernels everywhere)
+            values, vector_scales = kv_dtype.quantize(new, cache.dtype)
+            slots.view(torch.uint8)[slot_mapping] = values.view(torch.uint8)
+            scales.view(-1, scales.shape[-1])[slot_mapping] = vector_scales
+
+
+def _read(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
+    """The float32 keys or values of `blocks` (any index shape), de-quantized."""
+    if scales is None:
+        return cache[blocks].float()
+    values = cache.view(torch.uint8)[blocks].view(cache.dtype)
+    return kv_dtype.dequantize(values, scales[blocks])
 
 
 def paged_attention(
@@ -42,10 +59,14 @@ def paged_attention(
     window: int | None = None,
     sinks: int = 0,
     softcap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, heads, head_dim] -> output [T, heads, head_dim]."""
     if meta.is_decode_only and meta.num_seqs > 1:
-        return _decode_batched(query, k_cache, v_cache, meta, scale, window, sinks, softcap)
+        return _decode_batched(
+            query, k_cache, v_cache, meta, scale, window, sinks, softcap, k_scales, v_scales
+        )
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -55,11 +76,11 @@ def paged_attention(
     for b, (q_len, ctx_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         num_blocks = (ctx_len + tokens_per_block - 1) // tokens_per_block
         blocks = meta.block_tables[b, :num_blocks].long()
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+        keys = _read(k_cache, k_scales, blocks).reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+        values = _read(v_cache, v_scales, blocks).reshape(-1, num_kv_heads, head_dim)[:ctx_len]
         q = query[start : start + q_len].float()  # [q, H, D]
-        k = keys.float().repeat_interleave(group, dim=1)  # [ctx, H, D]
-        v = values.float().repeat_interleave(group, dim=1)
+        k = keys.repeat_interleave(group, dim=1)  # [ctx, H, D]
+        v = values.repeat_interleave(group, dim=1)
         scores = _capped(torch.einsum("qhd,khd->hqk", q, k) * scale, softcap)
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
         k_pos = torch.arange(ctx_len, device=query.device)
@@ -83,6 +104,8 @@ def _decode_batched(
     window: int | None = None,
     sinks: int = 0,
     softcap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode-only batches (one query row per request, in request order) in a few batched ops
     instead of a loop over requests: gather every context, padded to the longest, and mask.
@@ -93,8 +116,9 @@ def _decode_batched(
     group = num_heads // num_kv_heads
     longest = meta.max_seq_len
     tables = meta.block_tables[:, : (longest + tokens_per_block - 1) // tokens_per_block].long()
-    keys = k_cache[tables].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :longest].float()
-    values = v_cache[tables].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :longest].float()
+    keys = _read(k_cache, k_scales, tables).reshape(num_seqs, -1, num_kv_heads, head_dim)
+    values = _read(v_cache, v_scales, tables).reshape(num_seqs, -1, num_kv_heads, head_dim)
+    keys, values = keys[:, :longest], values[:, :longest]
     padding = (
         torch.arange(longest, device=query.device)[None, :] >= meta.seq_lens[:, None]
     )  # [B, L]

@@ -32,10 +32,12 @@ def paged_attention(
     window: int | None = None,
     sinks: int = 0,
     softcap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, heads, head_dim] -> output [T, heads, head_dim] (causal, GQA, paged K/V;
     sliding-window with sinks when `window` is set); scores tanh soft-capped at `softcap` when
-    given."""
+    given; `k_scales`/`v_scales`: a quantized cache's scales (backend.attention.kv_dtype)."""
     if meta.max_query_len == 1:
         return decode_attention(
             query,
@@ -49,6 +51,8 @@ def paged_attention(
             window=window,
             sinks=sinks,
             softcap=softcap,
+            k_scales=k_scales,
+            v_scales=v_scales,
         )
     return prefill_attention(
         query,
@@ -61,6 +65,8 @@ def paged_attention(
         window=window,
         sinks=sinks,
         softcap=softcap,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
 
 
@@ -73,6 +79,8 @@ def decode_partials(
     window: int | None = None,
     sinks: int = 0,
     softcap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> SplitPartials:
     """Decode-only steps: query [T, heads, head_dim] -> each split's output and log-sum-exp,
     unmerged (the one-token o projection merges them as it reads them)."""
@@ -88,6 +96,8 @@ def decode_partials(
         window=window,
         sinks=sinks,
         softcap=softcap,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
     return SplitPartials(outputs, lse)
 

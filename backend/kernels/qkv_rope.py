@@ -7,7 +7,8 @@ BLOCK_N features of a query or key head owns BLOCK_N / 2 dims of the head's firs
 same dims of its second half, so it can rotate them itself ("rotate half", as
 `backend.kernels.rope`), with the cos/sin of the token's position from the float32 cache. Value
 heads are taken in plain contiguous runs. The rotated keys and the values also go to the paged
-cache at the token's slot (slot -1 is skipped).
+cache at the token's slot (slot -1 is skipped), unless no cache is given (a quantized cache, whose
+write needs whole head vectors: `backend.attention.kernels.kv_write` then stores them).
 
 Rounding is the unfused path's: the product (plus bias) is rounded to the activation dtype, then
 rotated in float32 and rounded again.
@@ -67,6 +68,7 @@ def _qkv_rope_kernel(
     BLOCK_K: tl.constexpr,
     PREFETCH_K: tl.constexpr,
     EARLY_LAUNCH: tl.constexpr,
+    WRITE_KV: tl.constexpr = True,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
@@ -114,7 +116,7 @@ def _qkv_rope_kernel(
         y = tl.where(is_second, y * cos + partner * sin, y * cos - partner * sin)
     y = y.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows, y)
-    if (head >= NUM_HEADS) & (slot >= 0):
+    if WRITE_KV & (head >= NUM_HEADS) & (slot >= 0):
         in_cache = (slot // CACHE_BLOCK) * stride_c_block + (slot % CACHE_BLOCK) * stride_c_offset
         if rotated:
             kv_head = head - NUM_HEADS
@@ -139,8 +141,8 @@ def qkv_rope_gemv(
     num_kv_heads: int,
     cos_sin: torch.Tensor,
     positions: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
     slot_mapping: torch.Tensor,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
@@ -148,15 +150,17 @@ def qkv_rope_gemv(
 ) -> torch.Tensor:
     """x [1, hidden], weight [(heads + 2 kv_heads) * D, hidden] -> qkv [1, (heads + 2 kv_heads) * D]
     with q and k rotated for `positions` [1]; the rotated keys and the values are also stored at
-    `slot_mapping` [1] in k_cache / v_cache ([blocks, tokens_per_block, kv_heads, D]).
+    `slot_mapping` [1] in k_cache / v_cache ([blocks, tokens_per_block, kv_heads, D]; None: not).
     `norm_weight`/`eps`: RMSNorm x first. cos_sin [P, 2, D] float32 (`RotaryEmbedding.cos_sin`)."""
     n, k = weight.shape
     head_dim = cos_sin.shape[-1]
     assert x.shape == (1, k) and x.stride(-1) == 1 and weight.stride(-1) == 1
     assert n == (num_heads + 2 * num_kv_heads) * head_dim and cos_sin.stride(-1) == 1
     assert positions.numel() == 1 and slot_mapping.numel() == 1
-    assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
-    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(-1) == 1
+    write_kv = k_cache is not None
+    if write_kv:
+        assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+        assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(-1) == 1
     tile = {"BLOCK_N": QKV_BLOCK_N} if (head_dim // 2) % (QKV_BLOCK_N // 2) == 0 else {}
     config = checked_config(n, k, {**tile, **(config or {})}, device=weight.device)
     assert config["BLOCK_N"] >= 2 and (head_dim // 2) % (config["BLOCK_N"] // 2) == 0, (
@@ -172,20 +176,21 @@ def qkv_rope_gemv(
         cos_sin,
         positions,
         slot_mapping,
-        k_cache,
-        v_cache,
+        k_cache if write_kv else out,
+        v_cache if write_kv else out,
         k,
         weight.stride(0),
         eps,
         cos_sin.stride(0),
         cos_sin.stride(1),
-        *k_cache.stride()[:3],
+        *(k_cache.stride()[:3] if write_kv else (0, 0, 0)),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
-        CACHE_BLOCK=k_cache.shape[1],
+        CACHE_BLOCK=k_cache.shape[1] if write_kv else 1,
         PROLOGUE=1 if norm_weight is not None else 0,
         HAS_BIAS=bias is not None,
+        WRITE_KV=write_kv,
         **config,
         **launch_options(ORDERING[config["EARLY_LAUNCH"]]),
     )

@@ -42,6 +42,15 @@ class AttentionStep:
     meta: AttentionMetadata
     kv_cache: torch.Tensor  # [layers, K | V, blocks, tokens_per_block, kv_heads, head_dim]
     local_rotation: Rotation | None = None  # sliding-window layers' own rotary (Gemma 3)
+    # A quantized cache's scales [layers, K | V, blocks, tokens_per_block, kv_heads], else None
+    kv_scales: torch.Tensor | None = None
+
+    def cache_scales(self, layer: int) -> dict:
+        """The layer's K/V scales as the attention backend's keyword arguments ({}: unscaled)."""
+        if self.kv_scales is None:
+            return {}
+        k_scales, v_scales = self.kv_scales[layer]
+        return {"k_scales": k_scales, "v_scales": v_scales}
 
 
 class SelfAttention(nn.Module):
@@ -103,12 +112,13 @@ class SelfAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = step.kv_cache[self.layer_index]
+        scales = step.cache_scales(self.layer_index)
         rotation = step.local_rotation if self.local_rope else step.rotation
         q = rotation.rotate_and_write_kv(
-            q, k, v, k_cache, v_cache, step.meta.slot_mapping, self.backend.write_kv
+            q, k, v, k_cache, v_cache, step.meta.slot_mapping, self.backend.write_kv, **scales
         )
         out = self.backend.paged_attention(
-            q, k_cache, v_cache, step.meta, self.scale, **self.attention_options
+            q, k_cache, v_cache, step.meta, self.scale, **self.attention_options, **scales
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -129,24 +139,29 @@ class SelfAttention(nn.Module):
     def add_one_token(self, residual: torch.Tensor, norm: RMSNorm, step: AttentionStep) -> None:
         """residual [1, hidden_size] += self(norm(residual)), in place, in one-token kernels."""
         k_cache, v_cache = step.kv_cache[self.layer_index]
+        scales = step.cache_scales(self.layer_index)
         qkv = self.qkv_proj.one_token_qkv(
             residual,
             norm,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             rotation=step.rotation,
-            k_cache=k_cache,
-            v_cache=v_cache,
+            k_cache=None if scales else k_cache,
+            v_cache=None if scales else v_cache,
             slot_mapping=step.meta.slot_mapping,
         )
+        if scales:  # a quantized cache: its write needs whole head vectors, so it runs after
+            k, v = qkv[:, self.q_size :].view(2, -1, self.num_kv_heads, self.head_dim)
+            self.backend.write_kv(k, v, k_cache, v_cache, step.meta.slot_mapping, **scales)
         q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
+        options = {**self.attention_options, **scales}
         if self.backend.decode_partials is not None and self.o_proj.merges_splits(self.head_dim):
             out = self.backend.decode_partials(
-                q, k_cache, v_cache, step.meta, self.scale, **self.attention_options
+                q, k_cache, v_cache, step.meta, self.scale, **options
             )
         else:
             out = self.backend.paged_attention(
-                q, k_cache, v_cache, step.meta, self.scale, **self.attention_options
+                q, k_cache, v_cache, step.meta, self.scale, **options
             )
             out = out.reshape(-1, self.q_size)
         self.o_proj.one_token(out, residual=residual, out=residual)

@@ -212,13 +212,13 @@ class Linear(nn.Module):
         num_heads: int,
         num_kv_heads: int,
         rotation,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: torch.Tensor | None,
+        v_cache: torch.Tensor | None,
         slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
         """The qkv projection of norm(x) for one row, q and k rotated (`rotation`, this step's
-        positions and cos/sin cache), the new keys and values stored at `slot_mapping`, in one
-        kernel -> qkv [1, (heads + 2 kv_heads) * head_dim]."""
+        positions and cos/sin cache), the new keys and values stored at `slot_mapping` (unless
+        the caches are None), in one kernel -> qkv [1, (heads + 2 kv_heads) * head_dim]."""
         return qkv_rope_gemv(
             x,
             self.weight,

@@ -127,12 +127,17 @@ class Rotation:
         self.positions, self.cos_sin, self.cos, self.sin = positions, cos_sin, cos, sin
 
     def rotate_and_write_kv(
-        self, q, k, v, k_cache, v_cache, slot_mapping, write_kv
+        self, q, k, v, k_cache, v_cache, slot_mapping, write_kv, **scales
     ) -> torch.Tensor:
-        """-> rotated q; the rotated k and v are in the cache afterwards."""
+        """-> rotated q; the rotated k and v are in the cache afterwards. `scales`: a quantized
+        cache's (`k_scales`, `v_scales`), for `write_kv`, which quantizes whole head vectors."""
         if self.cos is None:
-            fused_rope(q, k, self.cos_sin, self.positions, (v, k_cache, v_cache, slot_mapping))
-            return q
-        q, k = apply_rotary(q, k, self.cos, self.sin)
-        write_kv(k, v, k_cache, v_cache, slot_mapping)
+            if not scales:
+                kv_write = (v, k_cache, v_cache, slot_mapping)
+                fused_rope(q, k, self.cos_sin, self.positions, kv_write)
+                return q
+            fused_rope(q, k, self.cos_sin, self.positions)
+        else:
+            q, k = apply_rotary(q, k, self.cos, self.sin)
+        write_kv(k, v, k_cache, v_cache, slot_mapping, **scales)
         return q

@@ -6,7 +6,7 @@ All scheduled tokens of a step are packed along one axis (T tokens, no batch dim
 
 Engine interface: the runner uses only these three methods, so another engine (e.g. a TensorRT
 engine, where TensorRT is available) can stand in for this class:
-    forward(input_ids [T], positions [T], kv_cache, attn_meta) -> hidden [T, hidden_size]
+    forward(input_ids [T], positions [T], kv_cache, attn_meta[, kv_scales]) -> hidden [T, hidden]
     compute_logits(hidden [N, hidden_size]) -> float32 logits [N, vocab_size]
     load_weights(weights: iterable of (Hugging Face tensor name, tensor))
 `hidden` is the residual after the last layer: compute_logits applies the final norm, to the rows
@@ -101,12 +101,13 @@ class LlamaModel(nn.Module):
                 config.local_rope, config.head_dim, config.max_position_embeddings, max_positions
             )
 
-    def forward(self, input_ids, positions, kv_cache, meta):
+    def forward(self, input_ids, positions, kv_cache, meta, kv_scales=None):
         """The residual after the last layer, before the final norm (`self.norm`)."""
         hidden = self.embed_tokens(input_ids)
         if self.embedding_scale is not None:  # in the model's dtype, as transformers scales
             hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
-        step = AttentionStep(self.rotary.rotator(positions, hidden.dtype), meta, kv_cache)
+        rotation = self.rotary.rotator(positions, hidden.dtype)
+        step = AttentionStep(rotation, meta, kv_cache, kv_scales=kv_scales)
         if self.local_rotary is not None:
             step.local_rotation = self.local_rotary.rotator(positions, hidden.dtype)
         if self.takes_one_token_path(hidden):
@@ -171,8 +172,10 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_meta: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_cache, attn_meta)
+        """`kv_scales`: a quantized cache's scales (`backend.attention.kv_dtype`), else None."""
+        return self.model(input_ids, positions, kv_cache, attn_meta, kv_scales)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden, self.model.norm)

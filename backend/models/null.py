@@ -35,7 +35,12 @@ class NullModel(nn.Module):
         self.first, self.span = first, end - first
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, attn_meta
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_meta,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The "hidden state" of a token is its position."""
         return positions

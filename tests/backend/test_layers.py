@@ -22,6 +22,7 @@ from backend.layers import (
     Linear,
     RMSNorm,  # noqa: E402
     RotaryEmbedding,
+    Rotation,
     SelfAttention,
     silu_and_mul,
 )
@@ -172,6 +173,62 @@ def test_self_attention_one_token_form_equals_the_general_form(backend):
         attention.add_one_token(got, norm, AttentionStep(rotation, meta, caches[1]))
     torch.testing.assert_close(got, expected, atol=4e-3, rtol=4e-3)
     torch.testing.assert_close(caches[1], caches[0], **HALF_TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    "backend,cache_dtype",
+    [("torch", torch.float8_e4m3fn), ("triton", torch.float8_e4m3fn), ("triton", torch.int8)],
+)
+def test_self_attention_over_a_quantized_cache(backend, cache_dtype):
+    """With an fp8 / int8 cache, the one-token form (its qkv kernel leaves the write to the
+    quantizing `write_kv`) and the general form with the fused rotary kernel (likewise) add to
+    the residual what the general form with torch's rotary does, and store the same token."""
+    from backend.attention import kv_dtype
+
+    config = ModelConfig.from_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": 300,
+            "hidden_size": 128,
+            "intermediate_size": 192,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+        }
+    )
+    attention_backend = get_attention_backend(backend, DEVICE)
+    attention = _filled(SelfAttention(config, 0, attention_backend), seed=13).to(DEVICE, HALF)
+    norm = _filled(RMSNorm(128, eps=1e-6), seed=14).to(DEVICE, HALF)
+    rotary = RotaryEmbedding(RopeConfig(), 32, 512, 512).to(DEVICE)
+    meta, num_blocks = _decode_step(seq_len=100)
+    context = torch.randn(1, 2, num_blocks, 8, 2, 32, generator=torch.Generator().manual_seed(6))
+    values, scales = kv_dtype.quantize(context, cache_dtype)
+    caches = [(values.clone().to(DEVICE), scales.clone().to(DEVICE)) for _ in range(3)]
+    residual = torch.randn(1, 128, device=DEVICE).to(HALF)
+    positions = torch.tensor([99], device=DEVICE)
+    torch_rotation = rotary.rotator(positions, HALF)
+    fused_rotation = Rotation(positions, rotary.cos_sin, None, None)
+
+    def step(rotation, cache):
+        return AttentionStep(rotation, meta, cache[0], kv_scales=cache[1])
+
+    with torch.inference_mode():
+        expected = residual + attention(norm(residual), step(torch_rotation, caches[0]))
+        fused = residual + attention(norm(residual), step(fused_rotation, caches[1]))
+        one_token = residual.clone()
+        attention.add_one_token(one_token, norm, step(torch_rotation, caches[2]))
+    slot = int(meta.slot_mapping[0])
+    written = [
+        kv_dtype.dequantize(v.flatten(2, 3)[..., slot, :, :], s.flatten(2, 3)[..., slot, :])
+        for v, s in caches
+    ]
+    assert not torch.equal(
+        written[0], kv_dtype.dequantize(values, scales).flatten(2, 3)[..., slot, :, :]
+    )
+    for got, cache in ((fused, written[1]), (one_token, written[2])):
+        torch.testing.assert_close(got, expected, atol=4e-3, rtol=4e-3)
+        torch.testing.assert_close(cache, written[0], atol=0.02, rtol=0.07)
 
 
 def test_gated_mlp_one_token_form_equals_the_general_form():

@@ -84,6 +84,16 @@ def test_prefill_logits_of_two_ranks_equal_one(case, tmp_path):
     assert_close(prefill_logits(tmp_path, 2, prompts), prefill_logits(tmp_path, 1, prompts))
 
 
+def test_a_quantized_kv_cache_on_two_ranks_equals_one(tmp_path):
+    """Each rank quantizes its own KV heads into its own pool (one KV head: both keep a copy)."""
+    save_tiny_hf_model(tmp_path, **TINY_CASES["llama-mqa"])
+    prompts = random_prompts(3, 640, seed=7, low=5, high=60)
+    options = dict(kv_cache_dtype="fp8")
+    one = prefill_logits(tmp_path, 1, prompts, **options)
+    assert not torch.allclose(one, prefill_logits(tmp_path, 1, prompts), rtol=1e-4)
+    assert_close(prefill_logits(tmp_path, 2, prompts, **options), one)
+
+
 @pytest.mark.parametrize("kind", FAMILY_KINDS)
 def test_families_on_two_ranks_equal_one(kind, tmp_path):
     """Qwen3 (QK-norm per head), Phi-3 (fused q|k|v and gate|up checkpoint tensors, cut per

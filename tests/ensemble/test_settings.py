@@ -89,6 +89,8 @@ def test_unset_parameters_read_as_the_settings_defaults():
     assert get_setting({"quantization": "auto"}, "quantization") == "auto"
     assert get_setting({"quantization": ""}, "quantization") == defaults.quantization == "none"
     assert get_setting({"attention_backend": "auto"}, "attention_backend") == "auto"
+    assert get_setting({"kv_cache_dtype": "fp8"}, "kv_cache_dtype") == "fp8"
+    assert get_setting({"kv_cache_dtype": "auto"}, "kv_cache_dtype") == "auto"
     with pytest.raises(ValueError, match="parameter skip_special_tokens must be true or false"):
         get_setting({"skip_special_tokens": "perhaps"}, "skip_special_tokens")
 
@@ -114,6 +116,7 @@ def test_unset_parameters_read_as_the_settings_defaults():
         ("batch_scheduler_policy", "fifo", "batch_scheduler_policy must be one of"),
         ("attention_backend", "flash", "attention_backend must be one of"),
         ("quantization", "int3", "quantization must be one of"),
+        ("kv_cache_dtype", "fp16", "kv_cache_dtype must be one of"),
     ],
 )
 def test_a_bad_engine_value_is_refused_naming_the_field(cls, name, value, message):

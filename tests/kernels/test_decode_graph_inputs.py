@@ -131,10 +131,12 @@ def test_only_the_graphs_rows_are_copied():
     assert graphs.block_tables[:, 0].tolist() == [9, 0, 0, 0]
 
 
-def test_eager_replays_alternate_slots_and_match_the_runner(tiny_hf_model):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_eager_replays_alternate_slots_and_match_the_runner(tiny_hf_model, kv_cache_dtype):
     """Decode steps through `replay` (the graph's work, eagerly) give the runner's own greedy
     ids, with in-flight inputs filled on the device and ids read back from the ring; a slot's ids
-    are kept when the slot is staged again before they were read."""
+    are kept when the slot is staged again before they were read. A quantized cache's scales
+    reach the graph's forward."""
     _, path = tiny_hf_model("llama")
     runner = ModelRunner(
         EngineConfig(
@@ -144,9 +146,12 @@ def test_eager_replays_alternate_slots_and_match_the_runner(tiny_hf_model):
             max_batch_size=2,
             cuda_graphs=False,
             attention_backend="torch",
+            kv_cache_dtype=kv_cache_dtype,
         )
     )
-    graphs = DecodeGraphs(runner.model, runner.kv_cache, 2, runner.max_seq_len, 4)
+    graphs = DecodeGraphs(
+        runner.model, runner.kv_cache, 2, runner.max_seq_len, 4, kv_scales=runner.kv_scales
+    )
     prompts = [[5, 9, 2, 7, 1], [3, 3, 8]]
     blocks = [[0, 1, 2, 3], [4, 5, 6, 7]]
     with torch.inference_mode():

@@ -24,6 +24,9 @@ kernel, `backend.kernels.step_inputs`), so a program reads them, its first key t
 before it waits for the previous kernel; after the wait it reads the query and the step's own
 key and value, which that kernel (the KV write, or the fused qkv projection) has just written.
 
+A quantized cache (fp8 / int8, KV_SCALED) has its scales read with each key tile (tile.py) and
+with the step's own key and value.
+
 With one split used, the program writes the output itself. Otherwise each split writes a
 normalised partial output and its log-sum-exp, and counts itself in on an arrival counter of its
 (request, kv head); the last to arrive merges the splits,
@@ -48,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from backend.attention.kernels.kv_write import check_scales
 from backend.attention.kernels.prefill import window_bounds
 from backend.attention.kernels.tile import (
     attend_key_tile,
@@ -56,6 +60,7 @@ from backend.attention.kernels.tile import (
     load_key_tile,
     scaled_scores,
 )
+from backend.attention.kv_dtype import is_scaled
 from backend.kernels import tuning
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
 from backend.kernels.split_merge import merge_splits
@@ -96,6 +101,8 @@ def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_ptr,
@@ -117,6 +124,8 @@ def _decode_kernel(
     stride_vc_block,
     stride_vc_offset,
     stride_vc_head,
+    stride_s_block,
+    stride_s_offset,
     stride_bt,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -134,6 +143,7 @@ def _decode_kernel(
     GROUP_POW2: tl.constexpr = 1,
     PARTIALS: tl.constexpr = False,
     SOFTCAP: tl.constexpr = 0.0,
+    KV_SCALED: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -158,7 +168,7 @@ def _decode_kernel(
     tile_hi = tl.minimum(tile_lo + tiles_per_split, cached_tiles)
     if split < used:
         block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        first_k, first_v, first_ok = load_key_tile(
+        first_k, first_v, first_ok, first_ks, first_vs = load_key_tile(
             k_cache_ptr,
             v_cache_ptr,
             block_table_row,
@@ -172,10 +182,15 @@ def _decode_kernel(
             stride_vc_block,
             stride_vc_offset,
             stride_vc_head,
+            k_scale_ptr,
+            v_scale_ptr,
+            stride_s_block,
+            stride_s_offset,
             TOKENS_PER_BLOCK=TOKENS_PER_BLOCK,
             BLOCK_N=BLOCK_N,
             HEAD_DIM=HEAD_DIM,
             MASK_KEYS=True,
+            KV_SCALED=KV_SCALED,
         )
         newest_page = tl.load(block_table_row + cached // TOKENS_PER_BLOCK).to(
             tl.int64
@@ -191,7 +206,9 @@ def _decode_kernel(
             q_ptr + row * stride_q_t + heads[:, None] * stride_q_h + dims[None, :],
             mask=head_ok[:, None],
             other=0.0,
-        ).to(k_cache_ptr.dtype.element_ty)
+        )
+        if not KV_SCALED:  # a quantized cache's values convert to the query's dtype instead
+            q = q.to(k_cache_ptr.dtype.element_ty)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.full([GROUP_PAD], 0, tl.float32)
         acc = tl.full([GROUP_PAD, HEAD_DIM], 0, tl.float32)
@@ -204,6 +221,8 @@ def _decode_kernel(
                 first_k,
                 first_v,
                 first_ok,
+                first_ks,
+                first_vs,
                 0,
                 0,
                 0,
@@ -213,6 +232,7 @@ def _decode_kernel(
                 CAUSAL=False,
                 DOT_PRECISION=DOT_PRECISION,
                 SOFTCAP=SOFTCAP,
+                KV_SCALED=KV_SCALED,
             )
         for tile in range(tile_lo + 1, tile_hi):
             m_i, l_i, acc = attend_key_tile(
@@ -236,6 +256,10 @@ def _decode_kernel(
                 stride_vc_block,
                 stride_vc_offset,
                 stride_vc_head,
+                k_scale_ptr,
+                v_scale_ptr,
+                stride_s_block,
+                stride_s_offset,
                 TOKENS_PER_BLOCK=TOKENS_PER_BLOCK,
                 BLOCK_N=BLOCK_N,
                 HEAD_DIM=HEAD_DIM,
@@ -243,6 +267,7 @@ def _decode_kernel(
                 CAUSAL=False,
                 DOT_PRECISION=DOT_PRECISION,
                 SOFTCAP=SOFTCAP,
+                KV_SCALED=KV_SCALED,
             )
         sink_end = tl.minimum(sinks, key_lo)  # sinks before the window
         if split == 0:
@@ -268,6 +293,10 @@ def _decode_kernel(
                     stride_vc_block,
                     stride_vc_offset,
                     stride_vc_head,
+                    k_scale_ptr,
+                    v_scale_ptr,
+                    stride_s_block,
+                    stride_s_offset,
                     TOKENS_PER_BLOCK=TOKENS_PER_BLOCK,
                     BLOCK_N=BLOCK_N,
                     HEAD_DIM=HEAD_DIM,
@@ -275,6 +304,7 @@ def _decode_kernel(
                     CAUSAL=False,
                     DOT_PRECISION=DOT_PRECISION,
                     SOFTCAP=SOFTCAP,
+                    KV_SCALED=KV_SCALED,
                 )
         if (split == 0) & (seq_len > 0):
             # The step's own token (position `cached`): the previous kernel wrote its key and value.
@@ -293,13 +323,19 @@ def _decode_kernel(
                 + kv_head * stride_vc_head
                 + dims
             )
-            qk = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
+            k_new = k_new.to(tl.float32)
+            v_new = v_new.to(tl.float32)
+            if KV_SCALED:
+                in_scales = newest_page * stride_s_block + in_page * stride_s_offset + kv_head
+                k_new = k_new * tl.load(k_scale_ptr + in_scales).to(tl.float32)
+                v_new = v_new * tl.load(v_scale_ptr + in_scales).to(tl.float32)
+            qk = tl.sum(q.to(tl.float32) * k_new[None, :], 1)
             score = scaled_scores(qk, qk_scale, SOFTCAP)
             m_new = tl.maximum(m_i, score)
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(score - m_new)
             l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+            acc = acc * alpha[:, None] + p[:, None] * v_new[None, :]
             m_i = m_new
 
         has_keys = l_i > 0
@@ -560,6 +596,8 @@ def decode_attention(
     window: int | None = None,
     sinks: int = 0,
     softcap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request: query [T, heads, head_dim] -> [T, heads, head_dim].
 
@@ -568,6 +606,7 @@ def decode_attention(
     the heuristic (fix it for CUDA graphs); a request uses at most one split per
     `min_tiles_per_split` key tiles of its cached context (default MIN_TILES_PER_SPLIT).
     `window`: sliding-window attention with `sinks` (backend.attention.reference's rule).
+    `k_scales`/`v_scales` [blocks, tokens_per_block, kv_heads]: a quantized cache's scales.
     """
     num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
     if out is None:
@@ -599,6 +638,8 @@ def decode_attention(
         window=window,
         sinks=sinks,
         softcap=softcap,
+        k_scales=k_scales,
+        v_scales=v_scales,
     )
     return out
 
@@ -616,6 +657,8 @@ def decode_attention_partials(
     window: int | None = None,
     sinks: int = 0,
     softcap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_attention` with the splits left unmerged, for a consumer that merges them as it
     reads them (the one-token o projection, `backend.kernels.gemv`): that saves the merge's
@@ -647,6 +690,8 @@ def decode_attention_partials(
             window=window,
             sinks=sinks,
             softcap=softcap,
+            k_scales=k_scales,
+            v_scales=v_scales,
         )
     return part_out, part_lse
 
@@ -682,6 +727,8 @@ def _launch(
     window: int | None = None,
     sinks: int = 0,
     softcap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
     num_heads, head_dim = query.shape[1:]
     num_blocks, tokens_per_block, num_kv_heads = k_cache.shape[:3]
@@ -692,10 +739,18 @@ def _launch(
     few_programs = FEW_PAIRS_PER_SM * num_seqs * num_kv_heads <= num_sms(query.device)
     config = launch_config(head_dim, few_programs, tuning.device_name(query.device))
     qk_scale, softcap_log2 = exp2_scales(scale, softcap)
+    scaled = is_scaled(k_cache.dtype)
+    if scaled:
+        check_scales(k_cache, k_scales, v_scales)
+    else:
+        k_scales = v_scales = k_cache  # unused
+    compute = query.dtype if scaled else k_cache.dtype  # the dots' operand dtype
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
         v_cache,
+        k_scales,
+        v_scales,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -716,6 +771,7 @@ def _launch(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        *(k_scales.stride()[:2] if scaled else (0, 0)),
         block_tables.stride(0),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
@@ -734,7 +790,8 @@ def _launch(
             <= MERGE_AT_ONCE_MAX_VALUES
         ),
         GROUP_POW2=triton.next_power_of_2(group),
-        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
+        KV_SCALED=scaled,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         **launch_options(ORDERING),

@@ -16,9 +16,9 @@ T // BLOCK_Q + num_seqs programs cover any batch; a program finds its request by
 over query_start_loc and exits if its tile is past the request's end.
 
 Keys are walked in tiles of BLOCK_N tokens gathered through the block table, with an fp32 online
-softmax (see tile.py). Key tiles below the first query's position need no mask; the last few,
-up to the tile's last query position, get the causal mask; tiles fully above the diagonal are
-never visited.
+softmax (see tile.py; a quantized cache's scales are read with each tile). Key tiles below the
+first query's position need no mask; the last few, up to the tile's last query position, get the
+causal mask; tiles fully above the diagonal are never visited.
 
 Sliding window (`recent` = window - sinks): query at position q sees keys q - recent < k <= q,
 and the sinks k < sinks. Key tiles wholly before the first row's window are never visited; the
@@ -36,7 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from backend.attention.kernels.kv_write import check_scales
 from backend.attention.kernels.tile import attend_key_tile, exp2_scales
+from backend.attention.kv_dtype import is_scaled
 from backend.kernels import tuning
 
 
@@ -60,6 +62,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_ptr,
@@ -78,6 +82,8 @@ def _prefill_kernel(
     stride_vc_block,
     stride_vc_offset,
     stride_vc_head,
+    stride_s_block,
+    stride_s_offset,
     stride_bt,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -87,6 +93,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
+    KV_SCALED: tl.constexpr = False,
 ):
     # Longest first: a request's last tiles see the most keys, so the last wave holds short tiles.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -111,7 +118,9 @@ def _prefill_kernel(
         q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims[None, :],
         mask=row_ok[:, None],
         other=0.0,
-    ).to(k_cache_ptr.dtype.element_ty)
+    )
+    if not KV_SCALED:  # a quantized cache's values convert to the query's dtype instead
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0, tl.float32)
@@ -151,6 +160,10 @@ def _prefill_kernel(
             stride_vc_block,
             stride_vc_offset,
             stride_vc_head,
+            k_scale_ptr,
+            v_scale_ptr,
+            stride_s_block,
+            stride_s_offset,
             TOKENS_PER_BLOCK=TOKENS_PER_BLOCK,
             BLOCK_N=BLOCK_N,
             HEAD_DIM=HEAD_DIM,
@@ -158,6 +171,7 @@ def _prefill_kernel(
             CAUSAL=True,
             DOT_PRECISION=DOT_PRECISION,
             SOFTCAP=SOFTCAP,
+            KV_SCALED=KV_SCALED,
         )
     for start in range(window_start, window_masked_end, BLOCK_N):
         m_i, l_i, acc = attend_key_tile(
@@ -181,6 +195,10 @@ def _prefill_kernel(
             stride_vc_block,
             stride_vc_offset,
             stride_vc_head,
+            k_scale_ptr,
+            v_scale_ptr,
+            stride_s_block,
+            stride_s_offset,
             TOKENS_PER_BLOCK=TOKENS_PER_BLOCK,
             BLOCK_N=BLOCK_N,
             HEAD_DIM=HEAD_DIM,
@@ -188,6 +206,7 @@ def _prefill_kernel(
             CAUSAL=True,
             DOT_PRECISION=DOT_PRECISION,
             SOFTCAP=SOFTCAP,
+            KV_SCALED=KV_SCALED,
         )
     for start in range(window_masked_end, unmasked_end, BLOCK_N):
         m_i, l_i, acc = attend_key_tile(
@@ -211,6 +230,10 @@ def _prefill_kernel(
             stride_vc_block,
             stride_vc_offset,
             stride_vc_head,
+            k_scale_ptr,
+            v_scale_ptr,
+            stride_s_block,
+            stride_s_offset,
             TOKENS_PER_BLOCK=TOKENS_PER_BLOCK,
             BLOCK_N=BLOCK_N,
             HEAD_DIM=HEAD_DIM,
@@ -218,6 +241,7 @@ def _prefill_kernel(
             CAUSAL=False,
             DOT_PRECISION=DOT_PRECISION,
             SOFTCAP=SOFTCAP,
+            KV_SCALED=KV_SCALED,
         )
     for start in range(unmasked_end, key_end, BLOCK_N):
         m_i, l_i, acc = attend_key_tile(
@@ -241,6 +265,10 @@ def _prefill_kernel(
             stride_vc_block,
             stride_vc_offset,
             stride_vc_head,
+            k_scale_ptr,
+            v_scale_ptr,
+            stride_s_block,
+            stride_s_offset,
             TOKENS_PER_BLOCK=TOKENS_PER_BLOCK,
             BLOCK_N=BLOCK_N,
             HEAD_DIM=HEAD_DIM,
@@ -248,6 +276,7 @@ def _prefill_kernel(
             CAUSAL=True,
             DOT_PRECISION=DOT_PRECISION,
             SOFTCAP=SOFTCAP,
+            KV_SCALED=KV_SCALED,
         )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # idle rows (l_i = 0) store zeros
@@ -311,9 +340,12 @@ def prefill_attention(
     window: int | None = None,
     sinks: int = 0,
     softcap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, heads, head_dim] -> [T, heads, head_dim]; any mix of query lengths (>= 0).
-    `window`: sliding-window attention with `sinks` (backend.attention.reference's rule)."""
+    `window`: sliding-window attention with `sinks` (backend.attention.reference's rule).
+    `k_scales`/`v_scales` [blocks, tokens_per_block, kv_heads]: a quantized cache's scales."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -324,9 +356,13 @@ def prefill_attention(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    config = launch_config(
-        group, head_dim, k_cache.element_size(), tuning.device_name(query.device)
-    )
+    scaled = is_scaled(k_cache.dtype)
+    if scaled:
+        check_scales(k_cache, k_scales, v_scales)
+    else:
+        k_scales = v_scales = k_cache  # unused
+    compute = query.dtype if scaled else k_cache.dtype  # the dots' operand dtype
+    config = launch_config(group, head_dim, compute.itemsize, tuning.device_name(query.device))
     block_m = block_m or config["BLOCK_M"]
     block_n = block_n or config["BLOCK_N"]
     block_q = block_m // group
@@ -336,6 +372,8 @@ def prefill_attention(
         query,
         k_cache,
         v_cache,
+        k_scales,
+        v_scales,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -353,6 +391,7 @@ def prefill_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        *(k_scales.stride()[:2] if scaled else (0, 0)),
         block_tables.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -360,8 +399,9 @@ def prefill_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
         SOFTCAP=softcap_log2,
+        KV_SCALED=scaled,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )

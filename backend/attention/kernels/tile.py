@@ -18,6 +18,11 @@ rows, even NaN, and freed blocks outside a sliding window never reach the sums);
 additionally hides keys above each row's absolute position `q_pos` and below its `row_key_lo`
 (the first key of the row's sliding window; 0 without one). Tiles that need neither run without
 masks. A row that has seen no visible key yet keeps m_i = -inf, l_i = 0, acc = 0.
+
+KV_SCALED: the cache holds fp8 / int8 values with a scale per token and kv head
+(`backend.attention.kv_dtype`), loaded with the tile. The values convert exactly to the query's
+dtype for the dots, and the scales multiply the [M, BLOCK_N] scores and probabilities instead of
+the [BLOCK_N, head_dim] tiles: (q . k) * k_scale, and (p * v_scale) @ v.
 """
 
 from __future__ import annotations
@@ -43,13 +48,19 @@ def load_key_tile(
     stride_vc_block,
     stride_vc_offset,
     stride_vc_head,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_s_block,
+    stride_s_offset,
     TOKENS_PER_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     MASK_KEYS: tl.constexpr,
+    KV_SCALED: tl.constexpr = False,
 ):
     """Keys and values [BLOCK_N, HEAD_DIM] of context tokens tile_start.. (zeros outside
-    [key_start, key_end) when MASK_KEYS), and which tokens are real ([BLOCK_N] bool)."""
+    [key_start, key_end) when MASK_KEYS), which tokens are real ([BLOCK_N] bool), and the keys'
+    and values' scales ([BLOCK_N] float32; ones when not KV_SCALED)."""
     tokens = tile_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     key_ok = (tokens < key_end) & (tokens >= key_start)
@@ -80,7 +91,18 @@ def load_key_tile(
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    return k, v, key_ok
+    if KV_SCALED:
+        s_ptrs = page * stride_s_block + in_page * stride_s_offset + kv_head
+        if MASK_KEYS:
+            k_scale = tl.load(k_scale_ptr + s_ptrs, mask=key_ok, other=0.0).to(tl.float32)
+            v_scale = tl.load(v_scale_ptr + s_ptrs, mask=key_ok, other=0.0).to(tl.float32)
+        else:
+            k_scale = tl.load(k_scale_ptr + s_ptrs).to(tl.float32)
+            v_scale = tl.load(v_scale_ptr + s_ptrs).to(tl.float32)
+    else:
+        k_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+        v_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    return k, v, key_ok, k_scale, v_scale
 
 
 def exp2_scales(scale: float, softcap: float | None) -> tuple[float, float]:
@@ -109,6 +131,8 @@ def attend_loaded_tile(
     k,
     v,
     key_ok,
+    k_scale,
+    v_scale,
     tile_start,
     q_pos,
     row_key_lo,
@@ -118,9 +142,14 @@ def attend_loaded_tile(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
+    KV_SCALED: tl.constexpr = False,
 ):
     """The online-softmax update with one loaded tile (`load_key_tile`)."""
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if KV_SCALED:
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        qk = qk * k_scale[None, :]
+    else:
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     scores = scaled_scores(qk, qk_scale, SOFTCAP)  # [M, BLOCK_N]
     if CAUSAL:
         tokens = tile_start + tl.arange(0, BLOCK_N)
@@ -136,7 +165,13 @@ def attend_loaded_tile(
     alpha = tl.exp2(m_i - m_base)
     p = tl.exp2(scores - m_base[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if KV_SCALED:
+        pv = tl.dot(
+            (p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
+        )
+    else:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 
@@ -162,6 +197,10 @@ def attend_key_tile(
     stride_vc_block,
     stride_vc_offset,
     stride_vc_head,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_s_block,
+    stride_s_offset,
     TOKENS_PER_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -169,9 +208,10 @@ def attend_key_tile(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
+    KV_SCALED: tl.constexpr = False,
 ):
     """Load one tile and update the state with it."""
-    k, v, key_ok = load_key_tile(
+    k, v, key_ok, k_scale, v_scale = load_key_tile(
         k_cache_ptr,
         v_cache_ptr,
         block_table_row,
@@ -185,10 +225,15 @@ def attend_key_tile(
         stride_vc_block,
         stride_vc_offset,
         stride_vc_head,
+        k_scale_ptr,
+        v_scale_ptr,
+        stride_s_block,
+        stride_s_offset,
         TOKENS_PER_BLOCK=TOKENS_PER_BLOCK,
         BLOCK_N=BLOCK_N,
         HEAD_DIM=HEAD_DIM,
         MASK_KEYS=MASK_KEYS,
+        KV_SCALED=KV_SCALED,
     )
     return attend_loaded_tile(
         q,
@@ -198,6 +243,8 @@ def attend_key_tile(
         k,
         v,
         key_ok,
+        k_scale,
+        v_scale,
         tile_start,
         q_pos,
         row_key_lo,
@@ -207,4 +254,5 @@ def attend_key_tile(
         CAUSAL=CAUSAL,
         DOT_PRECISION=DOT_PRECISION,
         SOFTCAP=SOFTCAP,
+        KV_SCALED=KV_SCALED,
     )
