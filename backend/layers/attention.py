@@ -40,7 +40,9 @@ class AttentionStep:
 
     rotation: Rotation
     meta: AttentionMetadata
-    kv_cache: torch.Tensor  # [layers, K | V, blocks, tokens_per_block, kv_heads, head_dim]
+    # [layers, K | V, blocks, tokens_per_block, kv_heads, head_dim], or per layer when the layers
+    # form several KV cache groups (each indexes its group's blocks: `meta.for_group`)
+    kv_cache: torch.Tensor | tuple[torch.Tensor, ...]
     local_rotation: Rotation | None = None  # sliding-window layers' own rotary (Gemma 3)
 
 
@@ -55,6 +57,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         tp = tp or TensorParallel()
         self.layer_index = layer_index
+        self.kv_group = config.kv_cache_group_of(layer_index)  # whose block tables it reads
         d = self.head_dim = config.head_dim
         first_head, self.num_heads = tp.part(config.num_heads, "attention heads")
         first_kv, self.num_kv_heads = tp.kv_heads(config.num_heads, config.num_kv_heads)
@@ -103,12 +106,13 @@ class SelfAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = step.kv_cache[self.layer_index]
+        meta = step.meta.for_group(self.kv_group)
         rotation = step.local_rotation if self.local_rope else step.rotation
         q = rotation.rotate_and_write_kv(
-            q, k, v, k_cache, v_cache, step.meta.slot_mapping, self.backend.write_kv
+            q, k, v, k_cache, v_cache, meta.slot_mapping, self.backend.write_kv
         )
         out = self.backend.paged_attention(
-            q, k_cache, v_cache, step.meta, self.scale, **self.attention_options
+            q, k_cache, v_cache, meta, self.scale, **self.attention_options
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -129,6 +133,7 @@ class SelfAttention(nn.Module):
     def add_one_token(self, residual: torch.Tensor, norm: RMSNorm, step: AttentionStep) -> None:
         """residual [1, hidden_size] += self(norm(residual)), in place, in one-token kernels."""
         k_cache, v_cache = step.kv_cache[self.layer_index]
+        meta = step.meta.for_group(self.kv_group)
         qkv = self.qkv_proj.one_token_qkv(
             residual,
             norm,
@@ -137,16 +142,16 @@ class SelfAttention(nn.Module):
             rotation=step.rotation,
             k_cache=k_cache,
             v_cache=v_cache,
-            slot_mapping=step.meta.slot_mapping,
+            slot_mapping=meta.slot_mapping,
         )
         q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
         if self.backend.decode_partials is not None and self.o_proj.merges_splits(self.head_dim):
             out = self.backend.decode_partials(
-                q, k_cache, v_cache, step.meta, self.scale, **self.attention_options
+                q, k_cache, v_cache, meta, self.scale, **self.attention_options
             )
         else:
             out = self.backend.paged_attention(
-                q, k_cache, v_cache, step.meta, self.scale, **self.attention_options
+                q, k_cache, v_cache, meta, self.scale, **self.attention_options
             )
             out = out.reshape(-1, self.q_size)
         self.o_proj.one_token(out, residual=residual, out=residual)
