@@ -368,8 +368,8 @@ class ModelRunner:
         slots = block_tables[seq_of_token, block_of_token] * tokens_per_block + offset
         if len(self.kv_group_blocks) > 1:  # each group's tables and slots in turn
             tables = [block_tables] + [
-                _block_table([r.group_block_ids[g] for r in requests], held, num_blocks)
-                for g in range(len(self.kv_group_blocks) - 1)
+                _block_table([_group_table(r, g) for r in requests], held, num_blocks)
+                for g in range(1, len(self.kv_group_blocks))
             ]
             block_tables = np.concatenate(tables)
             slots = np.concatenate(
@@ -586,7 +586,6 @@ class ModelRunner:
         for n in lengths:
             blocks = list(range(next_block, next_block + -(-n // self.tokens_per_block)))
             chunks.append(Chunk.of_sequence([0] * n, blocks))
-            chunks[-1].request.group_block_ids = [blocks] * (num_groups - 1)
             next_block += len(blocks)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -646,3 +645,9 @@ def _block_table(block_lists: list[list[int]], held: np.ndarray, num_blocks: np.
     block_tables[columns[:width] >= num_blocks[:, None]] = 0
     np.maximum(block_tables, 0, out=block_tables)
     return block_tables
+
+
+def _group_table(request, group: int) -> list[int]:
+    """The request's block table in KV cache group `group` (1..); a bare sequence
+    (`Chunk.of_sequence`) has the same block ids in every group's pool."""
+    return request.group_block_ids[group - 1] if request.group_block_ids else request.block_ids

@@ -156,7 +156,8 @@ class Scheduler:
         max_total_tokens."""
         reserved = [0] * len(self.kv.groups)
         for request in self.running:
-            reserved = list(map(sum, zip(reserved, self.kv.blocks_to_grow(request))))
+            for g, blocks in enumerate(self.kv.blocks_to_grow(request)):
+                reserved[g] += blocks
         return reserved
 
     def _fits_whole_life(self, request: Request, prefix: PrefixMatch, reserved: list[int]) -> bool:
@@ -250,7 +251,8 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
             if self.no_evict:
-                reserved = list(map(sum, zip(reserved, self.kv.blocks_to_grow(request))))
+                for g, blocks in enumerate(self.kv.blocks_to_grow(request)):
+                    reserved[g] += blocks
             start = request.num_computed_tokens  # past the reused prefix
             batch.chunks.append(
                 Chunk(request, start, num_tokens, start + num_tokens == request.num_tokens)
