@@ -181,7 +181,8 @@ class ModelRunner:
             blocks = torch.tensor(self.kv_group_blocks)
             self.tp.cpu_group.allreduce([blocks], dist_min()).wait()
             self.kv_group_blocks = blocks.tolist()
-        self.num_kv_blocks = sum(self.kv_group_blocks)  # as the KV block metrics count them
+        # The block ids every group's pool has (a bare sequence's: `Chunk.of_sequence`).
+        self.num_kv_blocks = min(self.kv_group_blocks)
         self.kv_cache = self._allocate_kv_cache(self.kv_group_blocks)
         self.decode_graphs = self._capture_decode_graphs()
         if self.workers is not None:
