@@ -218,7 +218,7 @@ def test_tiny_gemma3_groups_match_transformers_chunked_reused_and_preempted(gemm
     assert stats.kv.reused_blocks >= 5 * 4  # the prefix, cached by the first request
     assert stats.kv.free_blocks == stats.kv.max_blocks == global_blocks + window_blocks
     # 140 tokens' memory (30 + 15 blocks) for four requests of up to 120 tokens: preemption.
-    short, short_stats, _, _ = serve(
+    short, short_stats, _, short_pools = serve(
         path,
         [prompts],
         max_batch_size=4,
@@ -226,6 +226,9 @@ def test_tiny_gemma3_groups_match_transformers_chunked_reused_and_preempted(gemm
         max_tokens_in_paged_kv_cache=140,
         max_seq_len=128,
     )
+    # The memory of 18 blocks of all six layers, shared: proportionally to the layers times the
+    # blocks a 128-token request holds in each group (16 globally, 8 in the window group).
+    assert short_pools[0] == [30, 15] and 30 * 1 + 15 * 5 <= 18 * 6
     assert short_stats.num_preemptions > 0
     assert short_stats.kv.free_blocks == short_stats.kv.max_blocks
     for (tokens, logprobs), result, again in zip(expected, results, short):
