@@ -303,7 +303,11 @@ class KVCacheManager:
         ]
 
     def free_blocks_needed(
-        self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None, group=0
+        self,
+        request: Request,
+        num_new_tokens: int,
+        prefix: PrefixMatch | None = None,
+        group: int = 0,
     ) -> int:
         """Free blocks of `group` that `allocate(request, num_new_tokens, prefix)` would consume.
 
