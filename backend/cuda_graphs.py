@@ -27,6 +27,11 @@ Padded rows have slot -1 (the KV write skips them) and context length 0 (attenti
 for them); their logits are computed and ignored. The attention kernels size their grids from the
 captured `max_seq_len`, and divide each request's context among the splits at run time, so one
 graph serves every context length.
+
+A model whose layers form several KV cache groups (`ModelConfig.kv_cache_groups`) has a slot and
+a block-table row per group for each row: the buffer holds slot_mapping [groups * n] and
+block_tables [groups * n, blocks], group g's at rows g * n .. (the layout of the step's arrays
+from `ModelRunner.prepare`), and each group's metadata views its part.
 """
 
 from __future__ import annotations
@@ -83,27 +88,31 @@ class DecodeGraphs:
         max_seq_len: int,
         tokens_per_block: int,
         max_banned: int = 1,
-        kv_scales: torch.Tensor | None = None,
+        kv_scales: torch.Tensor | tuple | None = None,
+        num_kv_groups: int = 1,
     ):
         """`kv_scales`: a quantized cache's scales, read and written by the graphs in place."""
-        device = kv_cache.device
+        device = kv_cache[0].device  # a tensor, or per layer with several KV cache groups
         self.model = model
         self.kv_cache = kv_cache
         self.kv_scales = {} if kv_scales is None else {"kv_scales": kv_scales}
         self.max_seq_len = max_seq_len
+        self.num_kv_groups = groups = num_kv_groups
         self.sizes = capture_sizes(max_batch_size)
+        self.rows = max_batch_size  # of each group in slot_mapping and block_tables
         n, blocks = max_batch_size, -(-max_seq_len // tokens_per_block)
         # Every per-step input lives in one buffer, mirrored by each slot of the host ring: the
         # first kernel copies from `positions` on, up to the end of the graph's block-table rows
-        # (the block table comes last); it writes the input ids itself (in-flight ones resolved).
+        # (the block tables come last, group by group); it writes the input ids itself (in-flight
+        # ones resolved).
         fields = [
             ("input_ids", torch.int64, (n,)),
             ("in_flight_rows", torch.int64, (n,)),
             ("positions", torch.int64, (n,)),
-            ("slot_mapping", torch.int64, (n,)),
+            ("slot_mapping", torch.int64, (groups * n,)),
             ("seq_lens", torch.int32, (n,)),
             ("banned_ids", torch.int64, (n, max_banned)),
-            ("block_tables", torch.int32, (n, blocks)),
+            ("block_tables", torch.int32, (groups * n, blocks)),
         ]
         sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in fields]
         aligned = [-(-size // 16) * 16 for size in sizes]  # every field starts 16-aligned
@@ -141,21 +150,35 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= n)
 
     def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
-            max_query_len=1,
-            max_seq_len=self.max_seq_len,
-            query_lens_cpu=[1] * size,
-            seq_lens_cpu=[0] * size,
-        )
+        return self._group_metas(size, self.max_seq_len, [0] * size)
+
+    def _group_metas(
+        self, n: int, max_seq_len: int, seq_lens: list[int], width: int | None = None
+    ) -> AttentionMetadata:
+        """Group 0's metadata of n rows over the device buffer, the other groups' in `groups`."""
+        first = [g * self.rows for g in range(self.num_kv_groups)]
+        metas = [
+            AttentionMetadata(
+                slot_mapping=self.slot_mapping[row : row + n],
+                query_start_loc=self.query_start_loc[: n + 1],
+                seq_lens=self.seq_lens[:n],
+                block_tables=self.block_tables[row : row + n, :width],
+                max_query_len=1,
+                max_seq_len=max_seq_len,
+                query_lens_cpu=[1] * n,
+                seq_lens_cpu=seq_lens,
+            )
+            for row in first
+        ]
+        metas[0].groups = tuple(metas[1:])
+        return metas[0]
 
     def load_inputs(self, size: int) -> None:
-        """The graph's first kernel: host slot `replays % 2` into the device buffer."""
-        table = self.block_tables[:size]
-        end = self.offsets["block_tables"] + table.numel() * table.element_size()
+        """The graph's first kernel: host slot `replays % 2` into the device buffer, up to the
+        last group's first `size` block-table rows."""
+        rows = (self.num_kv_groups - 1) * self.rows + size
+        row_bytes = self.block_tables.shape[1] * self.block_tables.element_size()
+        end = self.offsets["block_tables"] + rows * row_bytes
         offsets = self.offsets
         load_step_inputs(
             self.buffer,
@@ -223,9 +246,10 @@ class DecodeGraphs:
         (attention writes zeros for them); their logits are ignored. `in_flight_rows` [n]: for
         a row whose input is an in-flight token, its row in `in_flight_ids` (the previous step's
         sampled ids; the graph reads them), else -1; None: no row is. `banned_ids`
-        [n, <= max_banned]: ids each row's argmax skips (-1 = none; None: no bans). Returns the
-        step's attention metadata: views of the device buffer, which hold the step once `replay`
-        has run its first kernel."""
+        [n, <= max_banned]: ids each row's argmax skips (-1 = none; None: no bans). `slots`
+        [groups * n] and `block_tables` [groups * n, width]: each KV cache group's in turn.
+        Returns the step's attention metadata: views of the device buffer, which hold the step
+        once `replay` has run its first kernel."""
         n, size = len(input_ids), self.size_for(len(input_ids))
         if in_flight_rows is not None and in_flight_ids.data_ptr() != self.sampled_ids.data_ptr():
             self.sampled_ids[: len(in_flight_ids)].copy_(in_flight_ids)
@@ -238,11 +262,13 @@ class DecodeGraphs:
         for name, values, pad in (
             ("input_ids", input_ids, 0),
             ("positions", positions, 0),
-            ("slot_mapping", slots, -1),
             ("seq_lens", seq_lens, 0),
         ):
             host[name][:n] = values
             host[name][n:size] = pad
+        by_group = host["slot_mapping"].reshape(self.num_kv_groups, self.rows)
+        by_group[:, :n] = slots.reshape(self.num_kv_groups, n)
+        by_group[:, n:size] = -1
         host["in_flight_rows"][:size] = -1
         if in_flight_rows is not None:
             host["in_flight_rows"][:n] = in_flight_rows
@@ -250,19 +276,11 @@ class DecodeGraphs:
         if banned_ids is not None:
             host["banned_ids"][:n, : banned_ids.shape[1]] = banned_ids
         table, width = host["block_tables"], block_tables.shape[1]
-        table[:n, :width] = block_tables
-        table[:n, width:] = 0
-        table[n:size] = 0
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:n],
-            query_start_loc=self.query_start_loc[: n + 1],
-            seq_lens=self.seq_lens[:n],
-            block_tables=self.block_tables[:n, :width],
-            max_query_len=1,
-            max_seq_len=int(seq_lens.max()),
-            query_lens_cpu=[1] * n,
-            seq_lens_cpu=seq_lens.tolist(),
-        )
+        table = table.reshape(self.num_kv_groups, self.rows, -1)
+        table[:, :n, :width] = block_tables.reshape(self.num_kv_groups, n, width)
+        table[:, :n, width:] = 0
+        table[:, n:size] = 0
+        return self._group_metas(n, int(seq_lens.max()), seq_lens.tolist(), width)
 
     def replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor, ReplayIds]:
         """Run the staged step (n rows) in the smallest graph that fits: float32 logits

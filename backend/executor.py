@@ -23,6 +23,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine import Engine, reads_token_history
+from backend.kv_cache_manager import KVCacheManager
 from backend.limits import EngineLimits
 from backend.logprobs import PromptLogprobs
 from backend.model_runner import ModelRunner
@@ -52,17 +53,16 @@ class Executor:
         model_config = self.runner.model_config
         self.scheduler = Scheduler(
             self.config,
-            self.runner.num_kv_blocks,
+            self.runner.kv_group_blocks,
             self.runner.tokens_per_block,
-            attention_window=model_config.attention_window,
+            attention_window=[group.window for group in model_config.kv_cache_groups],
             sink_tokens=model_config.sink_token_length,
         )
         self.limits = EngineLimits(
             self.vocab_size,
             self.max_seq_len,
             self.runner.tokens_per_block,
-            self.scheduler.total_blocks,
-            self.scheduler.kv.max_blocks_held(self.max_seq_len),
+            *binding_limits(self.scheduler.kv, self.max_seq_len),
         )
         self.sampler = Sampler(
             self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed
@@ -306,3 +306,18 @@ class Executor:
             stats.finish_reasons[reason.value] = stats.finish_reasons.get(reason.value, 0) + 1
             self._flush_token_count()
         self.sampler.forget(request.request_id)
+
+
+def binding_limits(kv: KVCacheManager, max_seq_len: int) -> tuple[int, int | None]:
+    """(total_blocks, max_blocks_held) for `EngineLimits`: a request is refused when some group's
+    pool cannot hold the blocks it holds at once, which is the case exactly when its blocks
+    exceed the smallest pool among the groups whose longest request would not fit."""
+    short = [
+        group.pool.num_blocks
+        for group in kv.groups
+        if group.max_blocks_held(max_seq_len) > group.pool.num_blocks
+    ]
+    if short:
+        return min(short), None
+    first = kv.groups[0]
+    return first.pool.num_blocks, first.max_blocks_held(max_seq_len)

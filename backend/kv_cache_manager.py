@@ -25,10 +25,18 @@ A released block keeps its content and prefix hash until evicted, and that conte
 exactly the KV of its chained prefix, so it may be matched again; a match still walks the chain
 from the first block (an evicted block ends it), and takes only the matched blocks that the
 request's own window still reads.
+
+Groups: a model mixing global and windowed layers (`ModelConfig.kv_cache_groups`) has a pool and
+a block table per group: `request.block_ids` for the first (global) group and
+`request.group_block_ids` for the others, all the same length (entry i: logical block i in that
+group's pool). Every group gets a block for each new logical block; each frees by its own window.
+A prefix matches for the first group's chain as above, cut to the longest length at which every
+other group still holds the matched blocks the request's window would read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from backend.block_pool import BlockHash, BlockPool, hash_block
@@ -39,6 +47,9 @@ FREED = -1  # a block-table entry whose block went back to the pool (outside eve
 
 @dataclass
 class KVCacheStats:
+    """Blocks of every group's pool together (a group's block holds only its own layers);
+    reused and allocated count block-table entries (one block in each group)."""
+
     max_blocks: int
     free_blocks: int
     used_blocks: int
@@ -49,11 +60,13 @@ class KVCacheStats:
 
 @dataclass
 class PrefixMatch:
-    """Cached blocks found for a request's leading tokens; not yet taken."""
+    """Cached blocks found for a request's leading tokens; not yet taken. `block_ids`: the first
+    group's; `group_block_ids`: the other groups', FREED where their window does not read."""
 
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     tokens_per_block: int = 1
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_blocks(self) -> int:
@@ -63,53 +76,34 @@ class PrefixMatch:
     def num_tokens(self) -> int:
         return len(self.block_ids) * self.tokens_per_block
 
+    def table(self, group: int) -> list[int]:
+        return self.block_ids if group == 0 else self.group_block_ids[group - 1]
 
-class KVCacheManager:
+
+class KVCacheGroup:
+    """One group of layers' block pool and window rule (`window` None: global)."""
+
     def __init__(
         self,
         num_blocks: int,
         tokens_per_block: int,
-        enable_prefix_reuse: bool = True,
-        window: int | None = None,
-        sink_tokens: int = 0,
-        max_chunk_tokens: int | None = None,
+        window: int | None,
+        sink_tokens: int,
+        max_chunk_tokens: int | None,
     ):
-        """`window`, `sink_tokens`: see the module docstring; `max_chunk_tokens` (the most tokens
-        a step computes for one request) bounds the blocks a windowed request holds at once."""
-        if tokens_per_block < 1:
-            raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
         self.pool = BlockPool(num_blocks)
         self.tokens_per_block = tokens_per_block
-        self.enable_prefix_reuse = enable_prefix_reuse
         self.window = window
         self.sink_blocks = -(-sink_tokens // tokens_per_block) if window is not None else 0
         self.max_chunk_tokens = max_chunk_tokens
-        # Chain hashes of each request's full, computed blocks, in block order.
-        self._block_hashes: dict[str, list[BlockHash]] = {}
-        # Windows: each request's entries sink_blocks .. this index are FREED.
-        self._freed_until: dict[str, int] = {}
-        self.num_reused_blocks = 0
-        self.num_allocated_new_blocks = 0
-
-    @property
-    def total_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.tokens_per_block)
+        self.freed_until: dict[str, int] = {}  # entries sink_blocks .. this index are FREED
 
     def max_blocks_held(self, num_tokens: int) -> int:
         """The most blocks a request of num_tokens tokens holds at once: all of them, or with a
         window its sink blocks and those of the window before a chunk plus the chunk."""
-        needed = self.blocks_needed(num_tokens)
-        if self.window is None or self.max_chunk_tokens is None:
-            return needed
-        span = self.window - 1 + self.max_chunk_tokens
-        return min(needed, self.sink_blocks + self.blocks_needed(span) + 1)
+        return max_blocks_held(
+            num_tokens, self.tokens_per_block, self.window, self.sink_blocks, self.max_chunk_tokens
+        )
 
     def first_live_block(self, position: int) -> int:
         """The first block past the sinks that a query at `position` or later may read."""
@@ -117,60 +111,205 @@ class KVCacheManager:
             return 0
         return max(0, (position - self.window + 1) // self.tokens_per_block)
 
-    def num_live_blocks(self, request: Request) -> int:
-        """Blocks the request holds (its table's entries that are not FREED)."""
-        freed = self._freed_until.get(request.request_id, 0) - self.sink_blocks
-        return len(request.block_ids) - max(0, freed)
+    def reads(self, index: int, position: int) -> bool:
+        """Whether a query at `position` or later may read logical block `index`."""
+        return index < self.sink_blocks or index >= self.first_live_block(position)
 
-    def blocks_to_grow(self, request: Request) -> int:
-        """Free blocks a running request may still take from the pool to reach
-        max_total_tokens. With a window: at most what it may hold at once beyond the blocks it
-        alone holds now (a shared block it releases returns nothing to the pool)."""
-        fresh = max(0, self.blocks_needed(request.max_total_tokens) - len(request.block_ids))
+    def num_live(self, table: list[int], request_id: str) -> int:
+        freed = self.freed_until.get(request_id, 0) - self.sink_blocks
+        return len(table) - max(0, freed)
+
+    def blocks_to_grow(self, table: list[int], max_total_tokens: int) -> int:
+        fresh = max(0, -(-max_total_tokens // self.tokens_per_block) - len(table))
         if self.window is None:
             return fresh
-        own = sum(1 for b in request.block_ids if b != FREED and self.pool.ref_count(b) == 1)
-        return min(fresh, max(0, self.max_blocks_held(request.max_total_tokens) - own))
+        own = sum(1 for b in table if b != FREED and self.pool.ref_count(b) == 1)
+        return min(fresh, max(0, self.max_blocks_held(max_total_tokens) - own))
 
-    def kept_prefix_blocks(self, prefix: PrefixMatch) -> list[int]:
-        """The matched blocks a request admitted with `prefix` takes: those its window reads."""
-        lo, hi = self.sink_blocks, self.first_live_block(prefix.num_tokens)
-        return [b for i, b in enumerate(prefix.block_ids) if not lo <= i < hi]
+    def release_outside_window(self, table: list[int], request_id: str, position: int) -> None:
+        """Hand back the blocks that no query from `position` on reads (windows only)."""
+        if self.window is None:
+            return
+        start = max(self.freed_until.get(request_id, 0), self.sink_blocks)
+        end = min(self.first_live_block(position), len(table))
+        for i in range(start, end):
+            self.pool.release(table[i])
+            table[i] = FREED
+        if end > start:
+            self.freed_until[request_id] = end
+
+    def admit(self, table: list[int], request_id: str, matched: list[int], num_tokens: int):
+        """Take the matched blocks a query at `num_tokens` reads; the others become FREED."""
+        table[:] = [b if self.reads(i, num_tokens) else FREED for i, b in enumerate(matched)]
+        for block_id in table:  # taken before allocations can evict
+            if block_id != FREED:
+                self.pool.take(block_id)
+        hi = self.first_live_block(num_tokens)
+        if hi > self.sink_blocks:
+            self.freed_until[request_id] = min(hi, len(matched))
+
+    def free(self, table: list[int], request_id: str) -> None:
+        for block_id in reversed(table):
+            if block_id != FREED:
+                self.pool.release(block_id)
+        self.freed_until.pop(request_id, None)
+
+
+def max_blocks_held(
+    num_tokens: int,
+    tokens_per_block: int,
+    window: int | None,
+    sink_blocks: int,
+    max_chunk_tokens: int | None,
+) -> int:
+    """See `KVCacheGroup.max_blocks_held` (also sizes the groups' pools: `model_runner`)."""
+    needed = -(-num_tokens // tokens_per_block)
+    if window is None or max_chunk_tokens is None:
+        return needed
+    span = window - 1 + max_chunk_tokens
+    return min(needed, sink_blocks + -(-span // tokens_per_block) + 1)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int | Sequence[int],
+        tokens_per_block: int,
+        enable_prefix_reuse: bool = True,
+        window: int | None | Sequence[int | None] = None,
+        sink_tokens: int = 0,
+        max_chunk_tokens: int | None = None,
+    ):
+        """`window`, `sink_tokens`: see the module docstring; `max_chunk_tokens` (the most tokens
+        a step computes for one request) bounds the blocks a windowed request holds at once.
+        Sequences for `num_blocks` and `window`: one group each (the first one global)."""
+        if tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+        counts = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
+        windows = list(window) if isinstance(window, Sequence) else [window]
+        if len(counts) != len(windows):
+            raise ValueError(f"{len(counts)} block counts for {len(windows)} KV cache groups")
+        self.groups = [
+            KVCacheGroup(n, tokens_per_block, w, sink_tokens, max_chunk_tokens)
+            for n, w in zip(counts, windows)
+        ]
+        first = self.groups[0]  # the only group unless layers mix global and windowed attention
+        self.pool, self.window, self.sink_blocks = first.pool, first.window, first.sink_blocks
+        self.tokens_per_block = tokens_per_block
+        self.enable_prefix_reuse = enable_prefix_reuse
+        self.max_chunk_tokens = max_chunk_tokens
+        # Chain hashes of each request's full, computed blocks, in block order.
+        self._block_hashes: dict[str, list[BlockHash]] = {}
+        self.num_reused_blocks = 0
+        self.num_allocated_new_blocks = 0
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(group.pool.num_blocks for group in self.groups)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(group.pool.num_free for group in self.groups)
+
+    def tables(self, request: Request) -> list[list[int]]:
+        """The request's block table in each group (created empty when missing)."""
+        if len(request.group_block_ids) != len(self.groups) - 1:
+            request.group_block_ids = [[] for _ in self.groups[1:]]
+        return [request.block_ids, *request.group_block_ids]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_block)
+
+    def max_blocks_held(self, num_tokens: int, group: int = 0) -> int:
+        return self.groups[group].max_blocks_held(num_tokens)
+
+    def blocks_short(self, num_tokens: int) -> tuple[int, int] | None:
+        """(blocks needed, blocks in the pool) of a group whose whole pool cannot hold a
+        request of num_tokens tokens at once, or None."""
+        for group in self.groups:
+            needed = group.max_blocks_held(num_tokens)
+            if needed > group.pool.num_blocks:
+                return needed, group.pool.num_blocks
+        return None
+
+    def first_live_block(self, position: int) -> int:
+        return self.groups[0].first_live_block(position)
+
+    def num_live_blocks(self, request: Request, group: int = 0) -> int:
+        """Blocks the request holds in `group` (its table's entries that are not FREED)."""
+        return self.groups[group].num_live(self.tables(request)[group], request.request_id)
+
+    def blocks_to_grow(self, request: Request) -> list[int]:
+        """Per group: free blocks a running request may still take from the pool to reach
+        max_total_tokens. With a window: at most what it may hold at once beyond the blocks it
+        alone holds now (a shared block it releases returns nothing to the pool)."""
+        return [
+            group.blocks_to_grow(table, request.max_total_tokens)
+            for group, table in zip(self.groups, self.tables(request))
+        ]
+
+    def kept_prefix_blocks(self, prefix: PrefixMatch, group: int = 0) -> list[int]:
+        """The matched blocks of `group` a request admitted with `prefix` takes: those its
+        window reads."""
+        reads, position = self.groups[group].reads, prefix.num_tokens
+        return [b for i, b in enumerate(prefix.table(group)) if reads(i, position)]
 
     def release_outside_window(self, request: Request) -> None:
         """Hand back the blocks that no query from num_computed_tokens on reads (windows only)."""
-        if self.window is None:
-            return
-        start = max(self._freed_until.get(request.request_id, 0), self.sink_blocks)
-        end = min(self.first_live_block(request.num_computed_tokens), len(request.block_ids))
-        for i in range(start, end):
-            self.pool.release(request.block_ids[i])
-            request.block_ids[i] = FREED
-        if end > start:
-            self._freed_until[request.request_id] = end
+        for group, table in zip(self.groups, self.tables(request)):
+            group.release_outside_window(table, request.request_id, request.num_computed_tokens)
 
     def match_prefix(self, request: Request) -> PrefixMatch:
         """Longest chain of cached full blocks equal to the request's leading tokens."""
-        match = PrefixMatch(tokens_per_block=self.tokens_per_block)
+        match = PrefixMatch(
+            tokens_per_block=self.tokens_per_block, group_block_ids=[[] for _ in self.groups[1:]]
+        )
         if not self.enable_prefix_reuse or request.block_ids or request.needs_prompt_logprobs:
             return match
         tokens = request.all_ids
         size = self.tokens_per_block
+        pool = self.groups[0].pool
         parent = None
         for i in range((len(tokens) - 1) // size):
             block_hash = hash_block(parent, tokens[i * size : (i + 1) * size])
-            block_id = self.pool.lookup(block_hash)
+            block_id = pool.lookup(block_hash)
             if block_id is None:
                 break
             match.block_ids.append(block_id)
             match.block_hashes.append(block_hash)
             parent = block_hash
+        if len(self.groups) > 1:
+            self._match_other_groups(match)
         return match
 
+    def _match_other_groups(self, match: PrefixMatch) -> None:
+        """Cut the match to the longest length whose blocks every other group's window reads are
+        still in that group's pool, and record them."""
+        others = self.groups[1:]
+        found = [[group.pool.lookup(h) for h in match.block_hashes] for group in others]
+        n = match.num_blocks
+        while n and not all(
+            ids[i] is not None
+            for group, ids in zip(others, found)
+            for i in range(n)
+            if group.reads(i, n * self.tokens_per_block)
+        ):
+            n -= 1
+        del match.block_ids[n:], match.block_hashes[n:]
+        position = n * self.tokens_per_block
+        match.group_block_ids = [
+            [ids[i] if group.reads(i, position) else FREED for i in range(n)]
+            for group, ids in zip(others, found)
+        ]
+
     def free_blocks_needed(
-        self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        prefix: PrefixMatch | None = None,
+        group: int = 0,
     ) -> int:
-        """Free blocks that `allocate(request, num_new_tokens, prefix)` would consume.
+        """Free blocks of `group` that `allocate(request, num_new_tokens, prefix)` would consume.
 
         Counts fresh blocks plus matched blocks that are currently evictable: taking those back
         moves them from free to used just like a fresh allocation.
@@ -181,44 +320,41 @@ class KVCacheManager:
         if prefix is not None:
             held += prefix.num_blocks
             computed += prefix.num_tokens
-            revived = sum(1 for b in self.kept_prefix_blocks(prefix) if self.pool.is_free(b))
+            pool = self.groups[group].pool
+            revived = sum(1 for b in self.kept_prefix_blocks(prefix, group) if pool.is_free(b))
         fresh = max(0, self.blocks_needed(computed + num_new_tokens) - held)
         return fresh + revived
 
     def allocate(
         self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None
     ) -> bool:
-        """Grow the block table to cover num_computed_tokens + num_new_tokens slots.
+        """Grow the block tables to cover num_computed_tokens + num_new_tokens slots.
 
         With `prefix` (admission only: the request holds no blocks), the matched blocks are
         shared first and `num_computed_tokens` jumps to the matched length. All or nothing:
-        returns False, changing nothing, when the pool cannot supply the blocks.
+        returns False, changing nothing, when a pool cannot supply the blocks.
         """
         if prefix is not None and request.block_ids:
             raise RuntimeError(f"request {request.request_id} already holds blocks")
         self.release_outside_window(request)  # unread from now on, whatever happens next
-        if self.free_blocks_needed(request, num_new_tokens, prefix) > self.pool.num_free:
-            return False
+        for g, group in enumerate(self.groups):
+            if self.free_blocks_needed(request, num_new_tokens, prefix, g) > group.pool.num_free:
+                return False
+        tables = self.tables(request)
         if prefix is not None:
-            self._admit_prefix(request, prefix)
+            self._admit_prefix(request, prefix, tables)
         num_fresh = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
         num_fresh -= len(request.block_ids)
-        for _ in range(num_fresh):
-            request.block_ids.append(self.pool.allocate())
+        for group, table in zip(self.groups, tables):
+            for _ in range(num_fresh):
+                table.append(group.pool.allocate())
         request.num_new_blocks += max(0, num_fresh)
         self.num_allocated_new_blocks += max(0, num_fresh)
         return True
 
-    def _admit_prefix(self, request: Request, prefix: PrefixMatch) -> None:
-        lo, hi = self.sink_blocks, self.first_live_block(prefix.num_tokens)
-        request.block_ids = list(prefix.block_ids)
-        for i, block_id in enumerate(prefix.block_ids):  # take before allocations can evict
-            if lo <= i < hi:
-                request.block_ids[i] = FREED  # outside the window: not read, not taken
-            else:
-                self.pool.take(block_id)
-        if hi > lo:
-            self._freed_until[request.request_id] = min(hi, prefix.num_blocks)
+    def _admit_prefix(self, request: Request, prefix: PrefixMatch, tables: list[list[int]]):
+        for g, (group, table) in enumerate(zip(self.groups, tables)):
+            group.admit(table, request.request_id, prefix.table(g), prefix.num_tokens)
         request.num_computed_tokens = prefix.num_tokens
         self._block_hashes[request.request_id] = list(prefix.block_hashes)
         request.num_reused_blocks += prefix.num_blocks
@@ -235,13 +371,15 @@ class KVCacheManager:
         if num_full <= len(hashes):
             return
         size = self.tokens_per_block
+        tables = self.tables(request)
         for i in range(len(hashes), num_full):
             block_hash = hash_block(
                 hashes[-1] if hashes else None, request.tokens(i * size, (i + 1) * size)
             )
             hashes.append(block_hash)
-            if request.block_ids[i] != FREED:
-                self.pool.register(request.block_ids[i], block_hash)
+            for group, table in zip(self.groups, tables):
+                if table[i] != FREED:
+                    group.pool.register(table[i], block_hash)
 
     def free(self, request: Request) -> None:
         """Release every block of the request. Idempotent: an empty block table frees nothing.
@@ -249,18 +387,18 @@ class KVCacheManager:
         Blocks are released last-first so that, among evictable blocks, a prefix's tail is
         evicted before its head: a chain is only useful from its first block on.
         """
-        for block_id in reversed(request.block_ids):
-            if block_id != FREED:
-                self.pool.release(block_id)
+        for group, table in zip(self.groups, self.tables(request)):
+            group.free(table, request.request_id)
         request.block_ids = []
+        request.group_block_ids = [[] for _ in self.groups[1:]]
         self._block_hashes.pop(request.request_id, None)
-        self._freed_until.pop(request.request_id, None)
 
     def stats(self) -> KVCacheStats:
+        pools = [group.pool for group in self.groups]
         return KVCacheStats(
-            max_blocks=self.pool.num_blocks,
-            free_blocks=self.pool.num_free,
-            used_blocks=self.pool.num_used,
+            max_blocks=sum(pool.num_blocks for pool in pools),
+            free_blocks=sum(pool.num_free for pool in pools),
+            used_blocks=sum(pool.num_used for pool in pools),
             reused_blocks=self.num_reused_blocks,
             tokens_per_block=self.tokens_per_block,
             allocated_new_blocks=self.num_allocated_new_blocks,

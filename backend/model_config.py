@@ -13,6 +13,10 @@ last `window` tokens, itself included), None for global attention. Mistral (and 
 `layer_types` marks "sliding_attention"; the engine parameter
 `max_attention_window_size` may override the windows (`with_attention_windows`), and
 `sink_token_length` keeps the first tokens visible to windowed layers as well.
+
+KV cache groups (`kv_cache_groups`): layers whose cache blocks share one block table. A model
+that mixes global and windowed layers (Gemma 2/3) gets two, so the windowed layers' blocks past
+their window can go back to their own pool while the global layers keep every block.
 """
 
 from __future__ import annotations
@@ -44,6 +48,14 @@ class RopeConfig:
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int | None = None  # llama3
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers whose KV cache blocks one block table addresses (`ModelConfig.kv_cache_groups`)."""
+
+    window: int | None  # the most recent tokens their queries see, less the sinks; None: global
+    layers: tuple[int, ...]
 
 
 @dataclass
@@ -90,6 +102,25 @@ class ModelConfig:
         if not self.layer_windows or None in self.layer_windows:
             return None
         return max(self.layer_windows) - self.sink_token_length
+
+    @property
+    def kv_cache_groups(self) -> list[LayerGroup]:
+        """One group when every layer attends globally or every layer has a window (their
+        largest, as `attention_window`); else the global layers, then the windowed ones (their
+        largest window)."""
+        windowed = tuple(i for i, w in enumerate(self.layer_windows) if w is not None)
+        every = tuple(range(self.num_layers))
+        if len(windowed) in (0, self.num_layers):
+            return [LayerGroup(self.attention_window, every)]
+        widest = max(w for w in self.layer_windows if w is not None)
+        return [
+            LayerGroup(None, tuple(i for i in every if i not in windowed)),
+            LayerGroup(widest - self.sink_token_length, windowed),
+        ]
+
+    def kv_cache_group_of(self, layer: int) -> int:
+        """The index in `kv_cache_groups` of the group holding `layer`."""
+        return next(g for g, group in enumerate(self.kv_cache_groups) if layer in group.layers)
 
     @property
     def max_context(self) -> int:

@@ -15,6 +15,12 @@ Sizing: `max_tokens_in_paged_kv_cache` when set; on CUDA otherwise
 `kv_cache_free_gpu_mem_fraction` of the memory left free after a warm-up step of
 `max_num_tokens` tokens (peak activations are set aside); on CPU enough for `max_batch_size`
 sequences of `max_seq_len` tokens, at most 4 GiB.
+A model mixing global and windowed layers (`ModelConfig.kv_cache_groups`) has a tensor per group
+(its layers, its own block ids; `kv_cache` is then indexed by layer through a tuple of views) and
+a block table per group in each step (`AttentionMetadata.for_group`). The budget above, in
+blocks of every layer, is shared among the groups in proportion to their layers times the blocks
+a request of `max_seq_len` holds at once in each (fewer for windowed layers), so every group's
+pool holds as many such requests.
 
 Tensor parallel (`tensor_parallel_size` > 1, `backend.tp_workers`): this runner is rank 0; it
 starts the other ranks, each a runner of its own shard that `follow`s the steps rank 0 sends
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate, chain
 from operator import attrgetter
 
@@ -36,6 +42,7 @@ from backend.attention import AttentionMetadata, get_attention_backend
 from backend.attention.kv_dtype import KV_SCALE_DTYPE, is_scaled, storage_dtype, vector_bytes
 from backend.config import EngineConfig
 from backend.cuda_graphs import DecodeGraphs, ReplayIds
+from backend.kv_cache_manager import max_blocks_held
 from backend.logprobs import PromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
 from backend.staging import StagingBuffer
 from backend.model_config import ModelConfig
@@ -175,23 +182,25 @@ class ModelRunner:
             self.tp,
         )
         self.weight_bytes = weight_bytes(self.model)  # resident parameters and buffers
-        self.num_kv_blocks = self._pick_num_kv_blocks()
+        self.kv_group_blocks = self._pick_kv_group_blocks()  # per KV cache group
         if self.tp.enabled:  # block ids address every rank's pool: the least of them
-            blocks = torch.tensor([self.num_kv_blocks])
+            blocks = torch.tensor(self.kv_group_blocks)
             self.tp.cpu_group.allreduce([blocks], dist_min()).wait()
-            self.num_kv_blocks = int(blocks)
-        self.kv_cache, self.kv_scales = self._allocate_kv_cache(self.num_kv_blocks)
+            self.kv_group_blocks = blocks.tolist()
+        # The block ids every group's pool has (a bare sequence's: `Chunk.of_sequence`).
+        self.num_kv_blocks = min(self.kv_group_blocks)
+        self.kv_cache, self.kv_scales = self._allocate_kv_cache(self.kv_group_blocks)
         self.decode_graphs = self._capture_decode_graphs()
         if self.workers is not None:
             self.workers.on_death = lambda message: self.on_fatal(message)
             # From now on the workers follow (a warm-up step ran on every rank by itself).
             self._sends_steps = True
         log.info(
-            "model %s on %s (%s): %d KV blocks x %d tokens (%s), max_seq_len %d, attention %s%s",
+            "model %s on %s (%s): %s KV blocks x %d tokens (%s), max_seq_len %d, attention %s%s",
             self.model_dir,
             self.device,
             self.dtype,
-            self.num_kv_blocks,
+            " + ".join(map(str, self.kv_group_blocks)),
             self.tokens_per_block,
             self.kv_dtype,
             self.max_seq_len,
@@ -316,6 +325,7 @@ class ModelRunner:
             self.tokens_per_block,
             max_banned=max(1, len(self.eos_token_ids)),
             kv_scales=self.kv_scales,
+            num_kv_groups=len(self.kv_group_blocks),
         )
         graphs.capture()
         return graphs
@@ -331,9 +341,10 @@ class ModelRunner:
         """Pack the chunks into one batch (tensor parallel: and send it to the other ranks, with
         the prompt rows `prompt_spans` whose logits the step computes). No Python loop over
         requests beyond reading their lists: at batch 256 this runs every step, so block tables
-        are filled with one masked numpy assignment from all block ids chained together. A step
-        that a decode CUDA graph will run is staged straight into the graph's inputs
-        (`in_graph`)."""
+        are filled with one masked numpy assignment from all block ids chained together. With
+        several KV cache groups the slots and block tables hold each group's in turn (rows g * n
+        .. of the tables, g * T .. of the slots). A step that a decode CUDA graph will run is
+        staged straight into the graph's inputs (`in_graph`)."""
         if not chunks:
             raise ValueError("execute() needs at least one chunk")
         tokens_per_block = self.tokens_per_block
@@ -360,24 +371,22 @@ class ModelRunner:
                 f"chunk {i} covers {seq_lens[i]} tokens but has only "
                 f"{held[i]} blocks of {tokens_per_block}"
             )
-        # Row i of the table: the chunk's first num_blocks[i] block ids, zeros after.
-        columns = np.arange(max(int(held.max()), 1))
-        table = np.zeros((n, columns.size), dtype=np.int64)
-        table[columns < held[:, None]] = np.fromiter(
-            chain.from_iterable(block_lists), dtype=np.int64, count=int(held.sum())
-        )
-        width = int(num_blocks.max())
-        block_tables = table[:, :width]
-        block_tables[columns[:width] >= num_blocks[:, None]] = 0
-        np.maximum(block_tables, 0, out=block_tables)  # FREED entries (outside every window)
+        block_tables = _block_table(block_lists, held, num_blocks)
         # Per token: which chunk it belongs to, its position and its cache slot.
         seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
         total = int(query_start_loc[-1])
         positions = starts[seq_of_token] + np.arange(total) - query_start_loc[seq_of_token]
-        slots = (
-            block_tables[seq_of_token, positions // tokens_per_block] * tokens_per_block
-            + positions % tokens_per_block
-        )
+        block_of_token, offset = positions // tokens_per_block, positions % tokens_per_block
+        slots = block_tables[seq_of_token, block_of_token] * tokens_per_block + offset
+        if len(self.kv_group_blocks) > 1:  # each group's tables and slots in turn
+            tables = [block_tables] + [
+                _block_table([_group_table(r, g) for r in requests], held, num_blocks)
+                for g in range(1, len(self.kv_group_blocks))
+            ]
+            block_tables = np.concatenate(tables)
+            slots = np.concatenate(
+                [t[seq_of_token, block_of_token] * tokens_per_block + offset for t in tables]
+            )
         samples = np.fromiter(map(_samples, chunks), dtype=bool, count=n)
         logits_indices = (query_start_loc[1:] - 1)[samples]
         # An in-flight token is a chunk of its own (every other token of its request is
@@ -446,6 +455,7 @@ class ModelRunner:
         ids of the rows in flight come from `in_flight_ids` (by the last array's rows), or from
         rank 0 when tensor parallel."""
         ids_d, pos_d, slots_d, qsl_d, seq_d, bt_d, li_d, *fill = self._to_device(arrays)
+        num_groups, total, n = len(self.kv_group_blocks), arrays[0].size, arrays[4].size
         if fill:
             if len(fill) == 2:
                 filled = in_flight_ids[fill[1]].to(torch.int64)
@@ -457,14 +467,22 @@ class ModelRunner:
         query_lens = np.diff(arrays[3])
         seq_lens = arrays[4]
         meta = AttentionMetadata(
-            slot_mapping=slots_d,
+            slot_mapping=slots_d[:total],
             query_start_loc=qsl_d,
             seq_lens=seq_d,
-            block_tables=bt_d,
+            block_tables=bt_d[:n],
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             query_lens_cpu=query_lens.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
+        )
+        meta.groups = tuple(
+            replace(
+                meta,
+                slot_mapping=slots_d[g * total : (g + 1) * total],
+                block_tables=bt_d[g * n : (g + 1) * n],
+            )
+            for g in range(1, num_groups)
         )
         return StepInputs(ids_d, pos_d, meta, li_d)
 
@@ -505,43 +523,66 @@ class ModelRunner:
         return min(requested, limit)
 
     def kv_block_bytes(self) -> int:
-        """A block's bytes on this rank: every layer's keys and values, with their scales."""
+        """One block of every layer (of every group together): keys and values, with their
+        scales."""
         mc = self.model_config
         vectors = mc.num_layers * 2 * self.tokens_per_block * self.num_kv_heads
         return vectors * vector_bytes(mc.head_dim, self.kv_dtype)
 
-    def _pick_num_kv_blocks(self) -> int:
-        tokens_per_block = self.tokens_per_block
+    def _pick_kv_group_blocks(self) -> list[int]:
+        """Each KV cache group's blocks: a budget in blocks of every layer, shared as the module
+        docstring says (one group: the whole budget)."""
+        mc, tokens_per_block = self.model_config, self.tokens_per_block
         per_seq = -(-self.max_seq_len // tokens_per_block)
         if self.config.max_tokens_in_paged_kv_cache is not None:
-            blocks = -(-self.config.max_tokens_in_paged_kv_cache // tokens_per_block)
+            budget = -(-self.config.max_tokens_in_paged_kv_cache // tokens_per_block)
         elif self.device.type == "cuda":
-            blocks = self._blocks_from_free_memory()
+            budget = self._blocks_from_free_memory()
         else:
             cap = CPU_KV_CACHE_CAP_BYTES // self.kv_block_bytes()
-            blocks = min(self.config.max_batch_size * per_seq, cap)
-        if blocks < per_seq:
+            budget = min(self.config.max_batch_size * per_seq, cap)
+        groups = mc.kv_cache_groups
+        held = [
+            max_blocks_held(
+                self.max_seq_len,
+                tokens_per_block,
+                group.window,
+                -(-mc.sink_token_length // tokens_per_block) if group.window is not None else 0,
+                self.config.max_num_tokens,
+            )
+            for group in groups
+        ]
+        shares = sum(len(group.layers) * h for group, h in zip(groups, held))
+        blocks = [budget * mc.num_layers * h // shares for h in held]
+        if min(blocks) < 1:
+            raise ValueError("no memory left for the KV cache")
+        if any(b < h for b, h in zip(blocks, held)):
             log.warning(
-                "the KV cache (%d blocks) cannot hold one sequence of max_seq_len %d",
-                blocks,
+                "the KV cache (%s blocks) cannot hold one sequence of max_seq_len %d",
+                " + ".join(map(str, blocks)),
                 self.max_seq_len,
             )
-        if blocks < 1:
-            raise ValueError("no memory left for the KV cache")
-        return int(blocks)
+        return blocks
 
-    def _allocate_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The cache and, for a quantized one, its scales (else None)."""
+    def _allocate_kv_cache(self, group_blocks: list[int]) -> tuple:
+        """(cache, scales): the cache one tensor per KV cache group, with several the layers'
+        views in layer order; the scales of a quantized cache alike, else None."""
         mc = self.model_config
         block = (self.tokens_per_block, self.num_kv_heads, mc.head_dim)
-        shape = (mc.num_layers, 2, num_blocks, *block)
+        groups = mc.kv_cache_groups
         # Zeroed on the host too: the pages are committed now, so a cache too large fails at
         # start and the process does not grow under load as blocks are first touched.
-        if not is_scaled(self.kv_dtype):
-            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device), None
-        # one-byte values, zeroed as bytes (fill has no float8 kernels everywhere)
-        cache = torch.zeros(shape, dtype=torch.uint8, device=self.device).view(self.kv_dtype)
-        return cache, torch.zeros(shape[:-1], dtype=KV_SCALE_DTYPE, device=self.device)
+        caches, scales = [], []
+        for g, n in zip(groups, group_blocks):
+            shape = (len(g.layers), 2, n, *block)
+            if not is_scaled(self.kv_dtype):
+                caches.append(torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+                continue
+            # one-byte values, zeroed as bytes (fill has no float8 kernels everywhere)
+            raw = torch.zeros(shape, dtype=torch.uint8, device=self.device)
+            caches.append(raw.view(self.kv_dtype))
+            scales.append(torch.zeros(shape[:-1], dtype=KV_SCALE_DTYPE, device=self.device))
+        return _by_layer(groups, caches, mc.num_layers), _by_layer(groups, scales, mc.num_layers)
 
     def _blocks_from_free_memory(self) -> int:
         """Warm up at max_num_tokens with a temporary cache, then size the real one."""
@@ -550,15 +591,17 @@ class ModelRunner:
         if total % self.max_seq_len:
             lengths.append(total % self.max_seq_len)
         chunks, next_block = [], 0
+        num_groups = len(self.model_config.kv_cache_groups)
         for n in lengths:
-            blocks = -(-n // self.tokens_per_block)
-            chunks.append(Chunk.of_sequence([0] * n, list(range(next_block, next_block + blocks))))
-            next_block += blocks
+            blocks = list(range(next_block, next_block + -(-n // self.tokens_per_block)))
+            chunks.append(Chunk.of_sequence([0] * n, blocks))
+            next_block += len(blocks)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        self.kv_cache, self.kv_scales = self._allocate_kv_cache(next_block)
+        self.kv_group_blocks = [next_block] * num_groups  # prepare() reads the group count
+        self.kv_cache, self.kv_scales = self._allocate_kv_cache(self.kv_group_blocks)
         warmup_cache_bytes = next_block * self.kv_block_bytes()
         self.execute(chunks)
         rows = min(self.config.max_batch_size, total)
@@ -610,3 +653,35 @@ def dist_min():
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MIN
     return options
+
+
+def _block_table(block_lists: list[list[int]], held: np.ndarray, num_blocks: np.ndarray):
+    """Row i: the first num_blocks[i] ids of block_lists[i] (held[i] long), zeros after and for
+    FREED entries (outside every window)."""
+    columns = np.arange(max(int(held.max()), 1))
+    table = np.zeros((len(block_lists), columns.size), dtype=np.int64)
+    table[columns < held[:, None]] = np.fromiter(
+        chain.from_iterable(block_lists), dtype=np.int64, count=int(held.sum())
+    )
+    width = int(num_blocks.max())
+    block_tables = table[:, :width]
+    block_tables[columns[:width] >= num_blocks[:, None]] = 0
+    np.maximum(block_tables, 0, out=block_tables)
+    return block_tables
+
+
+def _group_table(request, group: int) -> list[int]:
+    """The request's block table in KV cache group `group` (1..); a bare sequence
+    (`Chunk.of_sequence`) has the same block ids in every group's pool."""
+    return request.group_block_ids[group - 1] if request.group_block_ids else request.block_ids
+
+
+def _by_layer(groups, tensors: list[torch.Tensor], num_layers: int):
+    """One group's tensor as it is; several groups' as each layer's view, in layer order (None
+    when there are none: an unquantized cache has no scales)."""
+    if not tensors:
+        return None
+    if len(tensors) == 1:
+        return tensors[0]
+    per_layer = {layer: t[j] for g, t in zip(groups, tensors) for j, layer in enumerate(g.layers)}
+    return tuple(per_layer[layer] for layer in range(num_layers))

@@ -44,6 +44,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # KV state: physical block ids, and how many tokens of `all_ids` are already in the cache.
     block_ids: list[int] = field(default_factory=list)
+    # The block tables of the KV cache groups after the first (`backend.kv_cache_manager`): a
+    # model mixing global and windowed layers; empty otherwise.
+    group_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from reused blocks (first admission)
     num_reused_blocks: int = 0

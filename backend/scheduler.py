@@ -22,7 +22,8 @@ Rules, in the order `schedule()` applies them:
    - `guaranteed_no_evict`: admit only if the pool can hold the request's whole life
      (blocks for `max_total_tokens`, minus blocks reused from the prefix cache; with sliding
      windows at most the blocks it holds at once) on top of what every running request may
-     still grow into. Running requests can then always grow, so nothing is ever preempted.
+     still grow into, in each KV cache group's pool (`backend.kv_cache_manager`). Running
+     requests can then always grow, so nothing is ever preempted.
    - `max_utilization`: admit with blocks for this step's tokens only. When a running request
      cannot get a block, the newest running request is preempted by recompute (blocks freed,
      computed tokens reset, back to the front of the queue) until it can, possibly itself.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from backend.config import EngineConfig
@@ -59,13 +61,14 @@ class Scheduler:
     def __init__(
         self,
         config: EngineConfig,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         tokens_per_block: int,
-        attention_window: int | None = None,
+        attention_window: int | None | Sequence[int | None] = None,
         sink_tokens: int = 0,
     ):
         """`attention_window`: the most recent tokens any layer sees (None: some layer attends
-        globally); blocks outside it and the sinks go back to the pool (KVCacheManager)."""
+        globally); blocks outside it and the sinks go back to the pool (KVCacheManager).
+        Sequences: per KV cache group, its pool's blocks and its layers' window."""
         self.config = config
         self.kv = KVCacheManager(
             num_blocks,
@@ -94,10 +97,10 @@ class Scheduler:
                 f"max_num_tokens ({self.config.max_num_tokens}) and chunked context "
                 "is disabled; enable_chunked_context or raise max_num_tokens"
             )
-        needed = self.kv.max_blocks_held(request.max_total_tokens)
-        if needed > self.total_blocks:
+        short = self.kv.blocks_short(request.max_total_tokens)
+        if short is not None:
             raise ValueError(
-                f"request needs {needed} KV cache blocks but the cache holds {self.total_blocks}"
+                f"request needs {short[0]} KV cache blocks but the cache holds {short[1]}"
             )
         limit = self.config.max_queue_size
         if limit and sum(r.first_scheduled_time is None for r in self.waiting) >= limit:
@@ -148,16 +151,24 @@ class Scheduler:
     def kv_stats(self) -> KVCacheStats:
         return self.kv.stats()
 
-    def _blocks_to_grow(self, request: Request) -> int:
-        """Blocks a running request may still need to reach max_total_tokens."""
-        return self.kv.blocks_to_grow(request)
+    def _reserved(self) -> list[int]:
+        """Per KV cache group: blocks the running requests may still need to reach
+        max_total_tokens."""
+        reserved = [0] * len(self.kv.groups)
+        for request in self.running:
+            for g, blocks in enumerate(self.kv.blocks_to_grow(request)):
+                reserved[g] += blocks
+        return reserved
 
-    def _fits_whole_life(self, request: Request, prefix: PrefixMatch, reserved: int) -> bool:
-        kept = self.kv.kept_prefix_blocks(prefix)
-        revived = sum(1 for b in kept if self.kv.pool.is_free(b))
-        lifetime = self.blocks_needed(request.max_total_tokens) - prefix.num_blocks + revived
-        lifetime = min(lifetime, self.kv.max_blocks_held(request.max_total_tokens))
-        return lifetime <= self.kv.num_free_blocks - reserved
+    def _fits_whole_life(self, request: Request, prefix: PrefixMatch, reserved: list[int]) -> bool:
+        for g, group in enumerate(self.kv.groups):
+            kept = self.kv.kept_prefix_blocks(prefix, g)
+            revived = sum(1 for b in kept if group.pool.is_free(b))
+            lifetime = self.blocks_needed(request.max_total_tokens) - prefix.num_blocks + revived
+            lifetime = min(lifetime, group.max_blocks_held(request.max_total_tokens))
+            if lifetime > group.pool.num_free - reserved[g]:
+                return False
+        return True
 
     def _may_chunk(self, request: Request) -> bool:
         return self.config.enable_chunked_context or request.num_preemptions > 0
@@ -222,7 +233,7 @@ class Scheduler:
     def _admit_waiting(self, batch: SchedulerOutput, budget: int) -> None:
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_batch_size:
             return  # nothing can be admitted: skip the reservation sum
-        reserved = sum(map(self._blocks_to_grow, self.running)) if self.no_evict else 0
+        reserved = self._reserved() if self.no_evict else []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             request = self.waiting[0]
             prefix = self.kv.match_prefix(request)
@@ -240,7 +251,8 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.time()
             if self.no_evict:
-                reserved += self._blocks_to_grow(request)
+                for g, blocks in enumerate(self.kv.blocks_to_grow(request)):
+                    reserved[g] += blocks
             start = request.num_computed_tokens  # past the reused prefix
             batch.chunks.append(
                 Chunk(request, start, num_tokens, start + num_tokens == request.num_tokens)

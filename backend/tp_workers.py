@@ -2,14 +2,15 @@
 
 Rank 0 is the engine (scheduler, sampler, outputs); it starts ranks 1..N-1 with the spawn start
 method (fork can deadlock on a parent's threads). Each worker builds its shard of the model and
-a KV pool of its own (the same number of blocks on every rank: the least any rank can hold,
-since rank 0's block tables address them all), then follows: for each step rank 0 broadcasts
-the packed step inputs it built (token ids, positions, cache slots, query starts, context
-lengths, block tables, logit rows, the rows whose ids are in flight, and the prompt rows some
-request wants log-probs of) and every rank runs the forward pass and the logits (whose
-collectives pair up). Only rank 0 samples, from the gathered logits: sampling state (seeded
-generators, penalties' token history) lives with the requests on rank 0 alone, and the ids every
-rank computes with next are the ones rank 0 sends, so no rank can pick another token.
+a KV pool of its own (per KV cache group the same number of blocks on every rank: the least any
+rank can hold, since rank 0's block tables address them all), then follows: for each step rank 0
+broadcasts the packed step inputs it built (token ids, positions, cache slots, query starts,
+context lengths, block tables (slots and tables of each KV cache group in turn), logit rows, the
+rows whose ids are in flight, and the prompt rows some request wants log-probs of) and every
+rank runs the forward pass and the logits (whose collectives pair up). Only rank 0 samples, from
+the gathered logits: sampling state (seeded generators, penalties' token history) lives with the
+requests on rank 0 alone, and the ids every rank computes with next are the ones rank 0 sends,
+so no rank can pick another token.
 
 A worker's death: a watchdog thread on rank 0 waits on the workers' process sentinels and names
 the rank that died; a collective with a dead peer fails at once (a hung one after

@@ -53,9 +53,8 @@ def family_config(kind: str, shape: dict):
         )
     if kind == "gemma3_text":  # six layers: five local, one global
         return Gemma3TextConfig(
-            **{**shape, **gemma, "num_hidden_layers": 6},
+            **{"sliding_window": GEMMA_WINDOW, **shape, **gemma, "num_hidden_layers": 6},
             query_pre_attn_scalar=24,
-            sliding_window=GEMMA_WINDOW,
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},

@@ -40,7 +40,9 @@ class AttentionStep:
 
     rotation: Rotation
     meta: AttentionMetadata
-    kv_cache: torch.Tensor  # [layers, K | V, blocks, tokens_per_block, kv_heads, head_dim]
+    # [layers, K | V, blocks, tokens_per_block, kv_heads, head_dim], or per layer when the layers
+    # form several KV cache groups (each indexes its group's blocks: `meta.for_group`)
+    kv_cache: torch.Tensor | tuple[torch.Tensor, ...]
     local_rotation: Rotation | None = None  # sliding-window layers' own rotary (Gemma 3)
     # A quantized cache's scales [layers, K | V, blocks, tokens_per_block, kv_heads], else None
     kv_scales: torch.Tensor | None = None
@@ -64,6 +66,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         tp = tp or TensorParallel()
         self.layer_index = layer_index
+        self.kv_group = config.kv_cache_group_of(layer_index)  # whose block tables it reads
         d = self.head_dim = config.head_dim
         first_head, self.num_heads = tp.part(config.num_heads, "attention heads")
         first_kv, self.num_kv_heads = tp.kv_heads(config.num_heads, config.num_kv_heads)
@@ -113,12 +116,13 @@ class SelfAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = step.kv_cache[self.layer_index]
         scales = step.cache_scales(self.layer_index)
+        meta = step.meta.for_group(self.kv_group)
         rotation = step.local_rotation if self.local_rope else step.rotation
         q = rotation.rotate_and_write_kv(
-            q, k, v, k_cache, v_cache, step.meta.slot_mapping, self.backend.write_kv, **scales
+            q, k, v, k_cache, v_cache, meta.slot_mapping, self.backend.write_kv, **scales
         )
         out = self.backend.paged_attention(
-            q, k_cache, v_cache, step.meta, self.scale, **self.attention_options, **scales
+            q, k_cache, v_cache, meta, self.scale, **self.attention_options, **scales
         )
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -140,6 +144,7 @@ class SelfAttention(nn.Module):
         """residual [1, hidden_size] += self(norm(residual)), in place, in one-token kernels."""
         k_cache, v_cache = step.kv_cache[self.layer_index]
         scales = step.cache_scales(self.layer_index)
+        meta = step.meta.for_group(self.kv_group)
         qkv = self.qkv_proj.one_token_qkv(
             residual,
             norm,
@@ -148,20 +153,16 @@ class SelfAttention(nn.Module):
             rotation=step.rotation,
             k_cache=None if scales else k_cache,
             v_cache=None if scales else v_cache,
-            slot_mapping=step.meta.slot_mapping,
+            slot_mapping=meta.slot_mapping,
         )
         if scales:  # a quantized cache: its write needs whole head vectors, so it runs after
             k, v = qkv[:, self.q_size :].view(2, -1, self.num_kv_heads, self.head_dim)
-            self.backend.write_kv(k, v, k_cache, v_cache, step.meta.slot_mapping, **scales)
+            self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
         options = {**self.attention_options, **scales}
         if self.backend.decode_partials is not None and self.o_proj.merges_splits(self.head_dim):
-            out = self.backend.decode_partials(
-                q, k_cache, v_cache, step.meta, self.scale, **options
-            )
+            out = self.backend.decode_partials(q, k_cache, v_cache, meta, self.scale, **options)
         else:
-            out = self.backend.paged_attention(
-                q, k_cache, v_cache, step.meta, self.scale, **options
-            )
+            out = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale, **options)
             out = out.reshape(-1, self.q_size)
         self.o_proj.one_token(out, residual=residual, out=residual)

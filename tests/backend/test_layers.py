@@ -224,7 +224,7 @@ def test_self_attention_over_a_quantized_cache(backend, cache_dtype):
         for v, s in caches
     ]
     assert not torch.equal(
-        written[0], kv_dtype.dequantize(values, scales).flatten(2, 3)[..., slot, :, :]
+        written[0], kv_dtype.dequantize(values, scales).flatten(2, 3)[..., slot, :, :].to(DEVICE)
     )
     for got, cache in ((fused, written[1]), (one_token, written[2])):
         torch.testing.assert_close(got, expected, atol=4e-3, rtol=4e-3)

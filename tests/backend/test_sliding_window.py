@@ -272,7 +272,7 @@ def test_sinks_match_a_reference_keeping_first_and_last_tokens(tmp_path):
 
 def test_qwen2_per_layer_windows_match_transformers(tmp_path):
     """Qwen2 with use_sliding_window and max_window_layers 1: layer 0 global, layer 1 windowed
-    (transformers' layer_types); with a global layer every block is kept."""
+    (transformers' layer_types); two KV cache groups, the global one keeping every block."""
     hf = save_tiny_hf_model(
         tmp_path, "qwen2", use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
     )
@@ -280,7 +280,7 @@ def test_qwen2_per_layer_windows_match_transformers(tmp_path):
     prompts = random_prompts(4, 640, seed=9, low=3 * WINDOW + 1, high=100)
     results, executor = serve(tmp_path, prompts, 12, max_num_tokens=40)
     assert executor.runner.model_config.layer_windows == [None, WINDOW]
-    assert executor.scheduler.kv.window is None
+    assert [group.window for group in executor.scheduler.kv.groups] == [None, WINDOW]
     for prompt, result in zip(prompts, results):
         tokens, logprobs = hf_greedy(hf, prompt, 12)
         assert result["token_ids"] == tokens

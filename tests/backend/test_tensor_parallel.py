@@ -156,6 +156,19 @@ def test_tokens_of_two_ranks_equal_one(tmp_path):
     assert two[5]["prompt_logprobs"] == pytest.approx(one[5]["prompt_logprobs"], abs=1e-5)
 
 
+def test_local_and_global_kv_cache_groups_on_two_ranks_equal_one(tmp_path):
+    """Gemma 3 with five local layers (window 16) and one global: two KV cache groups, each
+    group's slots and block tables sent to the worker, whose pools free the local blocks too."""
+    save_tiny_hf_model(tmp_path, model_type="gemma3_text", sliding_window=16)
+    prompts = random_prompts(3, 640, seed=7, low=40, high=90)
+    params = SamplingParams(max_tokens=12, ignore_end_id=True, return_log_probs=True)
+    one = serve(tmp_path, 1, prompts, params)
+    two = serve(tmp_path, 2, prompts, params, overlap_scheduling=True)
+    for a, b in zip(one, two):
+        assert b["error"] is None and b["token_ids"] == a["token_ids"]
+        assert b["logprobs"] == pytest.approx(a["logprobs"], abs=1e-5)
+
+
 def test_default_model_on_three_ranks_equals_one():
     """SmolLM2-135M: 9 heads on 3 KV heads, so 3 heads and 1 KV head per rank."""
     model_dir = resolve_model("default", "none")

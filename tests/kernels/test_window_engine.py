@@ -22,7 +22,7 @@ pytestmark = [
 ]
 
 
-def generate(path, prompts, backend: str) -> list[list[int]]:
+def generate(path, prompts, backend: str, windows: list | None = None) -> list[list[int]]:
     config = EngineConfig(
         model_path=str(path),
         device=DEVICE,
@@ -36,7 +36,8 @@ def generate(path, prompts, backend: str) -> list[list[int]]:
     executor = Executor(config)
     try:
         assert executor.runner.attention.name == backend
-        assert executor.scheduler.kv.window == 16  # blocks outside it are released
+        groups = [group.window for group in executor.scheduler.kv.groups]
+        assert groups == (windows or [16])  # blocks outside a window are released
         params = SamplingParams(max_tokens=8, ignore_end_id=True)
         return [r["token_ids"] for r in executor.generate(prompts, params, timeout=600)]
     finally:
@@ -47,3 +48,14 @@ def test_triton_kernels_serve_a_windowed_mistral_like_the_reference(tmp_path):
     save_tiny_hf_model(tmp_path, "mistral", sliding_window=20)
     prompts = random_prompts(3, 640, seed=2, low=50, high=70)
     assert generate(tmp_path, prompts, "triton") == generate(tmp_path, prompts, "torch")
+
+
+def test_triton_kernels_serve_local_and_global_kv_cache_groups_like_the_reference(tmp_path):
+    """Gemma 3, five local layers (window 20, with 4 sinks) and one global: each layer passes
+    its own group's block tables and slots to the kernels."""
+    save_tiny_hf_model(tmp_path, "gemma3_text", sliding_window=20)
+    prompts = random_prompts(2, 640, seed=3, low=50, high=70)
+    windows = [None, 16]
+    assert generate(tmp_path, prompts, "triton", windows) == generate(
+        tmp_path, prompts, "torch", windows
+    )
