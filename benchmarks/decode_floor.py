@@ -13,7 +13,8 @@ N2 - N1 decode steps take (wall2 - wall1), so prefill and start-up cancel out.
 
 `--quantization` reads the weights in that format (a preset's random weights: a format quantized at
 load, int8_wo, int4_wo or fp8); the floor then counts the bytes the format stores. With
-`--max-attention-window W` each sequence's KV read is its last W tokens.
+`--max-attention-window W` each sequence's KV read is its last W tokens; `--kv-cache-dtype fp8|int8`
+reads a quantized cache (values and scales counted).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 
 import torch
 
+from backend.attention.kv_dtype import vector_bytes
 from backend.config import EngineConfig
 from backend.executor import Executor
 from backend.sampling_params import SamplingParams
@@ -64,13 +66,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def kv_bytes_per_token(runner) -> int:
     mc = runner.model_config
-    return (
-        mc.num_layers
-        * 2
-        * mc.num_kv_heads
-        * mc.head_dim
-        * torch.empty(0, dtype=runner.dtype).element_size()
-    )
+    return mc.num_layers * 2 * mc.num_kv_heads * vector_bytes(mc.head_dim, runner.kv_dtype)
 
 
 def timed_generate(executor: Executor, prompts, max_tokens: int) -> float:
@@ -126,6 +122,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="none")
     p.add_argument("--max-attention-window", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -138,6 +135,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = EngineConfig(
         model_path=args.model,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_attention_window_size=(
             None if args.max_attention_window is None else str(args.max_attention_window)
         ),
@@ -165,6 +163,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "model": args.model,
                 "dtype": str(executor.runner.dtype).replace("torch.", ""),
                 "quantization": args.quantization,
+                "kv_cache_dtype": args.kv_cache_dtype,
+                "kv_blocks": executor.runner.num_kv_blocks,
                 "max_attention_window_size": args.max_attention_window,
                 "batch": batch,
                 "isl": args.isl,
