@@ -50,6 +50,38 @@ def plot_decode_floor(path: str) -> str:
     return out
 
 
+def variant_label(r: dict) -> str:
+    """A decode-floor row's weight format, KV dtype and window, where not the default."""
+    parts = [r.get("quantization", "none")]
+    if r.get("kv_cache_dtype", "auto") != "auto":
+        parts.append(f"kv {r['kv_cache_dtype']}")
+    if r.get("max_attention_window_size"):
+        parts.append(f"window {r['max_attention_window_size']}")
+    return ", ".join(parts) + f"\ncontext {r['isl']}" * ("max_attention_window_size" in r)
+
+
+def plot_variants(path: str) -> str:
+    """Decode step and floor of each variant (weight format, KV dtype, window), per batch."""
+    rows = load(path)
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        picked = [r for r in rows if r["batch"] == batch]
+        x = range(len(picked))
+        ax.bar([i - 0.2 for i in x], [r["step_ms"] for r in picked], 0.4, label="decode step")
+        ax.bar([i + 0.2 for i in x], [r["floor_ms"] for r in picked], 0.4, label="memory floor")
+        ax.set_xticks(list(x), [variant_label(r) for r in picked], fontsize=7)
+        ax.set(ylabel="ms per step", title=f"{rows[0]['model']}, batch {batch}")
+        ax.legend()
+    commits = ", ".join(dict.fromkeys(r["commit"] for r in rows))
+    fig.suptitle(f"{rows[0]['device']} · {rows[0]['date'][:10]} · commit {commits}", fontsize=9)
+    fig.tight_layout()
+    out = path[: -len(".json")] + ".png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def model_label(r: dict) -> str:
     """The model, and its weight format where it is kept quantized."""
     quantization = r.get("quantization", "none")
@@ -120,6 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     results_dir = (argv or sys.argv[1:] or ["benchmarks/results"])[0]
     for path in glob.glob(os.path.join(results_dir, "decode_floor*.json")):
         print("wrote", plot_decode_floor(path))
+    for pattern in ("decode_formats*.json", "decode_window*.json"):
+        for path in glob.glob(os.path.join(results_dir, pattern)):
+            print("wrote", plot_variants(path))
     groups: dict[str, list[str]] = {}
     for path in glob.glob(os.path.join(results_dir, "offline*.json")):
         groups.setdefault(load(path)[0]["device"], []).append(path)
