@@ -250,8 +250,8 @@ class Executor:
             was_in_flight = engine.in_flight is not None
             try:
                 ran = engine.step()
-            except TensorParallelError as exc:
-                self._fail(str(exc))
+            except TensorParallelError as exc:  # raised anywhere in the step: name a dead rank
+                self._fail(str(self.runner.explain(exc)))
                 continue
             except Exception:  # never let the loop die
                 log.exception("executor step failed")

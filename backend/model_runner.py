@@ -208,6 +208,10 @@ class ModelRunner:
             f", tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp.enabled else "",
         )
 
+    def explain(self, exc: TensorParallelError) -> TensorParallelError:
+        """A failed collective, named after the rank that died when one did."""
+        return exc if self.workers is None else self.workers.explain(exc)
+
     def on_fatal(self, message: str) -> None:
         """Called from the watchdog thread when a tensor-parallel worker dies: the runner cannot
         compute again (the executor sets its own, to fail its requests and stop)."""
@@ -258,7 +262,7 @@ class ModelRunner:
         try:
             return self._execute(chunks, in_flight_ids, banned_ids, rows)
         except TensorParallelError as exc:
-            raise self.workers.explain(exc) from exc
+            raise self.explain(exc) from exc
         except Exception as exc:
             if not self._step_sent:  # nothing reached the workers: this step's requests' fault
                 raise
