@@ -11,10 +11,10 @@ KV cache (`backend.kv_cache_memory`: block bytes, the groups' shares, the tensor
 kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V), in the model dtype, or
 quantized (`kv_cache_dtype` fp8 / int8) with its scales beside it in
 kv_scales[layer, 0 | 1, block, offset, kv_head]. Blocks are counted from their real bytes, scales
-included, so a quantized cache holds more of them in the same memory. Budget: `max_tokens_in_paged_kv_cache` when set; on CUDA otherwise
-`kv_cache_free_gpu_mem_fraction` of the memory left free after a warm-up step of
-`max_num_tokens` tokens (peak activations are set aside); on CPU enough for `max_batch_size`
-sequences of `max_seq_len` tokens, at most 4 GiB.
+included, so a quantized cache holds more of them in the same memory. Budget:
+`max_tokens_in_paged_kv_cache` when set; on CUDA otherwise `kv_cache_free_gpu_mem_fraction` of
+the memory left free after a warm-up step of `max_num_tokens` tokens (peak activations are set
+aside); on CPU enough for `max_batch_size` sequences of `max_seq_len` tokens, at most 4 GiB.
 A model mixing global and windowed layers (`ModelConfig.kv_cache_groups`) has a tensor per group
 (its layers, its own block ids; `kv_cache` is then indexed by layer through a tuple of views) and
 a block table per group in each step (`AttentionMetadata.for_group`); the budget above, in
