@@ -7,20 +7,18 @@ for them (`backend.logprobs`: only then are other rows projected to the vocabula
 token's input id (overlap scheduling, `backend.engine`) is taken on the device from the sampled
 ids of the step in flight.
 
-KV cache: one tensor kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V),
-in the model dtype, or quantized (`kv_cache_dtype` fp8 / int8, `backend.attention.kv_dtype`) with
-its scales beside it in kv_scales[layer, 0 | 1, block, offset, kv_head]. Blocks are counted from
-their real bytes, scales included, so a quantized cache holds more of them in the same memory.
-Sizing: `max_tokens_in_paged_kv_cache` when set; on CUDA otherwise
-`kv_cache_free_gpu_mem_fraction` of the memory left free after a warm-up step of
-`max_num_tokens` tokens (peak activations are set aside); on CPU enough for `max_batch_size`
-sequences of `max_seq_len` tokens, at most 4 GiB.
+KV cache (`backend.kv_cache_memory`: block bytes, the groups' shares, the tensors): one tensor
+kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V), in the model dtype, or
+quantized (`kv_cache_dtype` fp8 / int8) with its scales beside it in
+kv_scales[layer, 0 | 1, block, offset, kv_head]. Blocks are counted from their real bytes, scales
+included, so a quantized cache holds more of them in the same memory. Budget:
+`max_tokens_in_paged_kv_cache` when set; on CUDA otherwise `kv_cache_free_gpu_mem_fraction` of
+the memory left free after a warm-up step of `max_num_tokens` tokens (peak activations are set
+aside); on CPU enough for `max_batch_size` sequences of `max_seq_len` tokens, at most 4 GiB.
 A model mixing global and windowed layers (`ModelConfig.kv_cache_groups`) has a tensor per group
 (its layers, its own block ids; `kv_cache` is then indexed by layer through a tuple of views) and
-a block table per group in each step (`AttentionMetadata.for_group`). The budget above, in
-blocks of every layer, is shared among the groups in proportion to their layers times the blocks
-a request of `max_seq_len` holds at once in each (fewer for windowed layers), so every group's
-pool holds as many such requests.
+a block table per group in each step (`AttentionMetadata.for_group`); the budget above, in
+blocks of every layer, is shared among the groups (`KVCacheLayout.share`).
 
 Tensor parallel (`tensor_parallel_size` > 1, `backend.tp_workers`): this runner is rank 0; it
 starts the other ranks, each a runner of its own shard that `follow`s the steps rank 0 sends
@@ -39,10 +37,10 @@ import numpy as np
 import torch
 
 from backend.attention import AttentionMetadata, get_attention_backend
-from backend.attention.kv_dtype import KV_SCALE_DTYPE, is_scaled, storage_dtype, vector_bytes
+from backend.attention.kv_dtype import storage_dtype
 from backend.config import EngineConfig
 from backend.cuda_graphs import DecodeGraphs, ReplayIds
-from backend.kv_cache_manager import max_blocks_held
+from backend.kv_cache_memory import KVCacheLayout
 from backend.logprobs import PromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
 from backend.staging import StagingBuffer
 from backend.model_config import ModelConfig
@@ -182,6 +180,9 @@ class ModelRunner:
             self.tp,
         )
         self.weight_bytes = weight_bytes(self.model)  # resident parameters and buffers
+        self.kv_layout = KVCacheLayout(
+            self.model_config, self.tokens_per_block, self.num_kv_heads, self.kv_dtype, self.device
+        )
         self.kv_group_blocks = self._pick_kv_group_blocks()  # per KV cache group
         if self.tp.enabled:  # block ids address every rank's pool: the least of them
             blocks = torch.tensor(self.kv_group_blocks)
@@ -189,7 +190,7 @@ class ModelRunner:
             self.kv_group_blocks = blocks.tolist()
         # The block ids every group's pool has (a bare sequence's: `Chunk.of_sequence`).
         self.num_kv_blocks = min(self.kv_group_blocks)
-        self.kv_cache, self.kv_scales = self._allocate_kv_cache(self.kv_group_blocks)
+        self.kv_cache, self.kv_scales = self.kv_layout.allocate(self.kv_group_blocks)
         self.decode_graphs = self._capture_decode_graphs()
         if self.workers is not None:
             self.workers.on_death = lambda message: self.on_fatal(message)
@@ -527,66 +528,20 @@ class ModelRunner:
         return min(requested, limit)
 
     def kv_block_bytes(self) -> int:
-        """One block of every layer (of every group together): keys and values, with their
-        scales."""
-        mc = self.model_config
-        vectors = mc.num_layers * 2 * self.tokens_per_block * self.num_kv_heads
-        return vectors * vector_bytes(mc.head_dim, self.kv_dtype)
+        return self.kv_layout.block_bytes()
 
     def _pick_kv_group_blocks(self) -> list[int]:
-        """Each KV cache group's blocks: a budget in blocks of every layer, shared as the module
-        docstring says (one group: the whole budget)."""
-        mc, tokens_per_block = self.model_config, self.tokens_per_block
-        per_seq = -(-self.max_seq_len // tokens_per_block)
+        """Each KV cache group's blocks (`KVCacheLayout.share`) from the budget in blocks of
+        every layer: `max_tokens_in_paged_kv_cache`, free GPU memory, or the CPU default."""
+        per_seq = -(-self.max_seq_len // self.tokens_per_block)
         if self.config.max_tokens_in_paged_kv_cache is not None:
-            budget = -(-self.config.max_tokens_in_paged_kv_cache // tokens_per_block)
+            budget = -(-self.config.max_tokens_in_paged_kv_cache // self.tokens_per_block)
         elif self.device.type == "cuda":
             budget = self._blocks_from_free_memory()
         else:
             cap = CPU_KV_CACHE_CAP_BYTES // self.kv_block_bytes()
             budget = min(self.config.max_batch_size * per_seq, cap)
-        groups = mc.kv_cache_groups
-        held = [
-            max_blocks_held(
-                self.max_seq_len,
-                tokens_per_block,
-                group.window,
-                -(-mc.sink_token_length // tokens_per_block) if group.window is not None else 0,
-                self.config.max_num_tokens,
-            )
-            for group in groups
-        ]
-        shares = sum(len(group.layers) * h for group, h in zip(groups, held))
-        blocks = [budget * mc.num_layers * h // shares for h in held]
-        if min(blocks) < 1:
-            raise ValueError("no memory left for the KV cache")
-        if any(b < h for b, h in zip(blocks, held)):
-            log.warning(
-                "the KV cache (%s blocks) cannot hold one sequence of max_seq_len %d",
-                " + ".join(map(str, blocks)),
-                self.max_seq_len,
-            )
-        return blocks
-
-    def _allocate_kv_cache(self, group_blocks: list[int]) -> tuple:
-        """(cache, scales): the cache one tensor per KV cache group, with several the layers'
-        views in layer order; the scales of a quantized cache alike, else None."""
-        mc = self.model_config
-        block = (self.tokens_per_block, self.num_kv_heads, mc.head_dim)
-        groups = mc.kv_cache_groups
-        # Zeroed on the host too: the pages are committed now, so a cache too large fails at
-        # start and the process does not grow under load as blocks are first touched.
-        caches, scales = [], []
-        for g, n in zip(groups, group_blocks):
-            shape = (len(g.layers), 2, n, *block)
-            if not is_scaled(self.kv_dtype):
-                caches.append(torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-                continue
-            # one-byte values, zeroed as bytes (fill has no float8 kernels everywhere)
-            raw = torch.zeros(shape, dtype=torch.uint8, device=self.device)
-            caches.append(raw.view(self.kv_dtype))
-            scales.append(torch.zeros(shape[:-1], dtype=KV_SCALE_DTYPE, device=self.device))
-        return _by_layer(groups, caches, mc.num_layers), _by_layer(groups, scales, mc.num_layers)
+        return self.kv_layout.share(budget, self.max_seq_len, self.config.max_num_tokens)
 
     def _blocks_from_free_memory(self) -> int:
         """Warm up at max_num_tokens with a temporary cache, then size the real one."""
@@ -605,7 +560,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         self.kv_group_blocks = [next_block] * num_groups  # prepare() reads the group count
-        self.kv_cache, self.kv_scales = self._allocate_kv_cache(self.kv_group_blocks)
+        self.kv_cache, self.kv_scales = self.kv_layout.allocate(self.kv_group_blocks)
         warmup_cache_bytes = next_block * self.kv_block_bytes()
         self.execute(chunks)
         rows = min(self.config.max_batch_size, total)
@@ -678,14 +633,3 @@ def _group_table(request, group: int) -> list[int]:
     """The request's block table in KV cache group `group` (1..); a bare sequence
     (`Chunk.of_sequence`) has the same block ids in every group's pool."""
     return request.group_block_ids[group - 1] if request.group_block_ids else request.block_ids
-
-
-def _by_layer(groups, tensors: list[torch.Tensor], num_layers: int):
-    """One group's tensor as it is; several groups' as each layer's view, in layer order (None
-    when there are none: an unquantized cache has no scales)."""
-    if not tensors:
-        return None
-    if len(tensors) == 1:
-        return tensors[0]
-    per_layer = {layer: t[j] for g, t in zip(groups, tensors) for j, layer in enumerate(g.layers)}
-    return tuple(per_layer[layer] for layer in range(num_layers))
