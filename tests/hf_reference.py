@@ -33,6 +33,32 @@ def hf_greedy(
 
 
 @torch.inference_mode()
+def assert_hf_greedy(
+    model, prompt_ids: list[int], tokens: list[int], max_new_tokens: int, eos_ids: list[int]
+) -> None:
+    """`tokens` are what `hf_greedy` yields, checked in one forward over prompt + tokens:
+    transformers' pick after each prefix is the next token, and after the last one an eos id
+    unless max_new_tokens were generated (one pass instead of a decode step per token)."""
+    picks, _ = teacher_forced(model, prompt_ids, tokens)
+    assert picks[: len(tokens)] == tokens
+    assert len(tokens) == max_new_tokens or picks[-1] in eos_ids
+
+
+@torch.inference_mode()
+def teacher_forced(
+    model, prompt_ids: list[int], tokens: list[int]
+) -> tuple[list[int], list[float]]:
+    """One forward over prompt + tokens: transformers' greedy pick after the prompt and after
+    each token (len(tokens) + 1 picks), and the log-prob it gives each of `tokens`."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids + tokens], device=device)
+    logits = model(input_ids=ids, logits_to_keep=len(tokens) + 1).logits[0].float()
+    logprobs = torch.log_softmax(logits[: len(tokens)], dim=-1)
+    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]
+    return logits.argmax(-1).tolist(), chosen.tolist()
+
+
+@torch.inference_mode()
 def reference_logprobs(hf, ids: list[int]) -> torch.Tensor:
     """log_softmax of the logits at every position of one full forward over `ids`."""
     device = next(hf.parameters()).device

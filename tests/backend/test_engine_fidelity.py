@@ -13,7 +13,7 @@ from backend.config import EngineConfig
 from backend.executor import Executor
 from backend.model_paths import resolve_model
 from backend.sampling_params import SamplingParams
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import assert_hf_greedy, hf_greedy, teacher_forced
 from tests.tiny_models import TINY, TINY_CONFIGS, make_tiny_model, random_prompts
 
 
@@ -110,31 +110,25 @@ def chat_ids(tokenizer, text: str, system: str | None = None) -> list[int]:
     return list(encoded["input_ids"])
 
 
-def expected_greedy(smollm, prompts, max_tokens=32):
-    _, tokenizer, model = smollm
-    eos = [tokenizer.eos_token_id]
-    return [hf_greedy(model, p, max_tokens, eos) for p in prompts]
-
-
 @pytest.mark.slow
 def test_default_model_plain_and_chat(smollm):
-    model_dir, tokenizer, _ = smollm
+    model_dir, tokenizer, model = smollm
     prompts = [tokenizer.encode(p) for p in PROMPTS] + [chat_ids(tokenizer, p) for p in PROMPTS]
-    expected = expected_greedy(smollm, prompts)
     results, _ = serve(model_dir, prompts, 32, logprobs=True, max_batch_size=16)
-    for (tokens, logprobs), result in zip(expected, results):
-        assert result["token_ids"] == tokens
+    for prompt, result in zip(prompts, results):
+        assert_hf_greedy(model, prompt, result["token_ids"], 32, [tokenizer.eos_token_id])
+        _, logprobs = teacher_forced(model, prompt, result["token_ids"])
         assert result["logprobs"] == pytest.approx(logprobs, abs=1e-4)
 
 
 @pytest.mark.slow
 def test_default_model_chunked_prefix_reuse_and_preemption(smollm):
-    model_dir, tokenizer, _ = smollm
+    model_dir, tokenizer, model = smollm
     prompts = [chat_ids(tokenizer, p, SYSTEM) for p in PROMPTS]
-    expected = [tokens for tokens, _ in expected_greedy(smollm, prompts)]
-
     chunked, _ = serve(model_dir, prompts, 32, max_num_tokens=24, enable_kv_cache_reuse=False)
-    assert [r["token_ids"] for r in chunked] == expected
+    expected = [r["token_ids"] for r in chunked]
+    for prompt, tokens in zip(prompts, expected):
+        assert_hf_greedy(model, prompt, tokens, 32, [tokenizer.eos_token_id])
 
     # Serve one request first so that its system-prompt blocks are cached, then the rest.
     executor = Executor(EngineConfig(model_path=str(model_dir), device="cpu", tokens_per_block=16))

@@ -17,7 +17,7 @@ from backend.config import EngineConfig
 from backend.executor import Executor
 from backend.model_config import ModelConfig
 from backend.sampling_params import SamplingParams
-from tests.hf_reference import check_logprobs, hf_greedy
+from tests.hf_reference import assert_hf_greedy, check_logprobs, hf_greedy
 from tests.tiny_models import FAMILY_KINDS, GEMMA_WINDOW, TINY, make_tiny_model, random_prompts
 
 TOKENS = 12
@@ -140,8 +140,6 @@ def test_gemma3_270m_gguf_plain_and_chat_match_transformers(gemma3_270m):
     prompts = [tokenizer.encode(t) for t in texts]
     assert all(p[0] == tokenizer.bos_token_id for p in prompts)
     assert max(map(len, prompts)) + 32 < 512  # within the sliding window
-    eos = [tokenizer.eos_token_id]
-    expected = [hf_greedy(model, p, 32, eos) for p in prompts]
     config = EngineConfig(model_path=gguf_path, device="cpu", max_batch_size=16)
     executor = Executor(config)
     try:
@@ -149,9 +147,9 @@ def test_gemma3_270m_gguf_plain_and_chat_match_transformers(gemma3_270m):
         results = executor.generate(prompts, SamplingParams(max_tokens=32), timeout=1200)
     finally:
         executor.shutdown()
-    assert sum(len(tokens) for tokens, _ in expected) > 8 * 32  # mostly full-length outputs
-    for (tokens, _), result in zip(expected, results):
-        assert result["token_ids"] == tokens
+    assert sum(len(r["token_ids"]) for r in results) > 8 * 32  # mostly full-length outputs
+    for prompt, result in zip(prompts, results):
+        assert_hf_greedy(model, prompt, result["token_ids"], 32, [tokenizer.eos_token_id])
 
 
 @pytest.mark.slow
@@ -160,14 +158,15 @@ def test_gemma3_270m_gguf_blocks_kept_quantized_match_transformers(gemma3_270m):
     back from llama.cpp's 1 + w, the ffn_norm named as the pre-feed-forward norm."""
     gguf_path, tokenizer, model = gemma3_270m
     prompts = [tokenizer.encode(t) for t in (PROMPTS[0], gemma_chat(PROMPTS[1]))]
-    expected = [hf_greedy(model, p, 16, [tokenizer.eos_token_id])[0] for p in prompts]
     config = EngineConfig(model_path=gguf_path, device="cpu", quantization="gguf")
     executor = Executor(config)
     try:
-        results = executor.generate(prompts, SamplingParams(max_tokens=16), timeout=1200)
+        # each CPU step de-quantizes every block it reads: 8 steps say what 16 would
+        results = executor.generate(prompts, SamplingParams(max_tokens=8), timeout=1200)
     finally:
         executor.shutdown()
-    assert [r["token_ids"] for r in results] == expected
+    for prompt, result in zip(prompts, results):
+        assert_hf_greedy(model, prompt, result["token_ids"], 8, [tokenizer.eos_token_id])
 
 
 def test_configs_without_layer_types_get_transformers_defaults():

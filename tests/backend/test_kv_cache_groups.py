@@ -15,7 +15,6 @@ import threading
 from itertools import chain
 
 import pytest
-import torch
 
 from backend.config import EngineConfig
 from backend.engine import Engine
@@ -28,7 +27,7 @@ from backend.request import Request
 from backend.sampler import Sampler
 from backend.sampling_params import SamplingParams
 from backend.scheduler import Scheduler
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import assert_hf_greedy, hf_greedy
 from tests.tiny_models import random_prompts, save_tiny_hf_model
 
 WINDOW = 24
@@ -266,15 +265,6 @@ def serve_step_by_step(runner: ModelRunner, request: Request, on_step) -> None:
         on_step(scheduler)
 
 
-@torch.inference_mode()
-def transformers_choices(model, prompt: list[int], tokens: list[int]) -> list[int]:
-    """transformers' greedy pick at each generated position given the tokens before it, from one
-    forward over the sequence (equal to `tokens` exactly when greedy decoding with transformers
-    yields `tokens`; one pass instead of a decode step per token)."""
-    ids = torch.tensor([prompt + tokens[:-1]])
-    return model(input_ids=ids, logits_to_keep=len(tokens)).logits[0].argmax(-1).tolist()
-
-
 @pytest.mark.slow
 def test_gemma3_270m_long_prompt_frees_local_layer_blocks_and_matches_transformers(gemma3_270m):
     """A ~1,500-token prompt + 256 greedy tokens in chunks of 256: transformers' tokens; the
@@ -323,7 +313,7 @@ def test_gemma3_270m_long_prompt_frees_local_layer_blocks_and_matches_transforme
     finally:
         runner.release()
     assert len(request.output_ids) == 256
-    assert request.output_ids == transformers_choices(model, prompt, request.output_ids)
+    assert_hf_greedy(model, prompt, request.output_ids, 256, [])
     # (computed tokens, table lengths, blocks held in the global and the local group) per step
     prefilled = next(h for h in held if h[0] >= len(prompt))
     assert prefilled[3] == prefilled[1] == -(-len(prompt) // 16)  # global: every block

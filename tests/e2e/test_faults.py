@@ -254,11 +254,11 @@ def test_the_llm_processes_do_not_grow_under_short_requests(triton):
 
     sizes = {}
     with ThreadPoolExecutor(max_workers=6) as pool:
-        for start, end in ((1, 51), (51, 301)):
+        for start, end in ((1, 51), (51, 201)):  # a leak of 0.5 MB a request shows
             list(pool.map(send, range(start, end)))
             sizes[end - 1] = (_rss_mb(stub), _rss_mb(engine))
-    for name, after_50, after_300 in zip(("stub", "engine process"), sizes[50], sizes[300]):
-        assert after_300 - after_50 < 64, f"the {name} grew {after_300 - after_50:.0f} MB"
+    for name, after_50, after_200 in zip(("stub", "engine process"), sizes[50], sizes[200]):
+        assert after_200 - after_50 < 64, f"the {name} grew {after_200 - after_50:.0f} MB"
 
 
 def test_a_full_queue_reads_try_again_later_and_is_counted(launcher):
