@@ -26,7 +26,6 @@ import time
 
 import torch
 
-from backend.attention.kv_dtype import vector_bytes
 from backend.config import EngineConfig
 from backend.executor import Executor
 from backend.sampling_params import SamplingParams
@@ -65,8 +64,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def kv_bytes_per_token(runner) -> int:
-    mc = runner.model_config
-    return mc.num_layers * 2 * mc.num_kv_heads * vector_bytes(mc.head_dim, runner.kv_dtype)
+    return runner.kv_block_bytes() // runner.tokens_per_block
 
 
 def timed_generate(executor: Executor, prompts, max_tokens: int) -> float:

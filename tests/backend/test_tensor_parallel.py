@@ -223,23 +223,30 @@ def test_quantized_weights_are_refused(quantization, tmp_path):
         ModelRunner(config)
 
 
+def _start_a_long_request(engine):
+    """Submit a long request to `engine` (an Executor or EngineProcess) and wait for its first
+    output: (finished event, outputs, the callback, the sampling params)."""
+    done, outputs = threading.Event(), []
+
+    def on_output(out):
+        outputs.append(out)
+        if out.finished:
+            done.set()
+
+    params = SamplingParams(max_tokens=900, ignore_end_id=True)
+    engine.submit("long", [5, 6, 7], params, on_output)
+    while not outputs:
+        time.sleep(0.01)
+    return done, outputs, on_output, params
+
+
 def test_a_dead_worker_fails_requests_and_stops_the_executor(tmp_path):
     save_tiny_hf_model(tmp_path)
     executor = Executor(
         EngineConfig(model_path=str(tmp_path), device="cpu", tensor_parallel_size=2)
     )
     try:
-        done, outputs = threading.Event(), []
-
-        def on_output(out):
-            outputs.append(out)
-            if out.finished:
-                done.set()
-
-        params = SamplingParams(max_tokens=900, ignore_end_id=True)
-        executor.submit("long", [5, 6, 7], params, on_output)
-        while not outputs:
-            time.sleep(0.01)
+        done, outputs, on_output, params = _start_a_long_request(executor)
         worker = executor.runner.workers.processes[0]
         os.kill(worker.pid, 9)
         assert done.wait(30), "the request hangs"
@@ -261,17 +268,7 @@ def test_engine_process_reports_a_dead_worker(tmp_path):
         EngineConfig(model_path=str(tmp_path), device="cpu", tensor_parallel_size=2)
     )
     try:
-        done, outputs = threading.Event(), []
-
-        def on_output(out):
-            outputs.append(out)
-            if out.finished:
-                done.set()
-
-        params = SamplingParams(max_tokens=900, ignore_end_id=True)
-        engine.submit("long", [5, 6, 7], params, on_output)
-        while not outputs:
-            time.sleep(0.01)
+        done, outputs, on_output, params = _start_a_long_request(engine)
         pid = engine.info.pid
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             children = f.read().split()
