@@ -131,6 +131,8 @@ def settings_for(args, model_dir: str):
         triton_max_batch_size=min(64, top),
         postprocessing_batching=args.postprocessing_batching,
         preprocessing_instance_count=4,
+        llm_instance_count=args.llm_instances,
+        response_rate_limit=args.response_rate_limit,
         http_port=free_port(),
         grpc_port=free_port(),
         metrics_port=free_port(),
@@ -328,6 +330,18 @@ def main(argv: list[str] | None = None) -> int:
         "--postprocessing-batching",
         action="store_true",
         help="batch postprocessing (faster; ensemble cancellation then stops at Triton)",
+    )
+    p.add_argument(
+        "--llm-instances",
+        type=int,
+        default=1,
+        help="Triton instances (stub processes) of tensorrt_llm, sharing its one engine",
+    )
+    p.add_argument(
+        "--response-rate-limit",
+        type=int,
+        default=0,
+        help="responses/s tensorrt_llm aims at under load (0: every token at once)",
     )
     p.add_argument("--check-text", type=int, default=4)
     p.add_argument(

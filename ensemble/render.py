@@ -74,7 +74,7 @@ def render_tensorrt_llm(s: ServeSettings) -> str:
     lines += _transaction_policy(s.decoupled_mode)
     lines += _tensors("input", TENSORRT_LLM.inputs) + _tensors("output", TENSORRT_LLM.outputs)
     lines += _dynamic_batching(s.max_queue_delay_microseconds)
-    lines += _instances(1)  # one engine per instance: it owns the KV cache
+    lines += _instances(s.llm_instance_count)  # one engine for all: it owns the KV cache
     params = dict(s.engine_parameters())
     params.update(
         {
@@ -82,6 +82,7 @@ def render_tensorrt_llm(s: ServeSettings) -> str:
             "default_max_tokens": s.default_max_tokens,
             "cancellation_check_period_ms": s.cancellation_check_period_ms,
             "stats_check_period_ms": s.stats_check_period_ms,
+            "response_rate_limit": s.response_rate_limit,
         }
     )
     lines += _parameters(params)

@@ -39,6 +39,12 @@ class ServeSettings(EngineConfig):
     # (one response per request; plain infer() over HTTP/gRPC); the ensemble follows tensorrt_llm
     decoupled_mode: bool = True
     preprocessing_instance_count: int = 2
+    # Stub processes of tensorrt_llm sharing its one engine: each answers its share of requests
+    llm_instance_count: int = 1
+    # Responses a second that tensorrt_llm aims at (its instances together) when many streams
+    # run: beyond it a stream's responses carry several tokens each (first and last never wait);
+    # fewer round trips in every hop after it. 0: each token as soon as it can be sent
+    response_rate_limit: int = 0
     # Batching the streamed pieces in postprocessing (ragged windows, preserve_ordering) takes
     # more pieces per execute, but Triton's batcher then drops the pieces of a cancelled ensemble
     # request before postprocessing sees them, so the cancellation no longer reaches the engine.
@@ -79,6 +85,8 @@ _LOWEST = {
     "default_max_tokens": 1,
     "triton_max_batch_size": 1,
     "preprocessing_instance_count": 1,
+    "llm_instance_count": 1,
+    "response_rate_limit": 0,
     "postprocessing_instance_count": 1,
     "bls_instance_count": 1,
     "max_queue_delay_microseconds": 0,

@@ -1,4 +1,5 @@
-"""The engine in a process of its own (backend/engine_process.py), driven like an Executor."""
+"""The engine in a process of its own (backend/engine_service.py), driven like an Executor
+through its handle (backend/engine_process.py), by one client or several."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import time
 import pytest
 
 from backend.config import EngineConfig
-from backend.engine_process import EngineProcess, _Outbox
+from backend.engine_process import EngineProcess
+from backend.engine_service import Outbox
 from backend.executor import Executor
 from backend.request import FinishReason, RequestOutput
 from backend.sampling_params import SamplingParams
@@ -166,7 +168,9 @@ def test_outputs_travel_as_tuples_of_every_field():
         def send(self, message):
             sent.append(message)
 
-    outbox = _Outbox(Conn(), executor=type("Idle", (), {"stats": lambda self: None})())
+    conn = Conn()
+    outbox = Outbox(executor=type("Idle", (), {"stats": lambda self: None})())
+    outbox.add(conn)
     out = RequestOutput(
         "r",
         [1, 2],
@@ -185,7 +189,7 @@ def test_outputs_travel_as_tuples_of_every_field():
         4.0,
         "invalid",
     )
-    outbox.put(out)
+    outbox.put(conn, out)
     deadline = time.monotonic() + 5
     while not any(m[0] == "outputs" for m in sent) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -56,7 +56,11 @@ class Triton:
 
 @pytest.fixture(scope="session")
 def triton(tmp_path_factory) -> Triton:
-    with running_triton(tmp_path_factory.mktemp("triton")) as server:
+    # Two instances of tensorrt_llm sharing one engine, their responses paced under load: the
+    # suite runs through both stubs and the pacing.
+    with running_triton(
+        tmp_path_factory.mktemp("triton"), llm_instance_count=2, response_rate_limit=400
+    ) as server:
         yield server
 
 

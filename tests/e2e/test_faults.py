@@ -149,7 +149,7 @@ def test_a_killed_stub_fails_its_clients_and_stops_the_server(launcher, model):
     served.wait_ready()
     shm_before = set(SHM_DIR.glob(SHM_PATTERN))
     server_pid = served.server_pid()
-    engine = next(p for p in descendants(server_pid) if "backend.engine_process" in _cmdline(p))
+    engine = next(p for p in descendants(server_pid) if "backend.engine_service" in _cmdline(p))
     results: list = []
     threads = [_stream_in_background(f"localhost:{served.grpc}", results) for _ in range(3)]
     _wait_streaming(served, 3)
@@ -240,7 +240,7 @@ def _rss_mb(pid: int) -> float:
 def test_the_llm_processes_do_not_grow_under_short_requests(triton):
     server = triton.server.process.pid
     stub = next(p for p in descendants(server) if "/tensorrt_llm/1/model.py" in _cmdline(p))
-    engine = next(p for p in descendants(stub) if "backend.engine_process" in _cmdline(p))
+    engine = next(p for p in descendants(stub) if "backend.engine_service" in _cmdline(p))
     request = {
         "input_ids": [1, 2, 3, 4, 5],
         "input_lengths": 5,

@@ -2,7 +2,9 @@
 
 Gauges are refreshed from the engine's stats every stats period; per-request histograms are
 observed when requests finish (queued by the response thread, observed here, so the token path
-makes no metric IPC). Families and label values:
+makes no metric IPC). With several instances of the model, the gauges come from the instance
+that started the engine and the request families carry an `instance` label (two stubs adding
+the same series crashed tritonserver 2.51: heap corruption under load). Families and label values:
 
   nv_trt_llm_request_metrics{request_type=active|max|scheduled|context|waiting}
   nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max|free|used|tokens_per|reused|fraction}
@@ -61,12 +63,30 @@ class FinishedRequest:
 
 
 class LlmMetrics:
-    def __init__(self, model_name: str, model_version: str, max_batch_size: int):
+    """`engine_gauges`: this instance publishes the engine's gauges (one instance of several
+    does). `instance`: the label that tells this instance's request counts and histograms from
+    the other instances' (None with one instance); Prometheus sums them."""
+
+    def __init__(
+        self,
+        model_name: str,
+        model_version: str,
+        max_batch_size: int,
+        engine_gauges: bool = True,
+        instance: str | None = None,
+    ):
         self._labels = {"model": model_name, "version": model_version}
+        self._request_labels = {**self._labels, **({"instance": instance} if instance else {})}
         self._max_batch_size = max_batch_size
         self._finished: queue.SimpleQueue[FinishedRequest] = queue.SimpleQueue()
         self._gauge_values: dict[int, float] = {}
         self._families = []
+        self.engine_gauges = engine_gauges
+        if engine_gauges:
+            self._engine_families()
+        self._request_families()
+
+    def _engine_families(self) -> None:
         self.request = self._gauges(
             "nv_trt_llm_request_metrics",
             "TRT LLM request metrics",
@@ -91,6 +111,8 @@ class LlmMetrics:
             "general_type",
             ("iteration_counter", "timestamp"),
         )
+
+    def _request_families(self) -> None:
         self.input_len = self._histogram(
             "nv_llm_input_token_len",
             "TRT LLM response metrics",
@@ -143,6 +165,11 @@ class LlmMetrics:
 
     # ---- called from the poll thread -----------------------------------------------------------
     def update(self, stats) -> None:
+        if self.engine_gauges:
+            self._set_engine_gauges(stats)
+        self.observe_finished()
+
+    def _set_engine_gauges(self, stats) -> None:
         kv = stats.kv
         scheduled = stats.last_num_context_requests + stats.last_num_generation_requests
         self._set(
@@ -174,7 +201,6 @@ class LlmMetrics:
         self._set(
             self.general, iteration_counter=stats.num_iterations, timestamp=int(time.time() * 1e6)
         )
-        self.observe_finished()
 
     def observe_finished(self) -> None:
         while True:
@@ -207,14 +233,15 @@ class LlmMetrics:
         """One metric per value of `label`, in a family of `kind`."""
         family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
         self._families.append(family)
-        return {v: family.Metric(labels={**self._labels, label: v}) for v in values}
+        labels = self._labels if kind == pb_utils.MetricFamily.GAUGE else self._request_labels
+        return {v: family.Metric(labels={**labels, label: v}) for v in values}
 
     def _histogram(self, name: str, description: str, labels: dict, buckets: list):
         family = pb_utils.MetricFamily(
             name=name, description=description, kind=pb_utils.MetricFamily.HISTOGRAM
         )
         self._families.append(family)
-        return family.Metric(labels={**self._labels, **labels}, buckets=buckets)
+        return family.Metric(labels={**self._request_labels, **labels}, buckets=buckets)
 
     def _set(self, metrics: dict, **values) -> None:
         """Set gauges whose value changed: each set is an IPC round trip that holds the stub's

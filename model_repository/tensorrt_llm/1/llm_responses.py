@@ -72,11 +72,20 @@ class LiveRow:
     request: LiveRequest
     stream: RowStream
     num_prompt_tokens: int
+    last_sent: float = 0.0  # time.monotonic() of its last response
 
 
 class ResponseDispatcher:
-    def __init__(self, engine, metrics: LlmMetrics | None, decoupled: bool = True):
+    def __init__(
+        self,
+        engine,
+        metrics: LlmMetrics | None,
+        decoupled: bool = True,
+        gap_per_row_s: float = 0.0,
+    ):
         self._engine = engine
+        # A row's next response waits for this times the live rows since its last one
+        self._gap_per_row_s = gap_per_row_s
         self._metrics = metrics
         self._decoupled = decoupled
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -199,8 +208,10 @@ class ResponseDispatcher:
         """Answer outputs, each row's in order, urgent rows first (see the module docstring)."""
         waiting: dict[str, RequestOutput] = {}  # row -> its newest unanswered output, oldest first
         urgent: collections.deque[str] = collections.deque()  # rows finished or not answered yet
+        due_in: float | None = None  # until the oldest waiting row may be answered again
         while True:
-            for out in self._arrived(wait=not waiting):
+            block = not waiting or due_in is not None
+            for out in self._arrived(block, due_in):
                 if out is None:
                     return
                 older = waiting.get(out.request_id)
@@ -211,14 +222,35 @@ class ResponseDispatcher:
                 waiting[out.request_id] = out
             while urgent and urgent[0] not in waiting:
                 urgent.popleft()
-            row = urgent.popleft() if urgent else next(iter(waiting))
+            if urgent:
+                row = urgent.popleft()
+            else:
+                row = next(iter(waiting), None)
+                due_in = self._due_in(row) if row is not None else None
+                if row is None or due_in > 0:
+                    continue
+            due_in = None
             self._answer(waiting.pop(row))
 
-    def _arrived(self, wait: bool) -> list:
-        outputs = [self._queue.get()] if wait else []
+    def _arrived(self, block: bool, timeout: float | None) -> list:
+        outputs = []
+        if block:
+            try:
+                outputs.append(self._queue.get(timeout=timeout))
+            except queue.Empty:
+                return outputs
         while not self._queue.empty():
             outputs.append(self._queue.get())
         return outputs
+
+    def _due_in(self, row_id: str) -> float:
+        """Seconds until a row's next response may go: responses of a row keep a gap that grows
+        with the live rows, so that under load each carries more tokens (fewer round trips here
+        and downstream); a row's first and last responses never wait."""
+        row = self._rows.get(row_id)
+        if row is None or not self._gap_per_row_s:
+            return 0.0
+        return row.last_sent + self._gap_per_row_s * len(self._rows) - time.monotonic()
 
     def _unanswered(self, row_id: str) -> bool:
         row = self._rows.get(row_id)
@@ -248,6 +280,7 @@ class ResponseDispatcher:
             return
         if self._decoupled:
             self._answer_row(live, row, out, FINAL if last else 0)
+            row.last_sent = time.monotonic()
         else:
             self._answer_whole(live, row, out, last)
         if out.finished and self._metrics is not None:

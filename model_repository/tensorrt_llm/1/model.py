@@ -1,11 +1,13 @@
 """Triton adapter of the engine: token ids in, token ids out (TensorRT-LLM names); decoupled
 unless rendered with decoupled_mode=false (then one response per request).
 
-The engine runs in a process of its own (backend/engine_process.py), started by initialize():
-this stub answers Triton, the engine process computes, and neither waits for the other's
-interpreter. execute() converts each request's tensors into engine requests and returns at once;
-responses are sent from the response thread (llm_responses.py) as the engine's outputs arrive. A
-poll thread checks client cancellation and refreshes the metrics.
+The engine runs in a process of its own (backend/engine_service.py): this stub answers Triton,
+the engine process computes, and neither waits for the other's interpreter. The model's
+instances (`llm_instance_count`, each a stub process) share one engine: the first to initialize
+starts it, the others attach, so the response path has several interpreters. execute() converts
+each request's tensors into engine requests and returns at once; responses are sent from the
+response thread (llm_responses.py) as the engine's outputs arrive. A poll thread checks client
+cancellation and refreshes the metrics.
 
 When the engine fails for good (a tensor-parallel rank died: its requests have ended with that
 error), this stub exits after FATAL_GRACE_S, the time to send those errors: Triton 2.51 offers a
@@ -39,11 +41,10 @@ FATAL_GRACE_S = 2.0
 class TritonPythonModel:
     def initialize(self, args):
         check_stub_numpy()
-        params = parameters(args["model_config"])
+        model_config = json.loads(args["model_config"])
+        params = parameters(model_config)
         self.config = EngineConfig(**engine_kwargs(params))
-        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(
-            json.loads(args["model_config"])
-        )
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(model_config)
         self.defaults = Defaults(
             max_tokens=get_setting(params, "default_max_tokens"),
             exclude_input_in_output=get_setting(params, "exclude_input_in_output"),
@@ -51,17 +52,31 @@ class TritonPythonModel:
         )
         self.cancel_period_s = get_setting(params, "cancellation_check_period_ms") / 1000
         self.stats_period_s = get_setting(params, "stats_check_period_ms") / 1000
-        self.engine = EngineProcess(self.config)
+        # Named by the server's pid (the stubs' parent) and the model: one engine per served model.
+        self.engine = EngineProcess.shared(self.config, f"{os.getppid()}-{args['model_name']}")
+        instances = sum(g.get("count", 1) for g in model_config.get("instance_group") or [{}])
         self.metrics = LlmMetrics(
-            args["model_name"], args["model_version"], self.config.max_batch_size
+            args["model_name"],
+            args["model_version"],
+            self.config.max_batch_size,
+            engine_gauges=self.engine.owner,
+            instance=args["model_instance_name"] if instances > 1 else None,
         )
-        self.dispatcher = ResponseDispatcher(self.engine, self.metrics, self.decoupled)
+        rate = get_setting(params, "response_rate_limit")
+        self.dispatcher = ResponseDispatcher(
+            self.engine,
+            self.metrics,
+            self.decoupled,
+            gap_per_row_s=instances / rate if rate else 0.0,
+        )
+        self.engine.on_stop_user = self.dispatcher.stop  # a stop sent to another instance
         self.stopping = threading.Event()
         self.poller = threading.Thread(target=self._poll, name="llm-poll", daemon=True)
         self.poller.start()
         info = self.engine.info
         pb_utils.Logger.log_info(
-            f"tensorrt_llm ready: engine process {info.pid} on {info.device}, "
+            f"{args['model_instance_name']} ready: engine process {info.pid} on {info.device} "
+            f"({'started' if self.engine.owner else 'attached'}), "
             f"model {info.model_dir}, "
             f"vocab {info.vocab_size}, max_seq_len {info.max_seq_len}, "
             f"config {json.dumps(vars(self.config))}"
@@ -83,6 +98,7 @@ class TritonPythonModel:
         if not user_id:
             raise ValueError("stop: a request id is required to stop a request")
         self.dispatcher.stop(user_id)
+        self.engine.stop_user(user_id)  # the request may run in another instance
         if self.decoupled:
             sender.send(flags=FINAL)
         else:  # a model that is not decoupled must send a response with its FINAL flag
