@@ -125,19 +125,24 @@ class Workers:
         self._watchdog.start()
 
     def _watch(self) -> None:
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
-        ended = wait(list(sentinels))
+        rank = self._first_dead(timeout=None)
         if self._stopping:
             return
-        rank = sentinels[ended[0]]
-        self.processes[rank - 1].join(timeout=1)
         message = self._death(rank)
         log.error(message)
         self.on_death(message)
 
+    def _first_dead(self, timeout: float | None) -> int | None:
+        """The rank of a worker that has exited, waiting up to `timeout` for one. Sentinels, not
+        exit codes: the watchdog and the engine thread may both ask, and only one can reap."""
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+        ended = wait(list(sentinels), timeout=timeout)
+        return sentinels[ended[0]] if ended else None
+
     def _death(self, rank: int) -> str:
         """Record and return the message naming `rank`, which has exited (the first one wins)."""
         process = self.processes[rank - 1]
+        process.join(timeout=1)  # reaps it, unless the other thread already does
         if self.dead is None:
             self.dead = (
                 f"tensor-parallel rank {rank} (pid {process.pid}) died "
@@ -148,11 +153,10 @@ class Workers:
     def explain(self, exc: TensorParallelError) -> TensorParallelError:
         """A failed collective, named after the rank that died when one did (waiting a moment
         for it to be gone)."""
-        for rank, process in enumerate(self.processes, start=1):
-            if self.dead is None:
-                process.join(timeout=DEATH_GRACE_S / len(self.processes))
-                if process.exitcode is not None:
-                    self._death(rank)
+        if self.dead is None:
+            rank = self._first_dead(timeout=DEATH_GRACE_S)
+            if rank is not None:
+                self._death(rank)
         return TensorParallelError(self.dead) if self.dead else exc
 
     def stop(self, tp, timeout_s: float = 30.0) -> None:

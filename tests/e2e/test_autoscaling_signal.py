@@ -49,9 +49,9 @@ def test_ready_after_warm_up_and_the_queue_gauge_counts_waiting_requests(launche
         assert time.monotonic() < deadline, "not ready"
         time.sleep(0.2)
     # The first ready answer comes after the LLM model's initialize() returned, which it does
-    # only once the engine process loaded the model and warmed up ("tensorrt_llm ready").
+    # only once the engine process loaded the model and warmed up ("tensorrt_llm_0_0 ready").
     log = served.log.read_text()
-    assert "tensorrt_llm ready: engine process" in log, log[-3000:]
+    assert re.search(r"tensorrt_llm_0_\d+ ready: engine process", log), log[-3000:]
     assert _status(f"{base}/models/tensorrt_llm/ready") == 200
 
     streams = []

@@ -1,9 +1,11 @@
 """Responses under load with two instances of tensorrt_llm and a response rate limit, on the null
 model (its steps cost nothing, so the engine outruns the response path): each stream's pieces,
-concatenated, are exactly its tokens, and its responses carry several tokens each."""
+concatenated, are exactly its tokens, and the responses between a stream's first and last stay
+within the limit (per second, over all streams)."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -43,16 +45,18 @@ def stream_all(grpc_url: str):
             },
         )
 
+    start = time.monotonic()
     with ThreadPoolExecutor(STREAMS) as pool:
         streams = list(pool.map(ask, prompts))
+    wall_s = time.monotonic() - start
     for ids, stream in zip(prompts, streams):
         assert stream.error is None, stream.error
         expected = [null_token(p) for p in range(len(ids), len(ids) + TOKENS)]
         assert stream.ids() == expected
-    return [len(s.responses) for s in streams]
+    return [len(s.responses) for s in streams], wall_s
 
 
-@pytest.mark.parametrize("limit", [40, 0])
+@pytest.mark.parametrize("limit", [20, 0])
 def test_paced_streams_carry_several_tokens_per_response_and_stay_exact(tmp_path, null_dir, limit):
     with running_triton(
         tmp_path,
@@ -61,8 +65,10 @@ def test_paced_streams_carry_several_tokens_per_response_and_stay_exact(tmp_path
         response_rate_limit=limit,
         max_batch_size=STREAMS,
     ) as triton:
-        counts = stream_all(triton.grpc)
-    # Paced: 2-3 responses per stream on 2 cores; unpaced, the senders fall behind by
-    # themselves, but only to 8-12 (and the pieces must still be exact).
+        counts, wall_s = stream_all(triton.grpc)
+    print(f"limit {limit}: {sum(counts)} responses in {wall_s:.2f} s")
+    # First and last responses never wait; each row's others wait their turn, so at most `limit`
+    # a second leave the server (plus one a row that came due as the others ended).
     if limit:
-        assert sum(counts) / len(counts) <= TOKENS / 16, counts
+        paced = sum(counts) - 2 * STREAMS
+        assert paced <= limit * wall_s + STREAMS, (counts, wall_s)

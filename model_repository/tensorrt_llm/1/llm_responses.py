@@ -21,7 +21,6 @@ most CANCEL_CHECKS_PER_S of them a second, in turn over the live requests.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import queue
@@ -207,7 +206,7 @@ class ResponseDispatcher:
     def _run(self) -> None:
         """Answer outputs, each row's in order, urgent rows first (see the module docstring)."""
         waiting: dict[str, RequestOutput] = {}  # row -> its newest unanswered output, oldest first
-        urgent: collections.deque[str] = collections.deque()  # rows finished or not answered yet
+        urgent: dict[str, None] = {}  # waiting rows finished or not answered yet, a set in order
         due_in: float | None = None  # until the oldest waiting row may be answered again
         while True:
             block = not waiting or due_in is not None
@@ -218,18 +217,17 @@ class ResponseDispatcher:
                 if older is not None:
                     self._answer(older, send=False)  # its tokens ride with the newer output
                 if out.finished or self._unanswered(out.request_id):
-                    urgent.append(out.request_id)
+                    urgent[out.request_id] = None
                 waiting[out.request_id] = out
-            while urgent and urgent[0] not in waiting:
-                urgent.popleft()
             if urgent:
-                row = urgent.popleft()
+                row = next(iter(urgent))
             else:
                 row = next(iter(waiting), None)
                 due_in = self._due_in(row) if row is not None else None
                 if row is None or due_in > 0:
                     continue
             due_in = None
+            urgent.pop(row, None)
             self._answer(waiting.pop(row))
 
     def _arrived(self, block: bool, timeout: float | None) -> list:
