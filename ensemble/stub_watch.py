@@ -9,9 +9,10 @@
   orphan holding the model (a thread blocked on the dead server holds the GIL, so the stub's own
   parent check never runs).
 
-A model starts its watcher in initialize() and dismisses it in finalize(), so an unload or a
-normal shutdown is not taken for a death. The watcher is a shell loop in a session of its own:
-it costs no Python interpreter and survives the signals sent to the stub's process group.
+A model starts its watcher in initialize() and dismisses it when finalize() is done, so an unload
+or a normal shutdown is not taken for a death, while a finalize() that hangs on a server that
+exited meanwhile still ends with the stub killed. The watcher is a shell loop in a session of
+its own: it costs no Python interpreter and survives the signals sent to the stub's process group.
 """
 
 from __future__ import annotations

@@ -56,11 +56,9 @@ class Triton:
 
 @pytest.fixture(scope="session")
 def triton(tmp_path_factory) -> Triton:
-    # Two instances of tensorrt_llm sharing one engine, their responses paced under load: the
-    # suite runs through both stubs and the pacing.
-    with running_triton(
-        tmp_path_factory.mktemp("triton"), llm_instance_count=2, response_rate_limit=400
-    ) as server:
+    # The defaults users run (one tensorrt_llm instance, unpaced): several instances crashed
+    # tritonserver 2.51 under load; test_response_pacing and test_shared_engine cover them.
+    with running_triton(tmp_path_factory.mktemp("triton")) as server:
         yield server
 
 

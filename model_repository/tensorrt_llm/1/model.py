@@ -127,8 +127,12 @@ class TritonPythonModel:
             os._exit(1)
 
     def finalize(self):
-        dismiss(self.stub_watch)
-        self.stopping.set()
-        self.poller.join(timeout=5)
-        self.engine.shutdown()
-        self.dispatcher.shutdown()
+        # The watcher stays until the end: a thread blocked on a server that exited meanwhile
+        # (a metric update) would otherwise leave this stub and its engine behind as orphans.
+        try:
+            self.stopping.set()
+            self.poller.join(timeout=5)
+            self.engine.shutdown()
+            self.dispatcher.shutdown()
+        finally:
+            dismiss(self.stub_watch)
