@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from ensemble.processes import SHM_DIR, SHM_PATTERN, cmdline, descendants
+from ensemble.processes import SHM_DIR, SHM_PATTERN, cmdline, descendants, engine_processes
 from ensemble.server import free_port
 from tests.e2e.clients import grpc_request
 
@@ -149,7 +149,7 @@ def test_a_killed_stub_fails_its_clients_and_stops_the_server(launcher, model):
     served.wait_ready()
     shm_before = set(SHM_DIR.glob(SHM_PATTERN))
     server_pid = served.server_pid()
-    engine = next(p for p in descendants(server_pid) if "backend.engine_service" in _cmdline(p))
+    engine = engine_processes(server_pid)[0]
     results: list = []
     threads = [_stream_in_background(f"localhost:{served.grpc}", results) for _ in range(3)]
     _wait_streaming(served, 3)
@@ -240,8 +240,7 @@ def _rss_mb(pid: int) -> float:
 def test_the_llm_processes_do_not_grow_under_short_requests(triton):
     server = triton.server.process.pid
     stubs = [p for p in descendants(server) if "/tensorrt_llm/1/model.py" in _cmdline(p)]
-    # The first instance started the engine process; the others attached to it.
-    (engine,) = [p for s in stubs for p in descendants(s) if "engine_service" in _cmdline(p)]
+    (engine,) = engine_processes(server)  # one, whichever instance started it
     processes = {**{f"stub {s}": s for s in stubs}, "engine process": engine}
     request = {
         "input_ids": [1, 2, 3, 4, 5],

@@ -57,7 +57,7 @@ def stream_all(grpc_url: str):
 
 
 @pytest.mark.parametrize("limit", [20, 0])
-def test_paced_streams_carry_several_tokens_per_response_and_stay_exact(tmp_path, null_dir, limit):
+def test_paced_streams_stay_within_the_limit_and_exact(tmp_path, null_dir, limit):
     with running_triton(
         tmp_path,
         model_path=null_dir,
@@ -66,7 +66,6 @@ def test_paced_streams_carry_several_tokens_per_response_and_stay_exact(tmp_path
         max_batch_size=STREAMS,
     ) as triton:
         counts, wall_s = stream_all(triton.grpc)
-    print(f"limit {limit}: {sum(counts)} responses in {wall_s:.2f} s")
     # First and last responses never wait; each row's others wait their turn, so at most `limit`
     # a second leave the server (plus one a row that came due as the others ended).
     if limit:
