@@ -1,10 +1,13 @@
-"""FP8 W8A8 linear layers for GPUs with float8 tensor cores (Hopper, sm_89+): out = x @ W^T with
-x's rows quantized to e4m3 per token (dynamic scales) and W e4m3 with one scale per output
-channel; e4m3 x e4m3 products accumulate in float32 (tl.dot), both scales applied once after K.
+"""FP8 W8A8 linear layers for GPUs with float8 tensor cores (sm_89+): out = x @ W^T with x's rows
+quantized to e4m3 per token (dynamic scales) and W e4m3 with one scale per output channel; e4m3 x
+e4m3 products accumulate in float32, both scales applied once after K.
 
-It computes what `backend.quantization.fp8.Fp8Weight`'s torch path computes on CPU; tests run it
-under Triton's interpreter there (which widens the float8 operands), so its tiling and scaling
-are checked, but not its speed or its code generation for Hopper.
+- `quantize_rows`: each row's largest magnitude to e4m3's largest value, in one kernel.
+- `fp8_linear`: the product. On Hopper and later with bfloat16 out, torch's row-wise scaled GEMM
+  (`torch._scaled_mm`, CUTLASS); elsewhere the Triton kernel below (tl.dot of e4m3 tiles).
+Both compute what `backend.quantization.fp8.Fp8Weight`'s torch path computes on CPU; tests run
+the Triton kernels under the interpreter there (which widens the float8 operands), so their tiling
+and scaling are checked on CPU, and their speed and code generation on a GPU.
 """
 
 from __future__ import annotations
@@ -14,9 +17,48 @@ import triton
 import triton.language as tl
 
 
+FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
+
+
 def supported(device: torch.device) -> bool:
     """float8 tensor cores: compute capability 8.9 or newer."""
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _takes_scaled_mm(xq: torch.Tensor, n: int, out_dtype: torch.dtype) -> bool:
+    """torch's row-wise scaled GEMM: Hopper or later, bfloat16 out, K and N multiples of 16."""
+    return (
+        xq.is_cuda
+        and torch.cuda.get_device_capability(xq.device) >= (9, 0)
+        and out_dtype == torch.bfloat16
+        and xq.shape[1] % 16 == 0
+        and n % 16 == 0
+    )
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
+    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * K + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+    tl.store(scale_ptr + row, scale)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]), x ~= values * scales, as
+    `backend.quantization.fp8.quantize_rows` (one kernel instead of torch's five)."""
+    m, k = x.shape
+    assert x.stride(1) == 1
+    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    block_k = triton.next_power_of_2(k)
+    _quantize_rows_kernel[(m,)](
+        x, xq, scales, k, x.stride(0), BLOCK_K=block_k, num_warps=min(16, max(4, block_k // 1024))
+    )
+    return xq, scales
 
 
 @triton.jit
@@ -69,6 +111,15 @@ def fp8_linear(
     """Activations already quantized per row (xq e4m3 [M, K], x_scales float32 [M, 1]) ->
     x @ W^T (+ bias) [M, N] in out_dtype; qweight e4m3 [N, K], w_scales float32 [N]."""
     m, (n, k) = xq.shape[0], qweight.shape
+    if _takes_scaled_mm(xq, n, out_dtype):
+        out = torch._scaled_mm(
+            xq.contiguous(),
+            qweight.t(),  # column-major [K, N], as the GEMM wants its second operand
+            scale_a=x_scales.contiguous(),
+            scale_b=w_scales.view(1, n),
+            out_dtype=out_dtype,
+        )
+        return out if bias is None else out.add_(bias)
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     _fp8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         xq.contiguous(),

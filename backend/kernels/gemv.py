@@ -44,10 +44,13 @@ import triton.language as tl
 
 from backend.attention.split_partials import SplitPartials
 from backend.kernels import tuning
+from backend.kernels.gemv_int4 import stream_rows_dot_int4
+from backend.kernels.gemv_operand import merged_operand, operand_tile
+from backend.kernels.gemv_weight import INT4, StreamedWeight, streamed
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
-from backend.kernels.split_merge import merge_splits
 
 NO_PROLOGUE, NORM, SILU_MUL, MERGE = 0, 1, 2, 3
+ACT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 # Before its wait a program reads only weights, which no kernel writes; EARLY_LAUNCH releases then.
 ORDERING = {
     early: Ordering("gemv", releases="before_wait" if early else "after_wait")
@@ -56,55 +59,92 @@ ORDERING = {
 
 
 @triton.jit
-def _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE: tl.constexpr):
-    """The float32 operand at columns `k` after the prologue, and its sum of squares (norm)."""
-    dtype = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + k).to(tl.float32)
-    square_sum = 0.0
-    if PROLOGUE == 1:
-        square_sum = tl.sum(x * x, 0)
-        x = x * tl.load(norm_w_ptr + k).to(tl.float32)
-    if PROLOGUE == 2:
-        up = tl.load(x_ptr + K + k).to(tl.float32)
-        activated = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
-        x = (activated * up).to(dtype).to(tl.float32)
-    return x, square_sum
-
-
-@triton.jit
-def _merged_operand(
-    parts_ptr,
-    lse_ptr,
-    k0,
-    num_splits,
-    parts_head,
-    parts_split,
-    lse_head,
-    lse_split,
-    WIDTH: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    dtype: tl.constexpr,
+def _stream_dense(
+    x_ptr,
+    w_ptr,
+    norm_w_ptr,
+    rows,
+    K,
+    stride_wn,
+    eps,
+    PROLOGUE: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
+    EARLY_LAUNCH: tl.constexpr,
+    SKIP_WAIT: tl.constexpr = False,
+    num_splits=1,
+    SPLITS_PAD: tl.constexpr = 1,
+    HEAD_DIM: tl.constexpr = 1,
+    parts_head=0,
+    parts_split=0,
+    lse_head=0,
+    lse_split=0,
+    ACT_DTYPE: tl.constexpr = tl.float16,
 ):
-    """The float32 operand at columns k0..k0+WIDTH (whole heads) merged from the split partials
-    parts [heads, num_splits, HEAD_DIM] and lse [heads, num_splits] (at their head and split
-    strides), rounded to `dtype`."""
-    HEADS: tl.constexpr = WIDTH // HEAD_DIM
-    heads = k0 // HEAD_DIM + tl.arange(0, HEADS)
-    splits = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(
-        lse_ptr + heads[:, None] * lse_head + splits[None, :] * lse_split,
-        mask=splits[None, :] < num_splits,
-        other=float("-inf"),
-    )  # [H, S]
-    part = heads[:, None] * parts_head + splits[None, :] * parts_split  # [H, S]
-    parts = tl.load(
-        parts_ptr + part[:, :, None] + tl.arange(0, HEAD_DIM)[None, None, :],
-        mask=(splits < num_splits)[None, :, None],
-        other=0.0,
-    )  # [H, S, D]
-    merged = merge_splits(parts, lse)
-    return tl.reshape(merged.to(dtype).to(tl.float32), (WIDTH,))
+    """Weight rows stored as values (half precision, int8 or e4m3): `stream_rows_dot`."""
+    w_rows = w_ptr + rows[:, None] * stride_wn
+    if PDL and EARLY_LAUNCH:
+        gdc_launch_dependents()
+    if PREFETCH_K > 0:  # the weights are never written by a kernel: read them before waiting
+        w_first = tl.load(w_rows + tl.arange(0, PREFETCH_K)[None, :])
+    if PDL and not SKIP_WAIT:
+        gdc_wait()
+    square_sum = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    if PREFETCH_K > 0:
+        if PROLOGUE == 3:
+            a_first = merged_operand(
+                x_ptr,
+                norm_w_ptr,
+                0,
+                num_splits,
+                parts_head,
+                parts_split,
+                lse_head,
+                lse_split,
+                PREFETCH_K,
+                SPLITS_PAD,
+                HEAD_DIM,
+                ACT_DTYPE,
+            )
+        else:
+            a_first, first_squares = operand_tile(
+                x_ptr, norm_w_ptr, tl.arange(0, PREFETCH_K), K, PROLOGUE
+            )
+            square_sum += first_squares
+        acc += tl.sum(w_first.to(tl.float32) * a_first[None, :], 1)
+    ks = tl.arange(0, BLOCK_K)
+    partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(PREFETCH_K, K, BLOCK_K):
+        k = k0 + ks
+        if PROLOGUE == 3:
+            a = merged_operand(
+                x_ptr,
+                norm_w_ptr,
+                k0,
+                num_splits,
+                parts_head,
+                parts_split,
+                lse_head,
+                lse_split,
+                BLOCK_K,
+                SPLITS_PAD,
+                HEAD_DIM,
+                ACT_DTYPE,
+            )
+        else:
+            a, tile_squares = operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE)
+            square_sum += tile_squares
+        w = tl.load(w_rows + k[None, :])
+        partial += w.to(tl.float32) * a[None, :]
+    acc += tl.sum(partial, 1)
+    if PDL and not EARLY_LAUNCH:
+        gdc_launch_dependents()
+    if PROLOGUE == 1:
+        acc = acc * tl.rsqrt(square_sum / K + eps)
+    return acc
 
 
 @triton.jit
@@ -130,6 +170,11 @@ def stream_rows_dot(
     parts_split=0,
     lse_head=0,
     lse_split=0,
+    ACT_DTYPE: tl.constexpr = tl.float16,
+    WEIGHT: tl.constexpr = 0,
+    scale_ptr=0,
+    zero_ptr=0,
+    GROUP: tl.constexpr = 1,
 ):
     """float32 [BLOCK_N]: weight rows `rows` (int64) dotted with the operand over all of K, the
     norm's scale applied. Waits for the previous kernel (PDL) after reading the first PREFETCH_K
@@ -137,67 +182,56 @@ def stream_rows_dot(
     SKIP_WAIT is a diagnostic: no wait, so the operand may be stale and the result wrong; only
     `benchmarks.gemv --chain --wait-cost` sets it, to time what the waits cost. With the merge
     prologue, x_ptr / norm_w_ptr are the split partials / their lse (`num_splits` of them, heads
-    of HEAD_DIM, at the strides parts_head / parts_split / lse_head / lse_split)."""
-    w_rows = w_ptr + rows[:, None] * stride_wn
-    if PDL and EARLY_LAUNCH:
-        gdc_launch_dependents()
-    if PREFETCH_K > 0:  # the weights are never written by a kernel: read them before waiting
-        w_first = tl.load(w_rows + tl.arange(0, PREFETCH_K)[None, :])
-    if PDL and not SKIP_WAIT:
-        gdc_wait()
-    square_sum = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    if PREFETCH_K > 0:
-        if PROLOGUE == 3:
-            a_first = _merged_operand(
-                x_ptr,
-                norm_w_ptr,
-                0,
-                num_splits,
-                parts_head,
-                parts_split,
-                lse_head,
-                lse_split,
-                PREFETCH_K,
-                SPLITS_PAD,
-                HEAD_DIM,
-                w_ptr.dtype.element_ty,
-            )
-        else:
-            a_first, first_squares = _operand_tile(
-                x_ptr, norm_w_ptr, tl.arange(0, PREFETCH_K), K, PROLOGUE
-            )
-            square_sum += first_squares
-        acc += tl.sum(w_first.to(tl.float32) * a_first[None, :], 1)
-    ks = tl.arange(0, BLOCK_K)
-    partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(PREFETCH_K, K, BLOCK_K):
-        k = k0 + ks
-        if PROLOGUE == 3:
-            a = _merged_operand(
-                x_ptr,
-                norm_w_ptr,
-                k0,
-                num_splits,
-                parts_head,
-                parts_split,
-                lse_head,
-                lse_split,
-                BLOCK_K,
-                SPLITS_PAD,
-                HEAD_DIM,
-                w_ptr.dtype.element_ty,
-            )
-        else:
-            a, tile_squares = _operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE)
-            square_sum += tile_squares
-        w = tl.load(w_rows + k[None, :])
-        partial += w.to(tl.float32) * a[None, :]
-    acc += tl.sum(partial, 1)
-    if PDL and not EARLY_LAUNCH:
-        gdc_launch_dependents()
-    if PROLOGUE == 1:
-        acc = acc * tl.rsqrt(square_sum / K + eps)
+    of HEAD_DIM, at the strides parts_head / parts_split / lse_head / lse_split), merged and
+    rounded to ACT_DTYPE (the activations' dtype).
+    WEIGHT (`StreamedWeight.kind`): DENSE values; ROW_SCALED int8 or e4m3 values times a float32
+    scale per row (scale_ptr); INT4 packed 4-bit rows with a scale and zero point per GROUP
+    inputs (`backend.kernels.gemv_int4`, which reads nothing before the wait)."""
+    if WEIGHT == 2:
+        acc = stream_rows_dot_int4(
+            x_ptr,
+            w_ptr,
+            norm_w_ptr,
+            scale_ptr,
+            zero_ptr,
+            rows,
+            K,
+            eps,
+            PROLOGUE,
+            PDL,
+            BLOCK_N,
+            BLOCK_K,
+            EARLY_LAUNCH,
+            GROUP,
+            SKIP_WAIT,
+        )
+    else:
+        acc = _stream_dense(
+            x_ptr,
+            w_ptr,
+            norm_w_ptr,
+            rows,
+            K,
+            stride_wn,
+            eps,
+            PROLOGUE,
+            PDL,
+            BLOCK_N,
+            BLOCK_K,
+            PREFETCH_K,
+            EARLY_LAUNCH,
+            SKIP_WAIT,
+            num_splits,
+            SPLITS_PAD,
+            HEAD_DIM,
+            parts_head,
+            parts_split,
+            lse_head,
+            lse_split,
+            ACT_DTYPE,
+        )
+        if WEIGHT == 1:
+            acc = acc * tl.load(scale_ptr + rows)
     return acc
 
 
@@ -229,6 +263,11 @@ def _gemv_kernel(
     parts_split=0,
     lse_head=0,
     lse_split=0,
+    ACT_DTYPE: tl.constexpr = tl.float16,
+    WEIGHT: tl.constexpr = 0,
+    scale_ptr=0,
+    zero_ptr=0,
+    GROUP: tl.constexpr = 1,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -255,43 +294,55 @@ def _gemv_kernel(
         parts_split,
         lse_head,
         lse_split,
+        ACT_DTYPE,
+        WEIGHT,
+        scale_ptr,
+        zero_ptr,
+        GROUP,
     )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)
-    dtype = w_ptr.dtype.element_ty  # the activations' (x's, except merged partials)
-    y = acc.to(dtype)  # rounded as the activations are
+    y = acc.to(ACT_DTYPE)  # rounded as the activations are
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + cols, mask=col_ok)
-        y = (y.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        y = (y.to(tl.float32) + residual.to(tl.float32)).to(ACT_DTYPE)
     tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `gemv` takes this product: one contiguous row, half precision, K in 64-wide tiles."""
-    return (
-        x.shape[0] == 1
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and weight.shape[1] % 64 == 0
-    )
+def supports(x: torch.Tensor, weight: torch.Tensor | StreamedWeight) -> bool:
+    """Whether `gemv` takes this product: one contiguous half-precision row, a weight it streams
+    (`StreamedWeight.takes`: K in 64-wide tiles)."""
+    return x.shape[0] == 1 and streamed(weight).takes(x)
 
 
-def takes_partials(weight: torch.Tensor, head_dim: int) -> bool:
+def takes_partials(weight: torch.Tensor | StreamedWeight, head_dim: int) -> bool:
     """Whether `gemv(partials=...)` can merge heads of `head_dim` for this weight: its K tiles
-    hold whole heads."""
-    if weight.shape[1] % 64:
+    hold whole heads (4-bit rows read their operand in even and odd columns: never)."""
+    weight = streamed(weight)
+    if weight.shape[1] % 64 or weight.kind == INT4:
         return False
     config = checked_config(*weight.shape, None, merge=True, device=weight.device)
     return config["BLOCK_K"] % head_dim == 0 and config["PREFETCH_K"] % head_dim == 0
 
 
-def default_launch_config(n: int, k: int, merge: bool = False) -> dict:
+def default_launch_config(n: int, k: int, merge: bool = False, weight_format=None) -> dict:
     """Tile and launch shape for devices without a table entry: the rule tuned on the H100 and
-    H200 over one decode step's chain of products (benchmarks/README.md, "Kernel choices")."""
+    H200 over one decode step's chain of products (benchmarks/README.md, "Kernel choices").
+    4-bit rows (`weight_format` "int4g<group>") take no prefetch."""
 
     def widest_k(*choices):
         return next((b for b in choices if k % b == 0), 64)
 
+    if weight_format is not None and weight_format.startswith("int4"):
+        wide = n > 8192  # gate_up: more rows a program, shorter K tiles
+        return dict(
+            BLOCK_N=16 if wide else 4,
+            BLOCK_K=widest_k(256, 128) if wide else widest_k(1024 if k > 2048 else 512, 256, 128),
+            num_warps=4,
+            num_stages=4,
+            EARLY_LAUNCH=False,  # nothing to read before the wait: launched early, it would idle
+            PREFETCH_K=0,
+        )
     if n > 32768:  # the vocabulary-wide lm_head: wider tiles
         config = dict(
             BLOCK_N=16, BLOCK_K=widest_k(256, 128), num_warps=8, num_stages=2, EARLY_LAUNCH=True
@@ -323,23 +374,33 @@ def default_launch_config(n: int, k: int, merge: bool = False) -> dict:
     return config
 
 
-def tuning_key(n: int, k: int, merge: bool = False) -> str:
-    """The shape key of `tuning/gemv.json`."""
-    return tuning.shape_key(n=n, k=k, merge=merge)
+def tuning_key(n: int, k: int, merge: bool = False, weight_format: str | None = None) -> str:
+    """The shape key of `tuning/gemv.json` (stored formats add theirs: `StreamedWeight.format`)."""
+    fields = dict(n=n, k=k, merge=merge)
+    return tuning.shape_key(**fields, **({"weight": weight_format} if weight_format else {}))
 
 
 @functools.lru_cache(maxsize=None)
-def _tuned_config(n: int, k: int, merge: bool, device_name: str | None) -> Mapping:
-    config = tuning.lookup("gemv", tuning_key(n, k, merge), device_name) or default_launch_config(
-        n, k, merge
+def _tuned_config(
+    n: int, k: int, merge: bool, device_name: str | None, weight_format: str | None = None
+) -> Mapping:
+    key = tuning_key(n, k, merge, weight_format)
+    config = tuning.lookup("gemv", key, device_name) or default_launch_config(
+        n, k, merge, weight_format
     )
     return MappingProxyType(_checked(k, config))
 
 
-def launch_config(n: int, k: int, merge: bool = False, device_name: str | None = None) -> dict:
+def launch_config(
+    n: int,
+    k: int,
+    merge: bool = False,
+    device_name: str | None = None,
+    weight_format: str | None = None,
+) -> dict:
     """Tile and launch shape for weight [n, k]: the table's on the named device, else the
     default."""
-    return dict(_tuned_config(n, k, merge, device_name))
+    return dict(_tuned_config(n, k, merge, device_name, weight_format))
 
 
 def _checked(k: int, config: dict) -> dict:
@@ -353,17 +414,23 @@ def _checked(k: int, config: dict) -> dict:
 
 
 def checked_config(
-    n: int, k: int, overrides: dict | None, merge: bool = False, device: torch.device | None = None
+    n: int,
+    k: int,
+    overrides: dict | None,
+    merge: bool = False,
+    device: torch.device | None = None,
+    weight_format: str | None = None,
 ) -> Mapping:
     """The config for this shape on `device` with `overrides` applied, checked against K
     (without overrides, the one cached for the shape: no work per call)."""
-    tuned = _tuned_config(n, k, merge, tuning.device_name(device) if device is not None else None)
+    name = tuning.device_name(device) if device is not None else None
+    tuned = _tuned_config(n, k, merge, name, weight_format)
     return _checked(k, {**tuned, **overrides}) if overrides else tuned
 
 
 def gemv(
     x: torch.Tensor | None,
-    weight: torch.Tensor,
+    weight: torch.Tensor | StreamedWeight,
     bias: torch.Tensor | None = None,
     *,
     norm_weight: torch.Tensor | None = None,
@@ -373,25 +440,35 @@ def gemv(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [1, K] (or [1, 2K] with `silu_mul`), weight [N, K] -> [1, N].
+    """x [1, K] (or [1, 2K] with `silu_mul`), weight [N, K] (or a quantized `StreamedWeight`)
+    -> [1, N] in the activations' dtype `dtype` (default: x's; merged partials: the residual's,
+    else a half-precision weight's).
 
     `norm_weight`/`eps`: RMSNorm x first. `silu_mul`: x is gate | up, use silu(gate) * up.
     `partials`: split decode attention of one request (`SplitPartials`, heads * head_dim = K):
-    the operand is their merge, in weight's dtype; x is not read (pass None).
+    the operand is their merge, rounded to `dtype`; x is not read (pass None).
     `residual` [1, N]: add it to the result (`out=residual` updates it in place).
     `out` may be float32 where x is half precision: the result is rounded to x's dtype first, as
     `linear(x).float()` would be, without a second kernel.
     """
+    weight = streamed(weight)
+    values = weight.values
     n, k = weight.shape
-    config = checked_config(n, k, config, merge=partials is not None, device=weight.device)
+    config = checked_config(
+        n, k, config, merge=partials is not None, device=values.device, weight_format=weight.format
+    )
     merge = {}
     if partials is not None:
+        if dtype is None:
+            dtype = residual.dtype if residual is not None else values.dtype
         x, lse = partials.outputs, partials.lse
         heads, splits, head_dim = partials.num_heads, partials.num_splits, partials.head_dim
         assert x.shape[0] == 1 and heads * head_dim == k and lse.shape == (1, heads, splits)
         assert x.stride(-1) == 1 and not silu_mul and norm_weight is None
         assert config["BLOCK_K"] % head_dim == 0 and config["PREFETCH_K"] % head_dim == 0
+        assert weight.kind != INT4, "4-bit rows read their operand in even and odd columns"
         norm_weight, prologue = lse, MERGE
         merge = dict(
             num_splits=splits,
@@ -403,28 +480,31 @@ def gemv(
             lse_split=lse.stride(2),
         )
     else:
+        dtype = dtype or x.dtype
         assert x.shape[0] == 1 and not (silu_mul and norm_weight is not None)
-        assert x.shape[1] == (2 * k if silu_mul else k), (tuple(x.shape), tuple(weight.shape))
-        assert x.stride(-1) == 1 and weight.dtype == x.dtype
+        assert x.shape[1] == (2 * k if silu_mul else k), (tuple(x.shape), weight.shape)
+        assert x.stride(-1) == 1 and weight.takes(x), (x.dtype, values.dtype, weight.format)
         prologue = SILU_MUL if silu_mul else NORM if norm_weight is not None else NO_PROLOGUE
-    assert weight.stride(-1) == 1
+    assert values.stride(-1) == 1 and (weight.kind != INT4 or values.is_contiguous())
     if out is None:
-        out = torch.empty((1, n), dtype=weight.dtype, device=weight.device)
+        out = torch.empty((1, n), dtype=dtype, device=values.device)
     assert residual is None or residual.is_contiguous() and out.is_contiguous()
     _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
         x,
-        weight,
-        bias if bias is not None else weight,
-        norm_weight if norm_weight is not None else weight,
+        weight.kernel_values,
+        bias if bias is not None else values,
+        norm_weight if norm_weight is not None else values,
         residual if residual is not None else out,
         out,
         n,
         k,
-        weight.stride(0),
+        values.stride(0),
         eps,
         PROLOGUE=prologue,
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
+        ACT_DTYPE=ACT_DTYPES[dtype],
+        **weight.kernel_args(),
         **merge,
         **config,
         **launch_options(ORDERING[config["EARLY_LAUNCH"]]),

@@ -1,11 +1,8 @@
-"""Linear layers over int8 weights with one scale per output channel (W8A16): out = x @ W^T,
-W = qweight * scales[:, None], de-quantized in registers as the weights are read.
-
-- `int8_gemv` (one row): one program owns BLOCK_N output rows and walks all of K; products
-  accumulate elementwise in float32 and are summed over K once, at the end.
-- `int8_gemm` (several rows): tiles of [BLOCK_M, BLOCK_K] activations times [BLOCK_K, BLOCK_N]
-  weights cast to the activations' dtype (int8 values are exact in bf16/fp16) on tensor cores.
-In both the per-channel scale multiplies the float32 sum once, after K.
+"""Linear layers over int8 weights with one scale per output channel (W8A16) for steps of several
+rows: out = x @ W^T, W = qweight * scales[:, None]. Tiles of [BLOCK_M, BLOCK_K] activations times
+[BLOCK_K, BLOCK_N] weights cast to the activations' dtype (int8 values are exact in bf16/fp16) on
+tensor cores; the per-channel scale multiplies the float32 sum once, after K. One-row steps stream
+the weight through the one-token GEMV (`backend.kernels.gemv`) instead.
 """
 
 from __future__ import annotations
@@ -14,34 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _int8_gemv_kernel(
-    x_ptr,
-    q_ptr,
-    scale_ptr,
-    bias_ptr,
-    out_ptr,
-    N,
-    K,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    row_start = tl.where(row_ok, rows, 0).to(tl.int64) * K
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        q = tl.load(q_ptr + row_start[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :])
-        acc += q.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, 1) * tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+from backend.kernels.tuning import few_rows_tiles
 
 
 @triton.jit
@@ -91,48 +61,22 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> None
     assert scales.dtype == torch.float32 and scales.shape == (qweight.shape[0],)
 
 
-def int8_gemv(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    block_n: int = 16,
-    block_k: int = 128,
-) -> torch.Tensor:
-    """x [1, K] -> x @ (qweight * scales[:, None])^T (+ bias) [1, N] in x's dtype."""
-    _check(x, qweight, scales)
-    assert x.shape[0] == 1
-    n, k = qweight.shape
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _int8_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x,
-        qweight,
-        scales,
-        bias if bias is not None else scales,
-        out,
-        n,
-        k,
-        HAS_BIAS=bias is not None,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-    )
-    return out
-
-
 def int8_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    block_m: int = 32,
-    block_n: int = 64,
+    block_m: int | None = None,
+    block_n: int | None = None,
     block_k: int = 64,
 ) -> torch.Tensor:
-    """x [M, K] -> x @ (qweight * scales[:, None])^T (+ bias) [M, N] in x's dtype."""
+    """x [M, K] -> x @ (qweight * scales[:, None])^T (+ bias) [M, N] in x's dtype. Tiles:
+    `few_rows_tiles` unless given."""
     _check(x, qweight, scales)
     m, (n, k) = x.shape[0], qweight.shape
+    tiles = few_rows_tiles(m, n)
+    block_m, block_n = block_m or tiles[0], block_n or tiles[1]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _int8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x,

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from backend.kernels.gemv import checked_config, stream_rows_dot
+from backend.kernels.gemv_weight import StreamedWeight, streamed
 from backend.kernels.pdl import Ordering, launch_options
 
 QKV_BLOCK_N = 8
@@ -69,6 +70,10 @@ def _qkv_rope_kernel(
     PREFETCH_K: tl.constexpr,
     EARLY_LAUNCH: tl.constexpr,
     WRITE_KV: tl.constexpr = True,
+    WEIGHT: tl.constexpr = 0,
+    scale_ptr=0,
+    zero_ptr=0,
+    GROUP: tl.constexpr = 1,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
@@ -102,6 +107,10 @@ def _qkv_rope_kernel(
         BLOCK_K,
         PREFETCH_K,
         EARLY_LAUNCH,
+        WEIGHT=WEIGHT,
+        scale_ptr=scale_ptr,
+        zero_ptr=zero_ptr,
+        GROUP=GROUP,
     )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)
@@ -134,7 +143,7 @@ def _qkv_rope_kernel(
 
 def qkv_rope_gemv(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | StreamedWeight,
     bias: torch.Tensor | None,
     *,
     num_heads: int,
@@ -151,10 +160,13 @@ def qkv_rope_gemv(
     """x [1, hidden], weight [(heads + 2 kv_heads) * D, hidden] -> qkv [1, (heads + 2 kv_heads) * D]
     with q and k rotated for `positions` [1]; the rotated keys and the values are also stored at
     `slot_mapping` [1] in k_cache / v_cache ([blocks, tokens_per_block, kv_heads, D]; None: not).
-    `norm_weight`/`eps`: RMSNorm x first. cos_sin [P, 2, D] float32 (`RotaryEmbedding.cos_sin`)."""
+    `norm_weight`/`eps`: RMSNorm x first. cos_sin [P, 2, D] float32 (`RotaryEmbedding.cos_sin`).
+    A quantized `weight` (`StreamedWeight`) is de-quantized as it streams."""
+    weight = streamed(weight)
+    values = weight.values
     n, k = weight.shape
     head_dim = cos_sin.shape[-1]
-    assert x.shape == (1, k) and x.stride(-1) == 1 and weight.stride(-1) == 1
+    assert x.shape == (1, k) and x.stride(-1) == 1 and values.stride(-1) == 1 and weight.takes(x)
     assert n == (num_heads + 2 * num_kv_heads) * head_dim and cos_sin.stride(-1) == 1
     assert positions.numel() == 1 and slot_mapping.numel() == 1
     write_kv = k_cache is not None
@@ -162,16 +174,18 @@ def qkv_rope_gemv(
         assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
         assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(-1) == 1
     tile = {"BLOCK_N": QKV_BLOCK_N} if (head_dim // 2) % (QKV_BLOCK_N // 2) == 0 else {}
-    config = checked_config(n, k, {**tile, **(config or {})}, device=weight.device)
+    config = checked_config(
+        n, k, {**tile, **(config or {})}, device=values.device, weight_format=weight.format
+    )
     assert config["BLOCK_N"] >= 2 and (head_dim // 2) % (config["BLOCK_N"] // 2) == 0, (
         "a program's features must be whole rotary pairs within one head"
     )
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _qkv_rope_kernel[(n // config["BLOCK_N"],)](
         x,
-        weight,
-        bias if bias is not None else weight,
-        norm_weight if norm_weight is not None else weight,
+        weight.kernel_values,
+        bias if bias is not None else values,
+        norm_weight if norm_weight is not None else values,
         out,
         cos_sin,
         positions,
@@ -179,7 +193,7 @@ def qkv_rope_gemv(
         k_cache if write_kv else out,
         v_cache if write_kv else out,
         k,
-        weight.stride(0),
+        values.stride(0),
         eps,
         cos_sin.stride(0),
         cos_sin.stride(1),
@@ -191,6 +205,7 @@ def qkv_rope_gemv(
         PROLOGUE=1 if norm_weight is not None else 0,
         HAS_BIAS=bias is not None,
         WRITE_KV=write_kv,
+        **weight.kernel_args(),
         **config,
         **launch_options(ORDERING[config["EARLY_LAUNCH"]]),
     )

@@ -64,3 +64,14 @@ def write(kernel: str, device: str, configs: dict[str, dict], source: str) -> Pa
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     table.cache_clear()
     return path
+
+
+def few_rows_tiles(m: int, n: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for a quantized GEMM of m rows by n outputs (`int8_matmul`,
+    `int4_matmul`): narrow tiles for the hidden-wide projections, so that their few columns still
+    spread over a few hundred programs; wider ones for the intermediate-wide projections, whose
+    weight tiles are then de-quantized for fewer row tiles. From a sweep at 64 rows on the
+    Llama-3.2-1B shapes (benchmarks/README.md, "Weight formats")."""
+    if n <= 4096:
+        return 16, 32
+    return min(64, max(16, 1 << (m - 1).bit_length())), 64

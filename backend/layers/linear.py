@@ -5,10 +5,11 @@ Quantized, a layer holds a `backend.quantization.QuantizedWeight` (`quantized`: 
 int8, int4 or fp8) instead of `weight`; its `matmul` runs the product (the format's kernels on
 GPU, de-quantize then matmul on CPU) and `dense_weight` de-quantizes it.
 
-Steps of several tokens run torch's GEMM. One-token steps on GPU run the weight-streaming GEMV
-(`backend.kernels.gemv`) with the neighbouring work fused in: an RMSNorm or silu·mul prologue, a
-residual-add epilogue, split attention merged as it is read, or (the qkv projection) rotary and
-the KV-cache write (`backend.kernels.qkv_rope`).
+Steps of several tokens run torch's GEMM (or the format's). One-token steps on GPU run the
+weight-streaming GEMV (`backend.kernels.gemv`) with the neighbouring work fused in: an RMSNorm or
+silu·mul prologue, a residual-add epilogue, split attention merged as it is read, or (the qkv
+projection) rotary and the KV-cache write (`backend.kernels.qkv_rope`); int8, e4m3 and 4-bit
+weights stream through the same kernels, de-quantized in registers (`StreamedWeight`).
 
 Tensor parallel (`backend.tensor_parallel`): a column-parallel layer holds its rank's output rows
 (of each fused projection), a row-parallel one its input columns and all-reduces its partial
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.attention.split_partials import SplitPartials
+from backend.kernels.gemv_weight import StreamedWeight
 from backend.layers.norm import RMSNorm
 from backend.quantization import GGUFWeight, QuantizedWeight
 from backend.tensor_parallel import TensorParallel
@@ -164,19 +166,25 @@ class Linear(nn.Module):
             return self.quantized.matmul(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    def streamed(self) -> StreamedWeight | None:
+        """The weight as the one-token kernels stream it (None: a format they do not read)."""
+        return StreamedWeight(self.weight) if self.quantized is None else self.quantized.streamed()
+
     def takes_one_token(self, x: torch.Tensor) -> bool:
-        """Whether `one_token` runs for x: one half-precision row on GPU, K in 64-wide tiles."""
+        """Whether `one_token` runs for x: one half-precision row on GPU, K in 64-wide tiles, a
+        weight the kernels stream (half precision, int8, e4m3 or 4-bit)."""
+        streamed = self.streamed()
         return (
             gemv is not None
             and x.is_cuda
-            and self.quantized is None
+            and streamed is not None
             and self.parallel != "row"  # its residual epilogue would add partial sums
-            and gemv.supports(x, self.weight)
+            and gemv.supports(x, streamed)
         )
 
     def merges_splits(self, head_dim: int) -> bool:
         """Whether `one_token` can take split attention partials with heads of `head_dim`."""
-        return gemv.takes_partials(self.weight, head_dim)
+        return gemv.takes_partials(self.streamed(), head_dim)
 
     def one_token(
         self,
@@ -192,10 +200,12 @@ class Linear(nn.Module):
         `norm` (an RMSNorm): the operand is norm(x). `residual` [1, N]: added to the result;
         `out=residual` updates it in place. `out` may be float32 (logits)."""
         if isinstance(x, SplitPartials):
-            return gemv.gemv(None, self.weight, self.bias, partials=x, residual=residual, out=out)
+            return gemv.gemv(
+                None, self.streamed(), self.bias, partials=x, residual=residual, out=out
+            )
         return gemv.gemv(
             x,
-            self.weight,
+            self.streamed(),
             self.bias,
             norm_weight=None if norm is None else norm.weight,
             eps=0.0 if norm is None else norm.eps,
@@ -221,7 +231,7 @@ class Linear(nn.Module):
         the caches are None), in one kernel -> qkv [1, (heads + 2 kv_heads) * head_dim]."""
         return qkv_rope_gemv(
             x,
-            self.weight,
+            self.streamed(),
             self.bias,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,

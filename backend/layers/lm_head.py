@@ -35,8 +35,6 @@ class LMHead(Linear):
 
     def _local(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         if self.takes_one_token(hidden) and not norm.unit_offset:
-            logits = torch.empty(
-                (1, self.weight.shape[0]), dtype=torch.float32, device=hidden.device
-            )
+            logits = torch.empty((1, self.out_features), dtype=torch.float32, device=hidden.device)
             return self.one_token(hidden, norm=norm, out=logits)
         return super().forward(norm(hidden)).float()

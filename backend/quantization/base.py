@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend.kernels.gemv_weight import StreamedWeight
+
 
 class QuantizedWeight(nn.Module):
     """A [out_features, in_features] weight held quantized; its tensors are buffers whose first
@@ -19,6 +21,10 @@ class QuantizedWeight(nn.Module):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
+
+    def streamed(self) -> StreamedWeight | None:
+        """The weight as the one-token kernels stream it; None: a format they do not read."""
+        return None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features] in x's dtype; the torch path: de-quantize into

@@ -1,20 +1,25 @@
 """FP8 W8A8 (`fp8`): float8 e4m3 weights with one scale per output channel, activations
 quantized to e4m3 per token (dynamic scales) as each product runs, products summed in float32.
 
-The torch path below is the reference of what the Hopper kernel (`backend.kernels.fp8_gemm`)
-computes: x's rows quantized, then de-quantized weights times de-quantized activations in float32.
+The torch path below is the reference of what the Hopper kernels (`backend.kernels.fp8_gemm`)
+compute: x's rows quantized, then de-quantized weights times de-quantized activations in float32.
+A step of one row on GPU (batch-1 decode) leaves its activations unquantized (W8A16): it streams
+the e4m3 weights through the one-token GEMV with its fusions (`backend.kernels.gemv`), where
+quantizing the row would cost a pass over it before the weights stream and buy nothing, the
+product being bound by reading the weights.
 """
 
 from __future__ import annotations
 
 import torch
 
+from backend.kernels.gemv_weight import StreamedWeight
 from backend.quantization.base import QuantizedWeight
 
 try:  # CPU-only installs without Triton use the torch path
-    from backend.kernels import fp8_gemm
+    from backend.kernels import fp8_gemm, gemv
 except ImportError:
-    fp8_gemm = None
+    fp8_gemm = gemv = None
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -47,9 +52,14 @@ class Fp8Weight(QuantizedWeight):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.qweight.float() * self.scales[:, None]).to(dtype)
 
+    def streamed(self) -> StreamedWeight:
+        return StreamedWeight(self.qweight, self.scales)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda and fp8_gemm is not None and fp8_gemm.supported(x.device):
-            xq, x_scales = quantize_rows(x)
+            if gemv.supports(x, self.streamed()):  # one row: W8A16, see the module docstring
+                return gemv.gemv(x.contiguous(), self.streamed(), bias)
+            xq, x_scales = fp8_gemm.quantize_rows(x.contiguous())
             return fp8_gemm.fp8_linear(
                 xq, x_scales, self.qweight, self.scales, bias, out_dtype=x.dtype
             )

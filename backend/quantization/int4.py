@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import torch
 
+from backend.kernels.gemv_weight import StreamedWeight
 from backend.quantization.base import QuantizedWeight
 from backend.quantization.int4_packing import quantize_groups
 
 AT_LOAD_GROUPS = (128, 64, 32)  # int4_wo: the largest that divides a layer's input width
 
 try:  # CPU-only installs without Triton use the torch path
-    from backend.kernels import int4_matmul
+    from backend.kernels import gemv, int4_matmul
 except ImportError:
-    int4_matmul = None
+    gemv = int4_matmul = None
 
 
 class Int4Weight(QuantizedWeight):
@@ -86,11 +87,14 @@ class Int4Weight(QuantizedWeight):
         scales = self.scales.float().repeat_interleave(g, dim=1)
         return ((self.values() - zeros).float() * scales).to(dtype)
 
+    def streamed(self) -> StreamedWeight:
+        return StreamedWeight(self.qweight, self.scales, self.zeros, self.group_size)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda and int4_matmul is not None:
+            if gemv.supports(x, self.streamed()):
+                return gemv.gemv(x.contiguous(), self.streamed(), bias)
             args = (x, self.qweight, self.scales, self.zeros, self.group_size, bias)
-            if x.shape[0] == 1:
-                return int4_matmul.int4_gemv(*args)
             return int4_matmul.int4_gemm(*args)
         return super().matmul(x, bias)
 

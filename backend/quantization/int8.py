@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from backend.kernels.gemv_weight import StreamedWeight
 from backend.quantization.base import QuantizedWeight
 
 try:  # CPU-only installs without Triton use the torch path
-    from backend.kernels import int8_matmul
+    from backend.kernels import gemv, int8_matmul
 except ImportError:
-    int8_matmul = None
+    gemv = int8_matmul = None
 
 
 class Int8Weight(QuantizedWeight):
@@ -35,9 +36,12 @@ class Int8Weight(QuantizedWeight):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.qweight.float() * self.scales[:, None]).to(dtype)
 
+    def streamed(self) -> StreamedWeight:
+        return StreamedWeight(self.qweight, self.scales)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda and int8_matmul is not None:
-            if x.shape[0] == 1:
-                return int8_matmul.int8_gemv(x, self.qweight, self.scales, bias)
+            if gemv.supports(x, self.streamed()):
+                return gemv.gemv(x.contiguous(), self.streamed(), bias)
             return int8_matmul.int8_gemm(x, self.qweight, self.scales, bias)
         return super().matmul(x, bias)

@@ -116,13 +116,23 @@ def test_refuses_what_it_does_not_take():
     assert not supports(x[:4, :48], torch.randn(8, 48).half())  # K not in 64-wide tiles
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: qkv bias
-@pytest.mark.parametrize("attention", ["torch", "triton"])
-def test_one_token_layers_match_the_general_layers(model_type, attention):
+@pytest.mark.parametrize(
+    "model_type,attention,quantization",  # qwen2: qkv bias
+    [
+        ("llama", "torch", "none"),
+        ("llama", "triton", "none"),
+        ("qwen2", "torch", "none"),
+        ("qwen2", "triton", "none"),
+        ("llama", "triton", "int8_wo"),
+        ("qwen2", "triton", "int4_wo"),  # groups of 128 (hidden), 64 (the down projection)
+    ],
+)
+def test_one_token_layers_match_the_general_layers(model_type, attention, quantization):
     """The decoder layers run as fused one-token kernels (`forward_one_token`) against the general
     layers, on an fp16 decode step at position 6 with 6 tokens of context in the cache. Same
     hidden states up to fp16 rounding, same keys and values in the cache. Both attention
-    backends: the Triton one is what GPU steps run."""
+    backends: the Triton one is what GPU steps run. Quantized weights stream through the same
+    kernels (the general layers de-quantize them)."""
     from backend.attention import AttentionMetadata, get_attention_backend
     from backend.model_config import ModelConfig
     from backend.model_loader import build_model
@@ -146,6 +156,10 @@ def test_one_token_layers_match_the_general_layers(model_type, attention):
         config, torch.device(DEVICE), torch.float16, get_attention_backend(attention, DEVICE), 64
     )
     init_random_weights(model, seed=3)
+    if quantization != "none":
+        from backend.quantization.checkpoint import quantize_at_load
+
+        assert quantize_at_load(model, quantization) == 8  # qkv, o, gate_up, down of 2 layers
     input_ids = torch.tensor([99], device=DEVICE)
     positions = torch.tensor([6], device=DEVICE)
     meta = AttentionMetadata(

@@ -1,6 +1,7 @@
-"""The W8A16 (int8_wo) and W4A16 (int4) kernels, one-row GEMV and batched GEMM, and the FP8 W8A8
-GEMM against the torch path (de-quantize, then matmul; for fp8 of the per-token quantized
-activations) within 1e-3 relative, in float32 under the interpreter on CPU."""
+"""The quantized linear kernels against the torch path (de-quantize, then matmul) within 1e-3
+relative, under the interpreter on CPU: the W8A16 (int8_wo) and W4A16 (int4) batched GEMMs and the
+FP8 W8A8 GEMM (of the per-token quantized activations) in float32; the one-token GEMV streaming
+int8, e4m3 and 4-bit weights with its fusions, in half precision; the FP8 row quantizer."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 
 pytest.importorskip("triton")
 
+from backend.attention.split_partials import SplitPartials  # noqa: E402
+from backend.kernels import fp8_gemm  # noqa: E402
 from backend.kernels.fp8_gemm import fp8_linear  # noqa: E402
-from backend.kernels.int4_matmul import int4_gemm, int4_gemv  # noqa: E402
-from backend.kernels.int8_matmul import int8_gemm, int8_gemv  # noqa: E402
+from backend.kernels.gemv import gemv, supports, takes_partials  # noqa: E402
+from backend.kernels.int4_matmul import int4_gemm  # noqa: E402
+from backend.kernels.int8_matmul import int8_gemm  # noqa: E402
 from backend.quantization import Fp8Weight, Int4Weight, Int8Weight  # noqa: E402
 from backend.quantization.fp8 import quantize_rows  # noqa: E402
 from backend.quantization.int4_packing import quantize_groups  # noqa: E402
@@ -42,18 +46,6 @@ def _int4(n: int, k: int, group: int, seed: int, symmetric: bool = False) -> Int
     return weight.to(DEVICE)
 
 
-@pytest.mark.parametrize("n,k", [(40, 96), (16, 64)])
-def test_int8_gemv_is_dequantize_then_matmul(n, k):
-    """Rows and K columns that do not fill the last tile are masked (96 = 64 + 32)."""
-    w = _int8(n, k, seed=n)
-    x = torch.randn(1, k, device=DEVICE)
-    bias = torch.randn(n, device=DEVICE)
-    dense = w.dequantize(torch.float32)
-    _relative_close(int8_gemv(x, w.qweight, w.scales), F.linear(x, dense))
-    _relative_close(int8_gemv(x, w.qweight, w.scales, bias, block_k=64), F.linear(x, dense, bias))
-    _relative_close(w.matmul(x, bias), F.linear(x, dense, bias))  # the layer's torch path
-
-
 @pytest.mark.parametrize("m,n,k", [(5, 40, 96), (33, 64, 64)])
 def test_int8_gemm_is_dequantize_then_matmul(m, n, k):
     w = _int8(n, k, seed=m)
@@ -62,19 +54,6 @@ def test_int8_gemm_is_dequantize_then_matmul(m, n, k):
     expected = F.linear(x, w.dequantize(torch.float32), bias)
     _relative_close(int8_gemm(x, w.qweight, w.scales, bias), expected)
     _relative_close(int8_gemm(x, w.qweight, w.scales, bias, block_m=16, block_n=16), expected)
-
-
-@pytest.mark.parametrize("group", [128, 64])
-@pytest.mark.parametrize("symmetric", [False, True])
-def test_int4_gemv_is_dequantize_then_matmul(group, symmetric):
-    n, k = 40, 256  # 40 rows: the last 16-row tile is masked
-    w = _int4(n, k, group, seed=group, symmetric=symmetric)
-    x = torch.randn(1, k, device=DEVICE)
-    bias = torch.randn(n, device=DEVICE)
-    dense = w.dequantize(torch.float32)
-    args = (w.qweight, w.scales, w.zeros, group)
-    _relative_close(int4_gemv(x, *args), F.linear(x, dense))
-    _relative_close(int4_gemv(x, *args, bias, block_k=32), F.linear(x, dense, bias))
 
 
 @pytest.mark.parametrize("group", [128, 64])
@@ -105,3 +84,91 @@ def test_fp8_gemm_is_the_torch_path(m, n, k):
     _relative_close(fp8_linear(*args, out_dtype=x.dtype).cpu(), expected)
     small = fp8_linear(*args, out_dtype=x.dtype, block_m=16, block_n=16, block_k=32)
     _relative_close(small.cpu(), expected)
+
+
+def _fp8(n: int, k: int, seed: int) -> Fp8Weight:
+    torch.manual_seed(seed)
+    return Fp8Weight.quantize(torch.randn(n, k)).to(DEVICE)
+
+
+# Each one-token format: (weight, its one-row product's reference: the de-quantized weight,
+# activations unquantized; fp8's one row is W8A16).
+ONE_TOKEN_FORMATS = {
+    "int8": lambda n, k: _int8(n, k, seed=n),
+    "fp8": lambda n, k: _fp8(n, k, seed=n),
+    "int4g64": lambda n, k: _int4(n, k, 64, seed=n),
+    "int4g32sym": lambda n, k: _int4(n, k, 32, seed=n, symmetric=True),
+}
+
+
+@pytest.mark.parametrize("fmt", ONE_TOKEN_FORMATS)
+def test_one_token_gemv_streams_quantized_weights_with_its_fusions(fmt):
+    """Plain with bias; RMSNorm prologue with the residual added in place; silu·mul prologue.
+    40 rows: the last tile of 16 is masked."""
+    n, k = 40, 128
+    weight = ONE_TOKEN_FORMATS[fmt](n, k)
+    streamed = weight.streamed()
+    dense = weight.dequantize(torch.float32)
+    torch.manual_seed(1)
+    x = torch.randn(1, 2 * k, device=DEVICE).half()
+    bias = torch.randn(n, device=DEVICE).half()
+    assert supports(x[:, :k], streamed) and not supports(x[:, :k].float(), streamed)
+
+    plain = gemv(x[:, :k], streamed, bias)
+    assert plain.dtype == torch.float16
+    _relative_close(plain, F.linear(x[:, :k].float(), dense, bias.float()))
+
+    norm_w = torch.rand(k, device=DEVICE).half() + 0.5
+    normed = x[:, :k].float() * torch.rsqrt(x[:, :k].float().pow(2).mean() + 1e-5) * norm_w
+    residual = torch.randn(1, n, device=DEVICE).half()
+    expected = F.linear(normed, dense) + residual.float()
+    got = gemv(x[:, :k], streamed, norm_weight=norm_w, eps=1e-5, residual=residual, out=residual)
+    assert got.data_ptr() == residual.data_ptr()
+    _relative_close(got, expected, rtol=2e-3)  # two fp16 roundings: product, then the sum
+
+    gate, up = x.float().chunk(2, dim=-1)
+    activated = (F.silu(gate).half().float() * up).half().float()
+    _relative_close(gemv(x, streamed, silu_mul=True), F.linear(activated, dense))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_one_token_gemv_merges_split_attention_into_quantized_rows(fmt):
+    """The o projection at batch 1: split partials merged as the operand is read, rounded to the
+    residual's dtype, then times the de-quantized weight. 4-bit rows do not take partials."""
+    heads, splits, head_dim, n = 4, 3, 32, 24
+    k = heads * head_dim
+    weight = ONE_TOKEN_FORMATS[fmt](n, k)
+    torch.manual_seed(2)
+    parts = torch.randn(1, heads, splits, head_dim, device=DEVICE)
+    lse = torch.randn(1, heads, splits, device=DEVICE)
+    lse[0, 1, 2] = float("-inf")  # a split without keys
+    weights = torch.softmax(lse * torch.log(torch.tensor(2.0)), dim=-1)
+    merged = (weights[..., None] * torch.nan_to_num(parts)).sum(2).reshape(1, k).half()
+    residual = torch.randn(1, n, device=DEVICE).half()
+    expected = F.linear(merged.float(), weight.dequantize(torch.float32)) + residual.float()
+    config = dict(BLOCK_N=8, BLOCK_K=64, PREFETCH_K=64)
+    got = gemv(
+        None,
+        weight.streamed(),
+        partials=SplitPartials(parts, lse),
+        residual=residual.clone(),
+        config=config,
+    )
+    _relative_close(got, expected, rtol=2e-3)
+    assert not takes_partials(ONE_TOKEN_FORMATS["int4g64"](n, k).streamed(), head_dim)
+
+
+@pytest.mark.parametrize("m,k", [(1, 96), (5, 2048), (3, 5000)])
+def test_fp8_row_quantizer_is_the_torch_path(m, k):
+    """One kernel per row against `quantize_rows`' torch code: the same scales, values within one
+    e4m3 step (division may round differently at a tie). The values on a GPU only: the
+    interpreter's float32 -> e4m3 conversion is wrong near 128 (-126.8 gives -64 in triton 3.6)."""
+    torch.manual_seed(k)
+    x = torch.randn(m, k, device=DEVICE) * torch.logspace(-2, 2, m, device=DEVICE)[:, None]
+    values, scales = fp8_gemm.quantize_rows(x)
+    expected_values, expected_scales = quantize_rows(x)
+    torch.testing.assert_close(scales, expected_scales, rtol=1e-6, atol=0)
+    if DEVICE == "cpu":
+        return
+    step = expected_values.float().abs() / 8  # e4m3 keeps 3 mantissa bits
+    assert ((values.float() - expected_values.float()).abs() <= step + 2**-9).all()

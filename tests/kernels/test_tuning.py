@@ -31,8 +31,10 @@ UNKNOWN = "NVIDIA A100-SXM4-80GB"
 # kernel -> (its launch config for a key's fields on a named device, its default rule)
 KERNELS = {
     "gemv": (
-        lambda f, device: gemv.launch_config(f["n"], f["k"], bool(f["merge"]), device),
-        lambda f: gemv.default_launch_config(f["n"], f["k"], bool(f["merge"])),
+        lambda f, device: gemv.launch_config(
+            f["n"], f["k"], bool(f["merge"]), device, f.get("weight")
+        ),
+        lambda f: gemv.default_launch_config(f["n"], f["k"], bool(f["merge"]), f.get("weight")),
     ),
     "decode_attention": (
         lambda f, device: decode.launch_config(f["head_dim"], bool(f["few_programs"]), device),
@@ -47,8 +49,10 @@ KERNELS = {
 }
 
 
-def fields(key: str) -> dict[str, int]:
-    return {name: int(value) for name, value in (part.split("=") for part in key.split(","))}
+def fields(key: str) -> dict[str, int | str]:
+    """A shape key's fields: numbers, and the stored weight format's name (gemv's `weight`)."""
+    pairs = (part.split("=") for part in key.split(","))
+    return {name: value if name == "weight" else int(value) for name, value in pairs}
 
 
 def entries(kernel: str, device: str) -> dict[str, dict]:
