@@ -41,6 +41,17 @@ _LLAMA3 = {
     "mlp_bias": False,
 }
 
+_GEMMA = {
+    "hidden_activation": "gelu_pytorch_tanh",
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+}
 PRESETS: dict[str, dict] = {
     "llama-3.2-1b": {
         **_LLAMA3,
@@ -73,6 +84,40 @@ PRESETS: dict[str, dict] = {
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         },
+    },
+    # Gemma shapes (gelu-tanh MLP, head_dim 256, local/global layers: `_default_layer_types`).
+    "gemma-3-270m": {
+        **_GEMMA,
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "vocab_size": 262144,
+        "hidden_size": 640,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 18,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 32768,
+        "sliding_window": 512,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    },
+    "gemma-2-2b": {
+        **_GEMMA,
+        "model_type": "gemma2",
+        "architectures": ["Gemma2ForCausalLM"],
+        "vocab_size": 256000,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 8192,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     },
     "null": {
         "model_type": "null",

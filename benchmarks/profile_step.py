@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--isl", type=int, default=128)
+    p.add_argument("--quantization", default="none", help="weight format (runner profile)")
     p.add_argument("--json", default=None)
     p.add_argument(
         "--engine", action="store_true", help="profile the whole engine instead of the runner"
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             max_batch_size=max_batch,
             max_seq_len=seq,
             max_tokens_in_paged_kv_cache=max_batch * seq,
+            quantization=args.quantization,
         )
     )
     rng = random.Random(0)

@@ -140,8 +140,26 @@ def test_presets_resolve_to_configs_of_the_right_shape(cache):
     assert resolve_model("llama-3.2-1b") == path and set(PRESETS) == {
         "llama-3.2-1b",
         "llama-3.1-8b",
+        "gemma-3-270m",
+        "gemma-2-2b",
         "null",
     }
+
+
+@pytest.mark.parametrize("name", ["gemma-3-270m", "gemma-2-2b"])
+def test_gemma_presets_read_as_transformers_reads_them(name):
+    """The engine's config of a Gemma preset equals its config of what transformers makes of the
+    same fields (layer types, rotary per layer type, soft-capping, norms)."""
+    from transformers import AutoConfig
+
+    raw = PRESETS[name]
+    hf = AutoConfig.for_model(
+        raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"}
+    )
+    ours = ModelConfig.from_dict(raw)
+    assert ours == ModelConfig.from_dict(hf.to_dict())
+    windows = [raw["sliding_window"] if t == "sliding_attention" else None for t in hf.layer_types]
+    assert ours.layer_windows == windows and None in windows
 
 
 def test_random_init_is_deterministic_and_finite_in_bf16(cache):
