@@ -92,23 +92,21 @@ def plot_offline(paths: list[str], out: str) -> str:
     rows = [load(p)[0] for p in paths]
     labels, values, colours = [], [], []
     for r in rows:
-        labels.append(f"{model_label(r)}\nengine")
+        lengths = f"ISL {'-'.join(map(str, r['isl']))}\nOSL {'-'.join(map(str, r['osl']))}"
+        labels.append(f"{model_label(r)}\n{r['num_requests']} req\n{lengths}")
         values.append(r["output_tokens_per_s"])
         colours.append("tab:blue")
         if "hf_output_tokens_per_s" in r:
             labels.append(f"{r['model']}\ntransformers")
             values.append(r["hf_output_tokens_per_s"])
             colours.append("tab:gray")
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(values)), 4.2))
+    fig, ax = plt.subplots(figsize=(max(8, 2.0 * len(values)), 4.8))
     bars = ax.bar(labels, values, color=colours)
     ax.bar_label(bars, fmt="%.0f")
     ax.set(ylabel="output tokens/s", title="Offline throughput")
     r0 = rows[0]
-    fig.suptitle(
-        f"{r0['num_requests']} requests, ISL {r0['isl']}, OSL {r0['osl']} — {r0['device']}, "
-        f"{r0['date']}, {r0['commit']}",
-        fontsize=8,
-    )
+    commits = ", ".join(sorted({r["commit"] for r in rows}))
+    fig.suptitle(f"engine (blue), transformers (gray) — {r0['device']}, {commits}", fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
