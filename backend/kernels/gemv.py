@@ -28,6 +28,10 @@ program reads its first PREFETCH_K weight columns before it waits for the previo
 are never written by a kernel), so a kernel's weights stream while its predecessor drains.
 `stream_rows_dot` is that weight-streaming dot, shared with `backend.kernels.qkv_rope`.
 
+Weights may be stored quantized (`backend.kernels.gemv_weight.StreamedWeight`): int8 or e4m3
+values whose float32 sums are scaled per row once, after K, or 4-bit rows
+(`backend.kernels.gemv_int4`); the result is rounded to the activations' dtype (ACT_DTYPE).
+
 Steps of several tokens keep the general layers: a 16-row tensor-core dot with these fusions lost
 to cuBLAS (benchmarks/README.md). Launch configs are per device (`backend.kernels.tuning`).
 """
