@@ -50,11 +50,11 @@ from backend.attention.split_partials import SplitPartials
 from backend.kernels import tuning
 from backend.kernels.gemv_int4 import stream_rows_dot_int4
 from backend.kernels.gemv_operand import merged_operand, operand_tile
-from backend.kernels.gemv_weight import INT4, StreamedWeight, streamed
+from backend.kernels.gemv_weight import ACTIVATION_DTYPES, INT4, StreamedWeight, streamed
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
 
 NO_PROLOGUE, NORM, SILU_MUL, MERGE = 0, 1, 2, 3
-ACT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+ACT_DTYPES = dict(zip(ACTIVATION_DTYPES, (tl.float16, tl.bfloat16)))  # torch -> Triton
 # Before its wait a program reads only weights, which no kernel writes; EARLY_LAUNCH releases then.
 ORDERING = {
     early: Ordering("gemv", releases="before_wait" if early else "after_wait")
@@ -63,7 +63,7 @@ ORDERING = {
 
 
 @triton.jit
-def _stream_dense(
+def stream_rows_dot(
     x_ptr,
     w_ptr,
     norm_w_ptr,
@@ -86,8 +86,40 @@ def _stream_dense(
     lse_head=0,
     lse_split=0,
     ACT_DTYPE: tl.constexpr = tl.float16,
+    WEIGHT: tl.constexpr = 0,
+    scale_ptr=0,
+    zero_ptr=0,
+    GROUP: tl.constexpr = 1,
 ):
-    """Weight rows stored as values (half precision, int8 or e4m3): `stream_rows_dot`."""
+    """float32 [BLOCK_N]: weight rows `rows` (int64) dotted with the operand over all of K, the
+    norm's scale applied. Waits for the previous kernel (PDL) after reading the first PREFETCH_K
+    weight columns, and lets the next one launch early (EARLY_LAUNCH) or after the loop.
+    SKIP_WAIT is a diagnostic: no wait, so the operand may be stale and the result wrong; only
+    `benchmarks.gemv --chain --wait-cost` sets it, to time what the waits cost. With the merge
+    prologue, x_ptr / norm_w_ptr are the split partials / their lse (`num_splits` of them, heads
+    of HEAD_DIM, at the strides parts_head / parts_split / lse_head / lse_split), merged and
+    rounded to ACT_DTYPE (the activations' dtype).
+    WEIGHT (`StreamedWeight.kind`): DENSE values; ROW_SCALED int8 or e4m3 values times a float32
+    scale per row (scale_ptr); INT4 packed 4-bit rows with a scale and zero point per GROUP
+    inputs (`backend.kernels.gemv_int4`, which reads nothing before the wait)."""
+    if WEIGHT == 2:  # a static branch: 4-bit rows stream on their own
+        return stream_rows_dot_int4(
+            x_ptr,
+            w_ptr,
+            norm_w_ptr,
+            scale_ptr,
+            zero_ptr,
+            rows,
+            K,
+            eps,
+            PROLOGUE,
+            PDL,
+            BLOCK_N,
+            BLOCK_K,
+            EARLY_LAUNCH,
+            GROUP,
+            SKIP_WAIT,
+        )
     w_rows = w_ptr + rows[:, None] * stride_wn
     if PDL and EARLY_LAUNCH:
         gdc_launch_dependents()
@@ -148,94 +180,8 @@ def _stream_dense(
         gdc_launch_dependents()
     if PROLOGUE == 1:
         acc = acc * tl.rsqrt(square_sum / K + eps)
-    return acc
-
-
-@triton.jit
-def stream_rows_dot(
-    x_ptr,
-    w_ptr,
-    norm_w_ptr,
-    rows,
-    K,
-    stride_wn,
-    eps,
-    PROLOGUE: tl.constexpr,
-    PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PREFETCH_K: tl.constexpr,
-    EARLY_LAUNCH: tl.constexpr,
-    SKIP_WAIT: tl.constexpr = False,
-    num_splits=1,
-    SPLITS_PAD: tl.constexpr = 1,
-    HEAD_DIM: tl.constexpr = 1,
-    parts_head=0,
-    parts_split=0,
-    lse_head=0,
-    lse_split=0,
-    ACT_DTYPE: tl.constexpr = tl.float16,
-    WEIGHT: tl.constexpr = 0,
-    scale_ptr=0,
-    zero_ptr=0,
-    GROUP: tl.constexpr = 1,
-):
-    """float32 [BLOCK_N]: weight rows `rows` (int64) dotted with the operand over all of K, the
-    norm's scale applied. Waits for the previous kernel (PDL) after reading the first PREFETCH_K
-    weight columns, and lets the next one launch early (EARLY_LAUNCH) or after the loop.
-    SKIP_WAIT is a diagnostic: no wait, so the operand may be stale and the result wrong; only
-    `benchmarks.gemv --chain --wait-cost` sets it, to time what the waits cost. With the merge
-    prologue, x_ptr / norm_w_ptr are the split partials / their lse (`num_splits` of them, heads
-    of HEAD_DIM, at the strides parts_head / parts_split / lse_head / lse_split), merged and
-    rounded to ACT_DTYPE (the activations' dtype).
-    WEIGHT (`StreamedWeight.kind`): DENSE values; ROW_SCALED int8 or e4m3 values times a float32
-    scale per row (scale_ptr); INT4 packed 4-bit rows with a scale and zero point per GROUP
-    inputs (`backend.kernels.gemv_int4`, which reads nothing before the wait)."""
-    if WEIGHT == 2:
-        acc = stream_rows_dot_int4(
-            x_ptr,
-            w_ptr,
-            norm_w_ptr,
-            scale_ptr,
-            zero_ptr,
-            rows,
-            K,
-            eps,
-            PROLOGUE,
-            PDL,
-            BLOCK_N,
-            BLOCK_K,
-            EARLY_LAUNCH,
-            GROUP,
-            SKIP_WAIT,
-        )
-    else:
-        acc = _stream_dense(
-            x_ptr,
-            w_ptr,
-            norm_w_ptr,
-            rows,
-            K,
-            stride_wn,
-            eps,
-            PROLOGUE,
-            PDL,
-            BLOCK_N,
-            BLOCK_K,
-            PREFETCH_K,
-            EARLY_LAUNCH,
-            SKIP_WAIT,
-            num_splits,
-            SPLITS_PAD,
-            HEAD_DIM,
-            parts_head,
-            parts_split,
-            lse_head,
-            lse_split,
-            ACT_DTYPE,
-        )
-        if WEIGHT == 1:
-            acc = acc * tl.load(scale_ptr + rows)
+    if WEIGHT == 1:
+        acc = acc * tl.load(scale_ptr + rows)
     return acc
 
 

@@ -57,8 +57,9 @@ class Fp8Weight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda and fp8_gemm is not None and fp8_gemm.supported(x.device):
-            if gemv.supports(x, self.streamed()):  # one row: W8A16, see the module docstring
-                return gemv.gemv(x.contiguous(), self.streamed(), bias)
+            streamed = self.streamed()
+            if gemv.supports(x, streamed):  # one row: W8A16, see the module docstring
+                return gemv.gemv(x.contiguous(), streamed, bias)
             xq, x_scales = fp8_gemm.quantize_rows(x.contiguous())
             return fp8_gemm.fp8_linear(
                 xq, x_scales, self.qweight, self.scales, bias, out_dtype=x.dtype

@@ -92,8 +92,9 @@ class Int4Weight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda and int4_matmul is not None:
-            if gemv.supports(x, self.streamed()):
-                return gemv.gemv(x.contiguous(), self.streamed(), bias)
+            streamed = self.streamed()
+            if gemv.supports(x, streamed):
+                return gemv.gemv(x.contiguous(), streamed, bias)
             args = (x, self.qweight, self.scales, self.zeros, self.group_size, bias)
             return int4_matmul.int4_gemm(*args)
         return super().matmul(x, bias)

@@ -41,7 +41,8 @@ class Int8Weight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda and int8_matmul is not None:
-            if gemv.supports(x, self.streamed()):
-                return gemv.gemv(x.contiguous(), self.streamed(), bias)
+            streamed = self.streamed()
+            if gemv.supports(x, streamed):
+                return gemv.gemv(x.contiguous(), streamed, bias)
             return int8_matmul.int8_gemm(x, self.qweight, self.scales, bias)
         return super().matmul(x, bias)
