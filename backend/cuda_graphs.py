@@ -221,7 +221,11 @@ class DecodeGraphs:
             for size in reversed(self.sizes):
                 self._forward(size)  # compile kernels outside the capture
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                # thread_local: a tensor-parallel group's NCCL watchdog thread may query its
+                # events while this thread captures the group's collectives.
+                with torch.cuda.graph(
+                    graph, pool=pool, stream=stream, capture_error_mode="thread_local"
+                ):
                     logits = self._forward(size)
                 self.graphs[size] = (graph, logits)
         torch.cuda.current_stream().wait_stream(stream)

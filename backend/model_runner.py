@@ -22,7 +22,8 @@ blocks of every layer, is shared among the groups (`KVCacheLayout.share`).
 
 Tensor parallel (`tensor_parallel_size` > 1, `backend.tp_workers`): this runner is rank 0; it
 starts the other ranks, each a runner of its own shard that `follow`s the steps rank 0 sends
-from `prepare`. Decode CUDA graphs are off then (the ranks would have to replay in step).
+from `prepare`: eager steps, or decode steps that every rank replays in its own CUDA graphs
+(captured on every rank in the same order, collectives included).
 """
 
 from __future__ import annotations
@@ -293,7 +294,10 @@ class ModelRunner:
         pass and logits compute (their collectives pair up), until rank 0 stops."""
         with torch.inference_mode():
             while (step := tp_workers.receive_step(self.tp)) is not None:
-                arrays, spans = step
+                command, arrays, spans = step
+                if command == tp_workers.GRAPH_STEP:
+                    self._follow_graph_step(arrays)
+                    continue
                 inputs = self._device_inputs(arrays)
                 hidden = self._run_model(inputs)
                 self.model.compute_logits(hidden[inputs.logits_indices])
@@ -304,6 +308,33 @@ class ModelRunner:
                         hidden,
                         [PromptRows(unused, [0] * n, first) for first, n in spans],
                     )
+
+    def _follow_graph_step(self, arrays: list[np.ndarray]) -> None:
+        """Stage and replay the decode step rank 0 replays (`_send_graph_step`'s arrays); the
+        ids of the inputs in flight are rank 0's, broadcast into the graphs' own buffer."""
+        graphs = self.decode_graphs
+        input_ids, positions, slots, _, seq_lens, block_tables, _, *in_flight = arrays
+        in_flight = in_flight[0] if in_flight else None
+        previous = None if in_flight is None else graphs.sampled_ids
+        graphs.stage(input_ids, positions, slots, seq_lens, block_tables, in_flight, previous)
+        if in_flight is not None:
+            self.tp.broadcast(graphs.sampled_ids)
+        graphs.replay(len(input_ids))
+
+    def _send_graph_step(
+        self, input_ids, positions, slots, seq_lens, block_tables, in_flight
+    ) -> None:
+        """Rank 0: the decode step just staged into the graphs, to the workers (the arrays of a
+        step in `tp_workers.ARRAY_DTYPES`' order, query starts and logit rows left empty), and
+        the previous ids the graphs read for inputs in flight (sampled here, or the graphs')."""
+        empty = np.empty(0, dtype=np.int64)
+        arrays = [input_ids, positions, slots, empty, seq_lens, block_tables, empty]
+        if in_flight is not None:
+            arrays.append(in_flight)
+        tp_workers.send_step(self.tp, arrays, [], tp_workers.GRAPH_STEP)
+        self._step_sent = True
+        if in_flight is not None:
+            self.tp.broadcast(self.decode_graphs.sampled_ids)
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The eager forward pass (prefill chunks, mixed batches, CPU)."""
@@ -317,7 +348,6 @@ class ModelRunner:
         rows; the torch reference does not)."""
         if not (
             self.config.cuda_graphs
-            and not self.tp.enabled
             and self.device.type == "cuda"
             and self.attention.name == "triton"
         ):
@@ -427,6 +457,10 @@ class ModelRunner:
                 in_flight_ids,
                 banned_ids,
             )
+            if self._sends_steps:
+                self._send_graph_step(
+                    input_ids, positions, slots, seq_lens, block_tables, in_flight
+                )
             return StepInputs(
                 graphs.input_ids[:n],
                 graphs.positions[:n],

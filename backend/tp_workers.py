@@ -17,6 +17,12 @@ the rank that died; a collective with a dead peer fails at once (a hung one afte
 `COLLECTIVE_TIMEOUT_S`), and the engine then fails its requests with that message and stops
 (`backend.executor`).
 
+Decode CUDA graphs: every rank captures the same graphs (their all-reduces and gathers pair up
+when replayed). For a step rank 0 replays, it sends a GRAPH step (the rows' ids, positions,
+slots, context lengths, block tables and in-flight rows, in the same layout) and, when some
+input is in flight, broadcasts its graphs' previous ids on the device: each worker stages the
+same step into its own graphs and replays the same graph.
+
 Step message on the gloo group: a header of HEADER_LEN int64 (command, the eight array lengths,
 chunks, block-table width, prompt spans), then one int64 payload of the arrays and the spans.
 """
@@ -39,7 +45,7 @@ from backend.tensor_parallel import TensorParallelError
 log = logging.getLogger(__name__)
 
 HEADER_LEN = 12
-STOP, STEP = 0, 1
+STOP, STEP, GRAPH_STEP = 0, 1, 2
 # input ids, positions, slots, query starts, context lengths, block tables, logit rows, fill rows
 ARRAY_DTYPES = (np.int64, np.int64, np.int64, np.int32, np.int32, np.int32, np.int64, np.int64)
 IDLE_WAIT = datetime.timedelta(days=3650)  # a worker waits for the next step as long as it takes
@@ -61,11 +67,14 @@ def rank_device(config: EngineConfig, rank: int, device: torch.device) -> torch.
 
 
 # ---- step inputs ---------------------------------------------------------------------------------
-def send_step(tp, arrays: list[np.ndarray], spans: list[tuple[int, int]]) -> None:
+def send_step(
+    tp, arrays: list[np.ndarray], spans: list[tuple[int, int]], command: int = STEP
+) -> None:
     """Rank 0: broadcast a step's host arrays (ARRAY_DTYPES' order; the fill rows only when
-    some input is in flight) and its prompt spans (first row, rows)."""
+    some input is in flight) and its prompt spans (first row, rows). `command` GRAPH_STEP: a
+    step the decode graphs replay (`ModelRunner.prepare` says which arrays it fills)."""
     header = np.zeros(HEADER_LEN, dtype=np.int64)
-    header[0] = STEP
+    header[0] = command
     header[1 : 1 + len(arrays)] = [a.size for a in arrays]
     header[9], header[10] = arrays[5].shape
     header[11] = len(spans)
@@ -80,8 +89,9 @@ def send_stop(tp) -> None:
     tp.broadcast(torch.from_numpy(header), host=True)
 
 
-def receive_step(tp) -> tuple[list[np.ndarray], list[tuple[int, int]]] | None:
-    """A worker: the next step's arrays and prompt spans, or None when rank 0 stops."""
+def receive_step(tp) -> tuple[int, list[np.ndarray], list[tuple[int, int]]] | None:
+    """A worker: the next step's command (STEP or GRAPH_STEP), arrays and prompt spans, or None
+    when rank 0 stops."""
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     tp.cpu_group.broadcast(header, 0, IDLE_WAIT).wait()
     header = header.numpy()
@@ -97,7 +107,7 @@ def receive_step(tp) -> tuple[list[np.ndarray], list[tuple[int, int]]] | None:
         at += size
     arrays[5] = arrays[5].reshape(int(header[9]), int(header[10]))
     spans = values[at:].reshape(-1, 2).tolist()
-    return arrays, [tuple(s) for s in spans]
+    return int(header[0]), arrays, [tuple(s) for s in spans]
 
 
 # ---- the workers, seen from rank 0 ---------------------------------------------------------------

@@ -14,7 +14,9 @@ N2 - N1 decode steps take (wall2 - wall1), so prefill and start-up cancel out.
 `--quantization` reads the weights in that format (a preset's random weights: a format quantized at
 load, int8_wo, int4_wo or fp8); the floor then counts the bytes the format stores. With
 `--max-attention-window W` each sequence's KV read is its last W tokens; `--kv-cache-dtype fp8|int8`
-reads a quantized cache (values and scales counted).
+reads a quantized cache (values and scales counted). `--tensor-parallel-size N` splits the model
+over N GPUs; the floor is then one rank's: its shard of the weights and of the KV heads, read by
+every GPU at the same time.
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--quantization", default="none")
     p.add_argument("--max-attention-window", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--eager", action="store_true", help="no decode CUDA graphs")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -144,6 +148,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         max_seq_len=seq,
         max_tokens_in_paged_kv_cache=max_batch * (held + 64),
         enable_kv_cache_reuse=False,
+        tensor_parallel_size=args.tensor_parallel_size,
+        cuda_graphs=not args.eager,
     )
     executor = Executor(config)
     device = executor.runner.device
@@ -162,6 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "dtype": str(executor.runner.dtype).replace("torch.", ""),
                 "quantization": args.quantization,
                 "kv_cache_dtype": args.kv_cache_dtype,
+                "tensor_parallel_size": args.tensor_parallel_size,
                 "kv_blocks": executor.runner.num_kv_blocks,
                 "max_attention_window_size": args.max_attention_window,
                 "batch": batch,

@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
         help="what the KV cache stores (README, KV cache dtype); auto: the model dtype",
     )
     p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="GPUs the model is split across"
+    )
+    p.add_argument(
         "--no-warmup", action="store_true", help="time the first pass (compiles included)"
     )
     p.add_argument(
@@ -231,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_batch_size=args.max_batch_size,
         max_num_tokens=args.max_num_tokens,
         max_seq_len=max_seq,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     executor = Executor(config)
     prompts, lengths = make_requests(
@@ -251,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": str(executor.runner.dtype).replace("torch.", ""),
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "weight_bytes": executor.runner.weight_bytes,
         "num_requests": args.num_requests,
         "isl": list(args.isl),

@@ -420,3 +420,33 @@ def test_local_and_global_kv_cache_groups_in_decode_graphs_match_transformers(tm
     assert stats.free_blocks == stats.max_blocks
     for prompt, result in zip(prompts, results):
         assert result["token_ids"] == hf_greedy(hf, prompt, 24)[0]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_ranks_with_decode_graphs_give_one_ranks_tokens(tmp_path):
+    """Tensor parallel over NCCL on two GPUs, decode steps replayed from CUDA graphs that every
+    rank captured (all-reduces and the logits' gather inside): greedy tokens, seeded samples and
+    a min-tokens ban under overlap scheduling equal one rank's in fp32, batched and padded to the
+    captured sizes, and the eager TP=2 steps' tokens."""
+    from tests.tiny_models import save_tiny_hf_model
+
+    save_tiny_hf_model(tmp_path, "qwen2", **SMALL_QWEN2)
+    prompts = random_prompts(5, 1000, seed=8, low=5, high=120)
+    params = [SamplingParams(max_tokens=48, ignore_end_id=True)] * 3 + [
+        SamplingParams(max_tokens=48, ignore_end_id=True, temperature=0.8, top_k=40, seed=5),
+        SamplingParams(max_tokens=40, min_tokens=40),
+    ]
+    options = dict(dtype="float32", max_batch_size=8, overlap_scheduling=True)
+    one = serve(tmp_path, prompts, params, **options)
+    executor = Executor(
+        EngineConfig(model_path=str(tmp_path), device="cuda", tensor_parallel_size=2, **options)
+    )
+    try:
+        two = executor.generate(prompts, params, timeout=600)
+        assert executor.runner.decode_graphs._replayed >= 40  # the decode steps
+    finally:
+        executor.shutdown()
+    eager = serve(tmp_path, prompts, params, tensor_parallel_size=2, cuda_graphs=False, **options)
+    assert [r["token_ids"] for r in two] == [r["token_ids"] for r in one]
+    assert [r["token_ids"] for r in eager] == [r["token_ids"] for r in one]
+    assert [len(r["token_ids"]) for r in two] == [48] * 4 + [40]

@@ -252,3 +252,63 @@ def test_graph_steps_of_a_model_with_two_kv_cache_groups_match_eager_steps(tmp_p
             executor.shutdown()
         assert staged._replayed == (11 if graphs else 0)  # every decode step
     assert results[0] == results[1] == [hf_greedy(hf, p, 12)[0] for p in prompts]
+
+
+class StagedGraphsRunner(ModelRunner):
+    """Decode graphs on CPU, not captured: every rank (workers are started with this class)
+    stages its decode steps into the graphs' buffer and runs their work eagerly."""
+
+    def _capture_decode_graphs(self) -> DecodeGraphs:
+        return DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            self.config.max_batch_size,
+            self.max_seq_len,
+            self.tokens_per_block,
+            max_banned=max(1, len(self.eos_token_ids)),
+            kv_scales=self.kv_scales,
+            num_kv_groups=len(self.kv_group_blocks),
+        )
+
+
+def test_graph_steps_on_two_ranks_give_one_ranks_tokens(tmp_path, monkeypatch):
+    """Tensor parallel with decode graphs: rank 0 sends each step it replays to the worker, which
+    stages and replays the same step (its collectives pair with rank 0's), the in-flight inputs
+    taken from rank 0's previous ids: greedy (the graphs' argmax), seeded samples and a min-tokens
+    ban (ids from the sampler, broadcast) give one rank's tokens."""
+    from backend.executor import Executor
+    from backend.sampling_params import SamplingParams
+    from tests.tiny_models import random_prompts, save_tiny_hf_model
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned worker's threads
+    save_tiny_hf_model(tmp_path, model_type="qwen2")
+    prompts = random_prompts(3, 640, seed=5, low=10, high=40)
+    params = [
+        SamplingParams(max_tokens=24, ignore_end_id=True),
+        SamplingParams(max_tokens=24, ignore_end_id=True, temperature=0.9, top_k=50, seed=11),
+        SamplingParams(max_tokens=20, min_tokens=20),
+    ]
+    results, replays = [], []
+    for tp in (1, 2):
+        config = EngineConfig(
+            model_path=str(tmp_path),
+            device=DEVICE,
+            dtype="float32",
+            tokens_per_block=4,
+            max_batch_size=3,  # graphs of 1, 2 and 3 rows: the torch attention never pads
+            attention_backend="torch",
+            tensor_parallel_size=tp,
+            overlap_scheduling=True,
+        )
+        runner = (StagedGraphsRunner if tp > 1 else ModelRunner)(config)
+        executor = Executor(config, runner=runner)
+        try:
+            results.append(executor.generate(prompts, params, timeout=600))
+            replays.append(runner.decode_graphs._replayed if runner.decode_graphs else 0)
+        finally:
+            executor.shutdown()
+    one, two = results
+    for a, b in zip(one, two):
+        assert b["error"] is None and b["token_ids"] == a["token_ids"]
+    assert [len(r["token_ids"]) for r in two] == [24, 24, 20]
+    assert replays[1] >= 19  # the decode steps ran in the graphs
