@@ -160,7 +160,7 @@ class ModelRunner:
             if tp_rank == 0:  # the model splits: start the other ranks
                 tp_port = tp_workers.free_port()
                 self.workers = tp_workers.Workers(config, tp_port, type(self))
-            self.tp = connect(tp_rank, size, tp_port, self.device)
+            self.tp = connect(tp_rank, size, tp_port, self.device, self.dtype)
         self.decode_graphs: DecodeGraphs | None = None
         # Two staging buffers, used in turn, each with an event marking its last copy: with
         # overlap scheduling step n+1 is packed while step n's inputs may still be waiting in
@@ -234,6 +234,7 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.stop(self.tp if self.tp.enabled else None)
             self.workers = None
+        self.tp.close()
         self.decode_graphs = None
         self.model = self.kv_cache = self.kv_scales = None
         if self.device.type == "cuda":

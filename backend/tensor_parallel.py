@@ -12,6 +12,8 @@ Two groups: `group` carries the model's collectives (gloo on CPU, NCCL on CUDA),
 (gloo, always) the step inputs rank 0 broadcasts from host memory (`backend.tp_workers`). On CPU
 both are one gloo group. They are process groups built from a TCP store rather than
 torch.distributed's default group, so a process can hold one (a test, an engine) and drop it.
+Two GPUs that map each other's memory sum small tensors (decode steps) through it instead of
+NCCL (`backend.peer_all_reduce`).
 
 With one rank (`TensorParallel()`), the layers take none of these paths: no collective, no copy.
 """
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from backend.peer_all_reduce import PeerAllReduce, peer_all_reduce, unregister
 
 # How long a collective waits for a peer before it fails (a hung worker): a dead one fails it
 # at once (its connection closes).
@@ -39,6 +43,7 @@ class TensorParallel:
     size: int = 1
     group: object = None  # a torch.distributed backend (ProcessGroupGloo / ProcessGroupNCCL)
     cpu_group: object = None  # gloo, for host tensors
+    peer: PeerAllReduce | None = None  # small all-reduces between two GPUs
 
     @property
     def enabled(self) -> bool:
@@ -76,6 +81,8 @@ class TensorParallel:
     # ---- collectives (only called with size > 1) -------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place."""
+        if self.peer is not None and self.peer.takes(x):
+            return self.peer.all_reduce(x)
         _wait(self.group.allreduce([x]))
         return x
 
@@ -90,6 +97,12 @@ class TensorParallel:
         _wait((self.cpu_group if host else self.group).broadcast(x, 0))
         return x
 
+    def close(self) -> None:
+        """Forget this group's name (the peer all-reduce registered it); the groups go with
+        their last reference."""
+        if self.peer is not None:
+            unregister(self.peer.group_name)
+
 
 def _wait(work) -> None:
     try:
@@ -98,15 +111,21 @@ def _wait(work) -> None:
         raise TensorParallelError(f"a tensor-parallel collective failed: {exc}") from exc
 
 
-def connect(rank: int, size: int, port: int, device: torch.device) -> TensorParallel:
+def connect(
+    rank: int, size: int, port: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> TensorParallel:
     """Join the group of `size` ranks whose rank 0 serves the store at 127.0.0.1:`port`
-    (rank 0 creates it). NCCL on CUDA (the caller has set the rank's device), gloo otherwise."""
+    (rank 0 creates it). NCCL on CUDA (the caller has set the rank's device), gloo otherwise;
+    `dtype`: the activations' (the peer all-reduce's buffer)."""
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout)
     cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, timeout)
-    group = cpu_group
-    if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
-    return TensorParallel(rank, size, group, cpu_group)
+    if device.type != "cuda":
+        return TensorParallel(rank, size, cpu_group, cpu_group)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
+    peer = peer_all_reduce(
+        group, dist.PrefixStore("peer", store), rank, size, device, dtype, f"tritonllm-tp-{port}"
+    )
+    return TensorParallel(rank, size, group, cpu_group, peer)

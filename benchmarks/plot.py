@@ -57,6 +57,8 @@ def variant_label(r: dict) -> str:
         parts.append(f"kv {r['kv_cache_dtype']}")
     if r.get("max_attention_window_size"):
         parts.append(f"window {r['max_attention_window_size']}")
+    if r.get("tensor_parallel_size", 1) > 1:
+        parts.append(f"TP {r['tensor_parallel_size']}")
     return ", ".join(parts) + f"\ncontext {r['isl']}" * ("max_attention_window_size" in r)
 
 
@@ -85,7 +87,9 @@ def plot_variants(path: str) -> str:
 def model_label(r: dict) -> str:
     """The model, and its weight format where it is kept quantized."""
     quantization = r.get("quantization", "none")
-    return r["model"] if quantization == "none" else f"{r['model']} ({quantization})"
+    label = r["model"] if quantization == "none" else f"{r['model']} ({quantization})"
+    tp = r.get("tensor_parallel_size", 1)
+    return label if tp == 1 else f"{label}, TP {tp}"
 
 
 def plot_offline(paths: list[str], out: str) -> str:
@@ -108,6 +112,29 @@ def plot_offline(paths: list[str], out: str) -> str:
     commits = ", ".join(sorted({r["commit"] for r in rows}))
     fig.suptitle(f"engine (blue), transformers (gray) — {r0['device']}, {commits}", fontsize=8)
     fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_all_reduce(path: str) -> str:
+    """Time of one all-reduce per size, through NCCL and through the peer-mapped buffer."""
+    rows = load(path)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in ("nccl", "peer"):
+        kept = [r for r in rows if f"{name}_us" in r]
+        ax.plot([r["rows"] for r in kept], [r[f"{name}_us"] for r in kept], "o-", label=name)
+    r0 = rows[0]
+    ax.set(
+        xscale="log",
+        xlabel=f"rows of {r0['hidden']} {r0['dtype']}",
+        ylabel="µs per all-reduce (in a CUDA graph)",
+        title=f"All-reduce over {r0['gpus']} GPUs",
+    )
+    ax.legend()
+    fig.suptitle(f"{r0['device']} · {r0['date'][:10]} · commit {r0['commit']}", fontsize=9)
+    fig.tight_layout()
+    out = path[: -len(".json")] + ".png"
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
@@ -150,7 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     results_dir = (argv or sys.argv[1:] or ["benchmarks/results"])[0]
     for path in glob.glob(os.path.join(results_dir, "decode_floor*.json")):
         print("wrote", plot_decode_floor(path))
-    for pattern in ("decode_formats*.json", "decode_window*.json"):
+    for path in glob.glob(os.path.join(results_dir, "all_reduce*.json")):
+        print("wrote", plot_all_reduce(path))
+    for pattern in ("decode_formats*.json", "decode_window*.json", "decode_tp*.json"):
         for path in glob.glob(os.path.join(results_dir, pattern)):
             print("wrote", plot_variants(path))
     groups: dict[str, list[str]] = {}
