@@ -28,10 +28,11 @@ class PeerAllReduce:
     """`all_reduce(x)`: x summed over the two ranks in place, through a buffer of `dtype` that
     both map. `takes(x)`: whether x fits it (else the caller uses NCCL)."""
 
-    def __init__(self, group_name: str, device: torch.device, dtype: torch.dtype):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype):
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.group_name = group_name
+        self.group = group  # torch's registry of names holds it weakly
+        self.group_name = group_name = group.group_name
         self.buffer = symm_mem.empty(BUFFER_BYTES // dtype.itemsize, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, group_name)  # collective: both ranks, same point
 
@@ -67,8 +68,7 @@ def peer_all_reduce(backend, store, rank: int, size: int, device, dtype, name: s
     if size != 2 or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float32):
         return None
     try:
-        registered_group(backend, store, rank, size, name)
-        return PeerAllReduce(name, device, dtype)
+        return PeerAllReduce(registered_group(backend, store, rank, size, name), device, dtype)
     except Exception as exc:  # no peer access, or a torch without symmetric memory
         log.warning("all-reduce through NCCL only (no peer-mapped buffer: %s)", exc)
         return None
