@@ -73,9 +73,11 @@ def kernel_table(runner: ModelRunner, inputs, top: int = 15) -> dict:
     }
 
 
-def engine_profile(model: str, batch: int, isl: int, steps: int = 64, top: int = 20) -> dict:
-    """The whole engine under torch.profiler for `steps` decode steps: how busy the GPU is, and
-    the host functions that take the time between kernels."""
+def engine_profile(
+    model: str, batch: int, isl: int, steps: int = 64, top: int = 20, tensor_parallel_size: int = 1
+) -> dict:
+    """The whole engine under torch.profiler for `steps` decode steps: how busy the GPU (rank
+    0's) is, its kernels, and the host functions that take the time between kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     from backend.executor import Executor
@@ -88,6 +90,7 @@ def engine_profile(model: str, batch: int, isl: int, steps: int = 64, top: int =
             max_seq_len=isl + steps + 32,
             max_tokens_in_paged_kv_cache=batch * (isl + steps + 64),
             max_num_tokens=max(2048, min(batch * isl, 16384)),
+            tensor_parallel_size=tensor_parallel_size,
         )
     )
     rng = random.Random(0)
@@ -106,6 +109,10 @@ def engine_profile(model: str, batch: int, isl: int, steps: int = 64, top: int =
     events = prof.key_averages()
     gpu_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
     cpu_rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    kernels = sorted(
+        (e for e in events if getattr(e, "self_device_time_total", 0.0) > 0),
+        key=lambda e: -e.self_device_time_total,
+    )[:top]
     return {
         "engine_wall_ms": round(wall * 1e3, 2),
         "steps": steps,
@@ -118,6 +125,14 @@ def engine_profile(model: str, batch: int, isl: int, steps: int = 64, top: int =
                 "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
             }
             for e in cpu_rows
+        ],
+        "top_kernels": [
+            {
+                "kernel": e.key[:90],
+                "count": e.count,
+                "ms_per_step": round(e.self_device_time_total / 1e3 / steps, 4),
+            }
+            for e in kernels
         ],
     }
 
@@ -134,6 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument(
         "--engine", action="store_true", help="profile the whole engine instead of the runner"
     )
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="with --engine")
     args = p.parse_args(argv)
     if args.engine:
         results = [
@@ -142,7 +158,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "model": args.model,
                 "batch": b,
                 "isl": args.isl,
-                **engine_profile(args.model, b, args.isl),
+                "tensor_parallel_size": args.tensor_parallel_size,
+                **engine_profile(
+                    args.model, b, args.isl, tensor_parallel_size=args.tensor_parallel_size
+                ),
             }
             for b in args.batch
         ]
