@@ -97,7 +97,7 @@ def plot_offline(paths: list[str], out: str) -> str:
     labels, values, colours = [], [], []
     for r in rows:
         lengths = f"ISL {'-'.join(map(str, r['isl']))}\nOSL {'-'.join(map(str, r['osl']))}"
-        labels.append(f"{model_label(r)}\n{r['num_requests']} req\n{lengths}")
+        labels.append(f"{model_label(r)}\n{r['num_requests']} req\n{lengths}\n{r['commit']}")
         values.append(r["output_tokens_per_s"])
         colours.append("tab:blue")
         if "hf_output_tokens_per_s" in r:
