@@ -311,30 +311,29 @@ class ModelRunner:
                     )
 
     def _follow_graph_step(self, arrays: list[np.ndarray]) -> None:
-        """Stage and replay the decode step rank 0 replays (`_send_graph_step`'s arrays); the
-        ids of the inputs in flight are rank 0's, broadcast into the graphs' own buffer."""
-        graphs = self.decode_graphs
-        input_ids, positions, slots, _, seq_lens, block_tables, _, *in_flight = arrays
-        in_flight = in_flight[0] if in_flight else None
-        previous = None if in_flight is None else graphs.sampled_ids
-        graphs.stage(input_ids, positions, slots, seq_lens, block_tables, in_flight, previous)
-        if in_flight is not None:
+        """Stage and replay the decode step rank 0 replays (`tp_workers.GraphStep`)."""
+        graphs, step = self.decode_graphs, tp_workers.GraphStep.from_arrays(arrays)
+        previous = None if step.in_flight is None else graphs.sampled_ids  # its own argmax
+        graphs.stage(
+            step.input_ids,
+            step.positions,
+            step.slots,
+            step.seq_lens,
+            step.block_tables,
+            step.in_flight,
+            previous,
+            step.banned_ids,
+        )
+        if step.ids_sent:
             self.tp.broadcast(graphs.sampled_ids)
-        graphs.replay(len(input_ids))
+        graphs.replay(len(step.input_ids))
 
-    def _send_graph_step(
-        self, input_ids, positions, slots, seq_lens, block_tables, in_flight
-    ) -> None:
-        """Rank 0: the decode step just staged into the graphs, to the workers (the arrays of a
-        step in `tp_workers.ARRAY_DTYPES`' order, query starts and logit rows left empty), and
-        the previous ids the graphs read for inputs in flight (sampled here, or the graphs')."""
-        empty = np.empty(0, dtype=np.int64)
-        arrays = [input_ids, positions, slots, empty, seq_lens, block_tables, empty]
-        if in_flight is not None:
-            arrays.append(in_flight)
-        tp_workers.send_step(self.tp, arrays, [], tp_workers.GRAPH_STEP)
+    def _send_graph_step(self, step: tp_workers.GraphStep) -> None:
+        """Rank 0: the decode step just staged into the graphs, to the workers, and the
+        previous ids the inputs in flight read when they are not the graphs' own argmax."""
+        tp_workers.send_step(self.tp, step.arrays(), [], tp_workers.GRAPH_STEP)
         self._step_sent = True
-        if in_flight is not None:
+        if step.ids_sent:
             self.tp.broadcast(self.decode_graphs.sampled_ids)
 
     def _run_model(self, inputs: StepInputs) -> torch.Tensor:
@@ -459,8 +458,20 @@ class ModelRunner:
                 banned_ids,
             )
             if self._sends_steps:
+                own = in_flight_ids is not None and (
+                    in_flight_ids.data_ptr() == graphs.sampled_ids.data_ptr()
+                )
                 self._send_graph_step(
-                    input_ids, positions, slots, seq_lens, block_tables, in_flight
+                    tp_workers.GraphStep(
+                        input_ids,
+                        positions,
+                        slots,
+                        seq_lens,
+                        block_tables,
+                        in_flight,
+                        banned_ids,
+                        ids_sent=in_flight is not None and not own,
+                    )
                 )
             return StepInputs(
                 graphs.input_ids[:n],

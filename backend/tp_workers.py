@@ -18,10 +18,12 @@ the rank that died; a collective with a dead peer fails at once (a hung one afte
 (`backend.executor`).
 
 Decode CUDA graphs: every rank captures the same graphs (their all-reduces and gathers pair up
-when replayed). For a step rank 0 replays, it sends a GRAPH step (the rows' ids, positions,
-slots, context lengths, block tables and in-flight rows, in the same layout) and, when some
-input is in flight, broadcasts its graphs' previous ids on the device: each worker stages the
-same step into its own graphs and replays the same graph.
+when replayed). For a step rank 0 replays, it sends a GRAPH step (`GraphStep`: the rows' ids,
+positions, slots, context lengths, block tables, in-flight rows and banned ids, in the same
+message layout): each worker stages the same step into its own graphs and replays the same graph.
+The previous ids that inputs in flight read are the worker's own graphs' argmax when rank 0's are
+its graphs' (the logits every rank gathers are the same, and so are the bans); when rank 0's came
+from elsewhere (its sampler, an eager step) it broadcasts them on the device (`ids_sent`).
 
 Step message on the gloo group: a header of HEADER_LEN int64 (command, the eight array lengths,
 chunks, block-table width, prompt spans), then one int64 payload of the arrays and the spans.
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from dataclasses import dataclass
 import multiprocessing
 import socket
 import threading
@@ -67,6 +70,44 @@ def rank_device(config: EngineConfig, rank: int, device: torch.device) -> torch.
 
 
 # ---- step inputs ---------------------------------------------------------------------------------
+@dataclass
+class GraphStep:
+    """A decode step the graphs replay, as rank 0 staged it (`DecodeGraphs.stage`'s arrays)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    in_flight: np.ndarray | None  # per row: its input's row of the previous ids, -1 when known
+    banned_ids: np.ndarray | None  # [rows, k]
+    ids_sent: bool  # rank 0 broadcasts the previous ids after this message
+
+    def arrays(self) -> list[np.ndarray]:
+        """In a step's message slots: the bans (flattened) where query starts go, [ids_sent,
+        ban width] where logit rows go."""
+        bans = self.banned_ids if self.banned_ids is not None else np.empty((0, 0), np.int64)
+        flags = np.array([self.ids_sent, bans.shape[1]], dtype=np.int64)
+        arrays = [self.input_ids, self.positions, self.slots, bans.reshape(-1), self.seq_lens]
+        arrays += [self.block_tables, flags]
+        return arrays + ([] if self.in_flight is None else [self.in_flight])
+
+    @classmethod
+    def from_arrays(cls, arrays: list[np.ndarray]) -> GraphStep:
+        input_ids, positions, slots, bans, seq_lens, block_tables, flags, *in_flight = arrays
+        ids_sent, width = int(flags[0]), int(flags[1])
+        return cls(
+            input_ids,
+            positions,
+            slots,
+            seq_lens,
+            block_tables,
+            in_flight[0] if in_flight else None,
+            bans.reshape(len(input_ids), width) if width else None,
+            bool(ids_sent),
+        )
+
+
 def send_step(
     tp, arrays: list[np.ndarray], spans: list[tuple[int, int]], command: int = STEP
 ) -> None:
