@@ -44,6 +44,18 @@ class PeerAllReduce:
             and x.device == self.buffer.device
         )
 
+    def matmul_all_reduce(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """x @ weight^T summed over the ranks, the product written straight into the buffer (no
+        copy); None when it does not fit."""
+        rows, out_features = x.numel() // x.shape[-1], weight.shape[0]
+        if x.dtype != self.buffer.dtype or rows * out_features > self.buffer.numel():
+            return None
+        mine = self.buffer[: rows * out_features]
+        torch.mm(x.reshape(rows, -1), weight.t(), out=mine.view(rows, out_features))
+        summed = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+        torch.ops.symm_mem.one_shot_all_reduce_out(mine, "sum", self.group_name, summed.view(-1))
+        return summed
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         mine = self.buffer[: x.numel()]
         mine.copy_(x.view(-1))

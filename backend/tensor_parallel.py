@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from backend.peer_all_reduce import PeerAllReduce, peer_all_reduce, unregister
 
@@ -85,6 +86,14 @@ class TensorParallel:
             return self.peer.all_reduce(x)
         _wait(self.group.allreduce([x]))
         return x
+
+    def matmul_all_reduce(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T summed over the ranks (a row-parallel layer's partial products)."""
+        if self.peer is not None:
+            summed = self.peer.matmul_all_reduce(x, weight)
+            if summed is not None:
+                return summed
+        return self.all_reduce(F.linear(x, weight))
 
     def gather_columns(self, x: torch.Tensor, width: int) -> torch.Tensor:
         """Every rank's x [N, w] side by side, cut to `width` columns -> [N, width]."""

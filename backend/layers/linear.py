@@ -160,7 +160,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel == "row":  # the bias once, after the partial sums
-            y = self.tp.all_reduce(F.linear(x, self.dense_weight(x.dtype)))
+            y = self.tp.matmul_all_reduce(x, self.dense_weight(x.dtype))
             return y if self.bias is None else y + self.bias
         if self.quantized is not None:
             return self.quantized.matmul(x, self.bias)
