@@ -313,20 +313,23 @@ class ModelRunner:
     def _follow_graph_step(self, arrays: list[np.ndarray]) -> None:
         """Stage and replay the decode step rank 0 replays (`tp_workers.GraphStep`)."""
         graphs, step = self.decode_graphs, tp_workers.GraphStep.from_arrays(arrays)
-        previous = None if step.in_flight is None else graphs.sampled_ids  # its own argmax
-        graphs.stage(
+        self._stage(step, None if step.in_flight is None else graphs.sampled_ids)  # own argmax
+        if step.ids_sent:
+            self.tp.broadcast(graphs.sampled_ids)
+        graphs.replay(len(step.input_ids))
+
+    def _stage(self, step: tp_workers.GraphStep, previous_ids: torch.Tensor | None):
+        """Write `step` into the decode graphs' next slot (`DecodeGraphs.stage`)."""
+        return self.decode_graphs.stage(
             step.input_ids,
             step.positions,
             step.slots,
             step.seq_lens,
             step.block_tables,
             step.in_flight,
-            previous,
+            previous_ids,
             step.banned_ids,
         )
-        if step.ids_sent:
-            self.tp.broadcast(graphs.sampled_ids)
-        graphs.replay(len(step.input_ids))
 
     def _send_graph_step(self, step: tp_workers.GraphStep) -> None:
         """Rank 0: the decode step just staged into the graphs, to the workers, and the
@@ -352,7 +355,14 @@ class ModelRunner:
             and self.attention.name == "triton"
         ):
             return None
-        graphs = DecodeGraphs(
+        graphs = self.new_decode_graphs()
+        graphs.capture()
+        return graphs
+
+    def new_decode_graphs(self) -> DecodeGraphs:
+        """Decode graphs over this runner's model and KV cache, not captured (until `capture`,
+        a replay runs their work eagerly)."""
+        return DecodeGraphs(
             self.model,
             self.kv_cache,
             self.config.max_batch_size,
@@ -362,8 +372,6 @@ class ModelRunner:
             kv_scales=self.kv_scales,
             num_kv_groups=len(self.kv_group_blocks),
         )
-        graphs.capture()
-        return graphs
 
     def prepare(
         self,
@@ -447,32 +455,22 @@ class ModelRunner:
             and n <= graphs.max_batch_size
             and samples.all()
         ):
-            meta = graphs.stage(
+            own = in_flight_ids is not None and (
+                in_flight_ids.data_ptr() == graphs.sampled_ids.data_ptr()
+            )
+            step = tp_workers.GraphStep(
                 input_ids,
                 positions,
                 slots,
                 seq_lens,
                 block_tables,
                 in_flight,
-                in_flight_ids,
                 banned_ids,
+                ids_sent=in_flight is not None and not own,
             )
+            meta = self._stage(step, in_flight_ids)
             if self._sends_steps:
-                own = in_flight_ids is not None and (
-                    in_flight_ids.data_ptr() == graphs.sampled_ids.data_ptr()
-                )
-                self._send_graph_step(
-                    tp_workers.GraphStep(
-                        input_ids,
-                        positions,
-                        slots,
-                        seq_lens,
-                        block_tables,
-                        in_flight,
-                        banned_ids,
-                        ids_sent=in_flight is not None and not own,
-                    )
-                )
+                self._send_graph_step(step)
             return StepInputs(
                 graphs.input_ids[:n],
                 graphs.positions[:n],

@@ -75,6 +75,11 @@ def plot_variants(path: str) -> str:
         ax.set_xticks(list(x), [variant_label(r) for r in picked], fontsize=7)
         ax.set(ylabel="ms per step", title=f"{rows[0]['model']}, batch {batch}")
         ax.legend()
+    return save_beside(fig, rows, path)
+
+
+def save_beside(fig, rows: list[dict], path: str) -> str:
+    """Title `fig` with the rows' device, date and commits, and save it as PNG beside `path`."""
     commits = ", ".join(dict.fromkeys(r["commit"] for r in rows))
     fig.suptitle(f"{rows[0]['device']} · {rows[0]['date'][:10]} · commit {commits}", fontsize=9)
     fig.tight_layout()
@@ -132,12 +137,7 @@ def plot_all_reduce(path: str) -> str:
         title=f"All-reduce over {r0['gpus']} GPUs",
     )
     ax.legend()
-    fig.suptitle(f"{r0['device']} · {r0['date'][:10]} · commit {r0['commit']}", fontsize=9)
-    fig.tight_layout()
-    out = path[: -len(".json")] + ".png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_beside(fig, rows, path)
 
 
 def headline(results_dir: str) -> str:

@@ -259,16 +259,7 @@ class StagedGraphsRunner(ModelRunner):
     stages its decode steps into the graphs' buffer and runs their work eagerly."""
 
     def _capture_decode_graphs(self) -> DecodeGraphs:
-        return DecodeGraphs(
-            self.model,
-            self.kv_cache,
-            self.config.max_batch_size,
-            self.max_seq_len,
-            self.tokens_per_block,
-            max_banned=max(1, len(self.eos_token_ids)),
-            kv_scales=self.kv_scales,
-            num_kv_groups=len(self.kv_group_blocks),
-        )
+        return self.new_decode_graphs()
 
 
 def test_graph_steps_on_two_ranks_give_one_ranks_tokens(tmp_path, monkeypatch):
