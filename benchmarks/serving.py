@@ -182,6 +182,11 @@ def run_server_loads(
         log_file=server_log,
     )
     rows, checks = [], {}
+
+    def gone() -> str | None:
+        code = server.process.poll()
+        return None if code is None else f"tritonserver exited with code {code} (log {server_log})"
+
     with server:
         warm = [
             LoadRequest(r.text[::-1], list(reversed(r.prompt_ids)), r.output_len) for r in requests
@@ -191,6 +196,7 @@ def run_server_loads(
             warm[: requests_at(max(args.concurrency), args)],
             max(args.concurrency),
             args.processes,
+            gone,
         )
         for spec in args.targets:
             model, kind = spec.split(":")
@@ -204,7 +210,7 @@ def run_server_loads(
                     continue
                 timed = args.timeline and kind == "grpc"
                 records = run_clients(
-                    Target(kind, model, url, args.exact_with, timed), load, c, args.processes
+                    Target(kind, model, url, args.exact_with, timed), load, c, args.processes, gone
                 )
                 row = {"target": spec, "concurrency": c, **summarize(records, load)}
                 if expected:

@@ -170,10 +170,22 @@ def engine_closed_loop(
 
 
 # ---- Triton clients --------------------------------------------------------------------------
+STALL_S = 120.0  # no request finished and no client reported for this long: the load is stuck
+WATCH_PERIOD_S = 1.0
+
+
 def run_clients(
-    target: Target, requests: list[LoadRequest], concurrency: int, processes: int
+    target: Target,
+    requests: list[LoadRequest],
+    concurrency: int,
+    processes: int,
+    gone=None,
+    stall_s: float = STALL_S,
 ) -> list[Record]:
-    """Closed loop at `concurrency` through `processes` client processes."""
+    """Closed loop at `concurrency` through `processes` client processes. `gone()`: why the
+    server is gone (a message), else None; checked every second. Raises RuntimeError as soon as
+    it is gone, or when no request has finished for `stall_s`, instead of waiting on clients
+    whose server will never answer."""
     processes = max(1, min(processes, concurrency))
     ctx = mp.get_context("spawn")
     counter = ctx.Value("i", 0)
@@ -188,12 +200,13 @@ def run_clients(
     ]
     for w in workers:
         w.start()
-    ready = [results.get() for _ in workers]  # each worker says it is ready
+    watch = _Watch(results, counter, workers, gone, stall_s)
+    ready = [watch.next() for _ in workers]  # each worker says it is ready
     assert all(r == "ready" for r in ready), ready
     start.set()
     records: list[Record] = []
     for _ in workers:
-        part = results.get()
+        part = watch.next()
         if isinstance(part, str):
             raise RuntimeError(f"a client process failed: {part}")
         records += [Record(**r) for r in part]
@@ -201,6 +214,34 @@ def run_clients(
         w.join(timeout=30)
     records.sort(key=lambda r: r.index)
     return records
+
+
+class _Watch:
+    """The client processes' next report, watching the server and the load's progress (the
+    shared counter moves each time a slot's request ends) while it waits."""
+
+    def __init__(self, results, counter, workers, gone, stall_s: float):
+        self.results, self.counter, self.workers = results, counter, workers
+        self.gone, self.stall_s = gone, stall_s
+        self.taken, self.moved = -1, time.monotonic()
+
+    def next(self):
+        while True:
+            try:
+                report = self.results.get(timeout=WATCH_PERIOD_S)
+                self.moved = time.monotonic()
+                return report
+            except queue.Empty:
+                pass
+            why = self.gone() if self.gone is not None else None
+            if why is None and self.counter.value != self.taken:
+                self.taken, self.moved = self.counter.value, time.monotonic()
+            elif why is None and time.monotonic() - self.moved > self.stall_s:
+                why = f"no request finished for {self.stall_s:.0f} s"
+            if why is not None:
+                for w in self.workers:
+                    w.kill()
+                raise RuntimeError(f"the load stopped: {why}")
 
 
 def _worker(target: Target, requests, slots: int, counter, start, results) -> None:
