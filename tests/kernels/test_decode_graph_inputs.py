@@ -262,18 +262,23 @@ class StagedGraphsRunner(ModelRunner):
         return self.new_decode_graphs()
 
 
-def test_graph_steps_on_two_ranks_give_one_ranks_tokens(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "kind, options",
+    [("qwen2", {}), ("gemma3_text", {"sliding_window": 8})],  # one KV cache group; two
+)
+def test_graph_steps_on_two_ranks_give_one_ranks_tokens(kind, options, tmp_path, monkeypatch):
     """Tensor parallel with decode graphs: rank 0 sends each step it replays to the worker, which
     stages and replays the same step (its collectives pair with rank 0's), the in-flight inputs
     taken from the worker's own graphs' argmax while rank 0's are its graphs' (greedy steps, a
     min-tokens ban sent along) and broadcast from rank 0 while a seeded sample is in the batch:
-    one rank's tokens."""
+    one rank's tokens. Gemma 3 with local and global layers sends each KV cache group's slots
+    and block tables."""
     from backend.executor import Executor
     from backend.sampling_params import SamplingParams
     from tests.tiny_models import random_prompts, save_tiny_hf_model
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned worker's threads
-    save_tiny_hf_model(tmp_path, model_type="qwen2")
+    save_tiny_hf_model(tmp_path, model_type=kind, **options)
     prompts = random_prompts(3, 640, seed=5, low=10, high=40)
     params = [
         SamplingParams(max_tokens=24, ignore_end_id=True),
@@ -301,6 +306,7 @@ def test_graph_steps_on_two_ranks_give_one_ranks_tokens(tmp_path, monkeypatch):
             replays.append(runner.decode_graphs._replayed if runner.decode_graphs else 0)
         finally:
             executor.shutdown()
+            runner.release()  # the caller's runner: it stops its worker
     one, two = results
     for a, b in zip(one, two):
         assert b["error"] is None and b["token_ids"] == a["token_ids"]
