@@ -22,3 +22,12 @@ $py -m benchmarks.offline --model llama-3.2-1b --num-requests 256 --isl 100:1024
 $py -m benchmarks.offline --model llama-3.1-8b --num-requests 256 --isl 100:1024 --osl 100:1024 --seed 0 \
     --json "$out/offline_llama8b.json"
 $py -m benchmarks.decode_floor --model llama-3.1-8b --batch 1 8 64 256 --isl 128 --json "$out/decode_floor_llama8b.json"
+# Tensor parallelism, where the host has two GPUs (NVLink multicast stays off: NCCL_NVLS_ENABLE=0).
+if [ "$($py -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+  $py -m benchmarks.all_reduce --json "$out/all_reduce.json"
+  $py -m benchmarks.decode_floor --model llama-3.1-8b --batch 1 8 64 256 --isl 128 \
+      --tensor-parallel-size 2 --json "$out/decode_floor_llama8b_tp2.json"
+  $py -m benchmarks.offline --model llama-3.1-8b --num-requests 256 --isl 100:1024 --osl 100:1024 --seed 0 \
+      --tensor-parallel-size 2 --json "$out/offline_llama8b_tp2.json"
+fi
