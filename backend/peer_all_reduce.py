@@ -2,10 +2,11 @@
 memory), for the small tensors of decode steps.
 
 Why: a decode step of a tensor-parallel model sums two [rows, hidden] partials per layer over
-the ranks. Through NCCL each such all-reduce costs ~25 µs at one row on two H200s, inside a CUDA
-graph; copying the partial into a buffer the peer maps and summing both buffers in one kernel
-(torch's one-shot all-reduce, whose barriers let the next call reuse the buffer, also when
-replayed from a graph) costs ~7 µs (`benchmarks/all_reduce.py`).
+the ranks, and at a few rows NCCL's latency is most of an all-reduce's time. Here each rank
+writes its partial into a buffer the peer maps, and one kernel (torch's one-shot all-reduce)
+reads both buffers and sums them; the kernel's barriers let the next call reuse the buffer, also
+when replayed from a CUDA graph. The two paths side by side: `benchmarks/all_reduce.py`, and
+benchmarks/README.md, "Tensor parallelism on two H200s".
 
 Only for two ranks: every rank must hold the same sum, and a + b is the same in either order;
 with more ranks the kernel's summation order could differ between them. Larger tensors

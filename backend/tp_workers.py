@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import datetime
 import logging
-from dataclasses import dataclass
 import multiprocessing
 import socket
 import threading
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 import numpy as np
@@ -113,7 +113,7 @@ def send_step(
 ) -> None:
     """Rank 0: broadcast a step's host arrays (ARRAY_DTYPES' order; the fill rows only when
     some input is in flight) and its prompt spans (first row, rows). `command` GRAPH_STEP: a
-    step the decode graphs replay (`ModelRunner.prepare` says which arrays it fills)."""
+    step the decode graphs replay, its arrays `GraphStep.arrays()`."""
     header = np.zeros(HEADER_LEN, dtype=np.int64)
     header[0] = command
     header[1 : 1 + len(arrays)] = [a.size for a in arrays]
