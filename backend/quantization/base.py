@@ -8,6 +8,11 @@ from torch import nn
 
 from backend.kernels.gemv_weight import StreamedWeight
 
+try:  # CPU-only installs without Triton use the torch path
+    from backend.kernels import gemv
+except ImportError:
+    gemv = None
+
 
 class QuantizedWeight(nn.Module):
     """A [out_features, in_features] weight held quantized; its tensors are buffers whose first
@@ -25,6 +30,16 @@ class QuantizedWeight(nn.Module):
     def streamed(self) -> StreamedWeight | None:
         """The weight as the one-token kernels stream it; None: a format they do not read."""
         return None
+
+    def streamed_matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """x @ W^T (+ bias) through the one-token GEMV when it takes x (one row on GPU, a
+        format it streams); None otherwise."""
+        streamed = None if gemv is None else self.streamed()
+        if streamed is None or not gemv.supports(x, streamed):
+            return None
+        return gemv.gemv(x.contiguous(), streamed, bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features] in x's dtype; the torch path: de-quantize into

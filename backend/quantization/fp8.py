@@ -17,9 +17,9 @@ from backend.kernels.gemv_weight import StreamedWeight
 from backend.quantization.base import QuantizedWeight
 
 try:  # CPU-only installs without Triton use the torch path
-    from backend.kernels import fp8_gemm, gemv
+    from backend.kernels import fp8_gemm
 except ImportError:
-    fp8_gemm = gemv = None
+    fp8_gemm = None
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -57,9 +57,9 @@ class Fp8Weight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda and fp8_gemm is not None and fp8_gemm.supported(x.device):
-            streamed = self.streamed()
-            if gemv.supports(x, streamed):  # one row: W8A16, see the module docstring
-                return gemv.gemv(x.contiguous(), streamed, bias)
+            one_row = self.streamed_matmul(x, bias)  # W8A16, see the module docstring
+            if one_row is not None:
+                return one_row
             xq, x_scales = fp8_gemm.quantize_rows(x.contiguous())
             return fp8_gemm.fp8_linear(
                 xq, x_scales, self.qweight, self.scales, bias, out_dtype=x.dtype

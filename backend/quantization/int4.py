@@ -21,9 +21,9 @@ from backend.quantization.int4_packing import quantize_groups
 AT_LOAD_GROUPS = (128, 64, 32)  # int4_wo: the largest that divides a layer's input width
 
 try:  # CPU-only installs without Triton use the torch path
-    from backend.kernels import gemv, int4_matmul
+    from backend.kernels import int4_matmul
 except ImportError:
-    gemv = int4_matmul = None
+    int4_matmul = None
 
 
 class Int4Weight(QuantizedWeight):
@@ -92,9 +92,9 @@ class Int4Weight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda and int4_matmul is not None:
-            streamed = self.streamed()
-            if gemv.supports(x, streamed):
-                return gemv.gemv(x.contiguous(), streamed, bias)
+            one_row = self.streamed_matmul(x, bias)
+            if one_row is not None:
+                return one_row
             args = (x, self.qweight, self.scales, self.zeros, self.group_size, bias)
             return int4_matmul.int4_gemm(*args)
         return super().matmul(x, bias)

@@ -9,9 +9,9 @@ from backend.kernels.gemv_weight import StreamedWeight
 from backend.quantization.base import QuantizedWeight
 
 try:  # CPU-only installs without Triton use the torch path
-    from backend.kernels import gemv, int8_matmul
+    from backend.kernels import int8_matmul
 except ImportError:
-    gemv = int8_matmul = None
+    int8_matmul = None
 
 
 class Int8Weight(QuantizedWeight):
@@ -41,8 +41,8 @@ class Int8Weight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda and int8_matmul is not None:
-            streamed = self.streamed()
-            if gemv.supports(x, streamed):
-                return gemv.gemv(x.contiguous(), streamed, bias)
+            one_row = self.streamed_matmul(x, bias)
+            if one_row is not None:
+                return one_row
             return int8_matmul.int8_gemm(x, self.qweight, self.scales, bias)
         return super().matmul(x, bias)
