@@ -36,7 +36,7 @@ class QuantizedWeight(nn.Module):
     ) -> torch.Tensor | None:
         """x @ W^T (+ bias) through the one-token GEMV when it takes x (one row on GPU, a
         format it streams); None otherwise."""
-        streamed = None if gemv is None else self.streamed()
+        streamed = None if gemv is None or not x.is_cuda else self.streamed()
         if streamed is None or not gemv.supports(x, streamed):
             return None
         return gemv.gemv(x.contiguous(), streamed, bias)
