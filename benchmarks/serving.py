@@ -109,6 +109,29 @@ def count_wrong(records, expected, token_ids: bool) -> int:
     )
 
 
+def parse_cpus(text: str) -> set[int]:
+    """A CPU list as taskset writes it: "12-15", "0,2,4-7"."""
+    cpus = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def split_cpus(client_cpus: str | None) -> tuple[set[int] | None, set[int] | None]:
+    """(client CPUs, server CPUs): this process keeps the others, and the server it starts
+    (tritonserver, its stubs, the engine) and the engine alone run there, as on a host whose
+    clients are elsewhere."""
+    if not client_cpus:
+        return None, None
+    clients = parse_cpus(client_cpus)
+    server = os.sched_getaffinity(0) - clients
+    if not server or not clients <= os.sched_getaffinity(0):
+        raise SystemExit(f"--client-cpus {client_cpus}: must be a strict subset of this host's CPUs")
+    os.sched_setaffinity(0, server)
+    return clients, server
+
+
 def requests_at(concurrency: int, args) -> int:
     return min(args.num_requests, max(args.min_requests, 8 * concurrency))
 
@@ -197,6 +220,7 @@ def run_server_loads(
             max(args.concurrency),
             args.processes,
             gone,
+            cpus=args.client_cpu_set,
         )
         for spec in args.targets:
             model, kind = spec.split(":")
@@ -210,7 +234,12 @@ def run_server_loads(
                     continue
                 timed = args.timeline and kind == "grpc"
                 records = run_clients(
-                    Target(kind, model, url, args.exact_with, timed), load, c, args.processes, gone
+                    Target(kind, model, url, args.exact_with, timed),
+                    load,
+                    c,
+                    args.processes,
+                    gone,
+                    cpus=args.client_cpu_set,
                 )
                 row = {"target": spec, "concurrency": c, **summarize(records, load)}
                 if expected:
@@ -329,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         default=max(1, min(8, (os.cpu_count() or 2) // 2)),
         help="client processes",
     )
+    p.add_argument(
+        "--client-cpus",
+        default=None,
+        help="CPU list (e.g. 12-15) for the client processes; the server and the engine alone "
+        "run on the others",
+    )
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens")
     p.add_argument("--no-engine-alone", action="store_true")
@@ -359,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--server-log", default=None)
     args = p.parse_args(argv)
+    args.client_cpu_set, server_cpus = split_cpus(args.client_cpus)
 
     from benchmarks.provenance import provenance, save_json
     from backend.model_runner import pick_device
@@ -384,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         **provenance(pick_device(args.device)),
         "exact_with": args.exact_with,
         "client_processes": args.processes,
+        "client_cpus": sorted(args.client_cpu_set or ()),
+        "server_cpus": sorted(server_cpus or ()),
         "mean_prompt_tokens": sum(len(r.prompt_ids) for r in requests) / len(requests),
         "settings": {f.name: getattr(settings, f.name) for f in fields(settings)},
         "runs": [],

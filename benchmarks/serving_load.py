@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -181,11 +182,12 @@ def run_clients(
     processes: int,
     gone=None,
     stall_s: float = STALL_S,
+    cpus: set[int] | None = None,
 ) -> list[Record]:
-    """Closed loop at `concurrency` through `processes` client processes. `gone()`: why the
-    server is gone (a message), else None; checked every second. Raises RuntimeError as soon as
-    it is gone, or when no request has finished for `stall_s`, instead of waiting on clients
-    whose server will never answer."""
+    """Closed loop at `concurrency` through `processes` client processes (on `cpus`, when
+    given). `gone()`: why the server is gone (a message), else None; checked every second.
+    Raises RuntimeError as soon as it is gone, or when no request has finished for `stall_s`,
+    instead of waiting on clients whose server will never answer."""
     processes = max(1, min(processes, concurrency))
     ctx = mp.get_context("spawn")
     counter = ctx.Value("i", 0)
@@ -194,7 +196,9 @@ def run_clients(
     shares = [concurrency // processes + (p < concurrency % processes) for p in range(processes)]
     workers = [
         ctx.Process(
-            target=_worker, args=(target, requests, share, counter, start, results), daemon=True
+            target=_worker,
+            args=(target, requests, share, counter, start, results, cpus),
+            daemon=True,
         )
         for share in shares
     ]
@@ -244,8 +248,10 @@ class _Watch:
                 raise RuntimeError(f"the load stopped: {why}")
 
 
-def _worker(target: Target, requests, slots: int, counter, start, results) -> None:
+def _worker(target: Target, requests, slots: int, counter, start, results, cpus) -> None:
     try:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
         take = _Taker(counter, len(requests))
         run = _grpc_slots if target.kind == "grpc" else _http_slots
         results.put("ready")
