@@ -127,7 +127,9 @@ def split_cpus(client_cpus: str | None) -> tuple[set[int] | None, set[int] | Non
     clients = parse_cpus(client_cpus)
     server = os.sched_getaffinity(0) - clients
     if not server or not clients <= os.sched_getaffinity(0):
-        raise SystemExit(f"--client-cpus {client_cpus}: must be a strict subset of this host's CPUs")
+        raise SystemExit(
+            f"--client-cpus {client_cpus}: must be a strict subset of this host's CPUs"
+        )
     os.sched_setaffinity(0, server)
     return clients, server
 
