@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from backend.request import Request
+from backend.staging import to_device
 from backend.sampling_params import SamplingParams
 
 
@@ -88,7 +89,7 @@ class PromptTokenCache:
         if entry is None or entry[0] != len(request.prompt_ids):
             # numpy converts a long list far faster than torch.tensor does.
             distinct = np.unique(np.asarray(request.prompt_ids, dtype=np.int64))
-            entry = (len(request.prompt_ids), torch.from_numpy(distinct).to(self.device))
+            entry = (len(request.prompt_ids), to_device(distinct, torch.long, self.device))
             self._tokens[request.request_id] = entry
         return entry[1]
 
@@ -116,7 +117,7 @@ def apply_logits_processors(
         for token, b in r.sampling.embedding_bias.items():
             rows.append(i), cols.append(token), bias.append(b)
     if rows:
-        bias_t = torch.tensor(bias, dtype=logits.dtype, device=device)
+        bias_t = to_device(bias, logits.dtype, device)
         logits.index_put_(_index(rows, cols, device), bias_t, accumulate=True)
 
     # 2 + 3. Bans. Ids outside the vocab (e.g. end_id = -1, "no end id") are ignored.
@@ -126,7 +127,7 @@ def apply_logits_processors(
             if 0 <= token < vocab_size:
                 rows.append(i), cols.append(token)
     if rows:
-        logits.index_put_(_index(rows, cols, device), torch.tensor(float("-inf"), device=device))
+        logits.index_put_(_index(rows, cols, device), logits.new_full((), float("-inf")))
 
     # 4. Repetition penalty over prompt + output. A token seen several times appears several
     # times in the index, but every copy computes the same new value from the same gathered old
@@ -137,8 +138,8 @@ def apply_logits_processors(
         prompts = [prompt_cache.get(requests[i]) for i in penalised]
         lengths = [t.numel() for t in prompts]
         prompt_rows = torch.repeat_interleave(
-            torch.tensor(penalised, device=device),
-            torch.tensor(lengths, device=device),
+            to_device(penalised, torch.long, device),
+            to_device(lengths, torch.long, device),
             output_size=sum(lengths),
         )
         idx = (torch.cat([prompt_rows, rows_t]), torch.cat([*prompts, cols_t]))
@@ -162,7 +163,7 @@ def apply_logits_processors(
 
 
 def _index(rows: list[int], cols: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    both = torch.tensor([rows, cols], dtype=torch.long).to(device)
+    both = to_device([rows, cols], torch.long, device)
     return both[0], both[1]
 
 
@@ -174,11 +175,10 @@ def _output_index(requests: list[Request], rows: list[int], device):
         out = requests[i].output_ids
         flat += out
         row_ids += [i] * len(out)
-    both = torch.from_numpy(np.array([row_ids, flat], dtype=np.int64).reshape(2, -1))
-    both = both.to(device)
+    both = to_device(np.array([row_ids, flat], dtype=np.int64).reshape(2, -1), torch.long, device)
     return both[0], both[1]
 
 
 def _per_row(requests: list[Request], value, like: torch.Tensor) -> torch.Tensor:
     """A [B] tensor holding value(sampling params) for every row."""
-    return torch.tensor([value(r.sampling) for r in requests], dtype=like.dtype, device=like.device)
+    return to_device([value(r.sampling) for r in requests], like.dtype, like.device)

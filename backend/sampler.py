@@ -41,6 +41,7 @@ from backend.logits_processors import (
 from backend.logprobs import top_logprobs
 from backend.request import Request
 from backend.sampling_params import SamplingParams
+from backend.staging import to_device
 
 try:  # on GPU, a two-kernel argmax: torch's is slow on a vocabulary-wide row (benchmarks/README.md)
     from backend.kernels.argmax import argmax_rows
@@ -228,12 +229,12 @@ class Sampler:
             return tokens
         params = [requests[i].sampling for i in sampled]
         # One host-to-device copy for all per-row scalars (top_k < 2**24 is exact in float32).
-        table = torch.tensor(
+        table = to_device(
             [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params],
-            dtype=torch.float32,
-            device=logits.device,
+            torch.float32,
+            logits.device,
         )
-        rows = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+        rows = to_device(sampled, torch.long, logits.device)
         scaled = logits[rows] / table[:, 0:1]
         filtered = filter_logits(
             scaled,
@@ -254,7 +255,7 @@ class Sampler:
             noise.exponential_(generator=self.generator)
         elif unseeded:
             block = torch.empty((len(unseeded), shape[1]), dtype=torch.float32, device=self.device)
-            noise[torch.tensor(unseeded, device=self.device)] = block.exponential_(
+            noise[to_device(unseeded, torch.long, self.device)] = block.exponential_(
                 generator=self.generator
             )
         for j, r in enumerate(requests):

@@ -1,4 +1,5 @@
-"""Host-to-device transfer of a step's small index arrays in one copy.
+"""Host-to-device transfer of a step's small index arrays in one copy (and of a sampler's
+index list, `to_device`), never waiting for the device.
 
 A step needs half a dozen small arrays on the device (token ids, positions, cache slots, block
 tables, ...). Copying each from freshly pinned memory costs a pinned allocation and a transfer
@@ -50,6 +51,15 @@ class StagingBuffer:
             self.dev[start : start + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
             for a, start in zip(arrays, offsets)
         ]
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A list or array as a tensor on `device`, queued behind the step's kernels: a copy from
+    pageable memory would make the host wait for every kernel queued before it."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
