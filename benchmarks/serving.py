@@ -138,6 +138,16 @@ def requests_at(concurrency: int, args) -> int:
     return min(args.num_requests, max(args.min_requests, 8 * concurrency))
 
 
+def warm_loads(args) -> list[tuple[int, int]]:
+    """(concurrency, requests) of the warm-up loads: every level once, the largest first, so
+    that no measured level is the first to meet its batch shapes (kernel compiles)."""
+    levels = sorted(set(args.concurrency), reverse=True)
+    return [
+        (c, requests_at(c, args) if c == levels[0] else min(requests_at(c, args), 4 * c))
+        for c in levels
+    ]
+
+
 def settings_for(args, model_dir: str):
     from ensemble.server import free_port
     from ensemble.settings import ServeSettings
@@ -171,12 +181,8 @@ def run_engine_alone(settings, requests, args, expected) -> list[dict]:
     rows = []
     try:
         warm = [LoadRequest(r.text, list(reversed(r.prompt_ids)), r.output_len) for r in requests]
-        engine_closed_loop(
-            executor,
-            warm[: requests_at(max(args.concurrency), args)],
-            max(args.concurrency),
-            args.exact_with,
-        )
+        for c, n in warm_loads(args):
+            engine_closed_loop(executor, warm[:n], c, args.exact_with)
         for c in args.concurrency:
             load = requests[: requests_at(c, args)]
             records = engine_closed_loop(executor, load, c, args.exact_with)
@@ -216,14 +222,9 @@ def run_server_loads(
         warm = [
             LoadRequest(r.text[::-1], list(reversed(r.prompt_ids)), r.output_len) for r in requests
         ]
-        run_clients(
-            Target("grpc", "ensemble", server.grpc_url, args.exact_with),
-            warm[: requests_at(max(args.concurrency), args)],
-            max(args.concurrency),
-            args.processes,
-            gone,
-            cpus=args.client_cpu_set,
-        )
+        for c, n in warm_loads(args):
+            target = Target("grpc", "ensemble", server.grpc_url, args.exact_with)
+            run_clients(target, warm[:n], c, args.processes, gone, cpus=args.client_cpu_set)
         for spec in args.targets:
             model, kind = spec.split(":")
             url = server.http_url if kind == "http" else server.grpc_url
