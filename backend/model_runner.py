@@ -1,8 +1,8 @@
 """The model runner: loads the model, owns the paged KV cache, runs one packed step.
 
 The engine hands it the chunks scheduled this step (prefill chunks and decodes together); the
-runner packs them into one batch (token ids, positions, cache slots, block tables), runs the model
-and returns logits for the chunks that sample, and the prompt log-probs of the requests that ask
+runner packs them into one batch (`backend.step_packing`: token ids, positions, cache slots, block
+tables), puts it on the device, runs the model and returns logits for the chunks that sample, and the prompt log-probs of the requests that ask
 for them (`backend.logprobs`: only then are other rows projected to the vocabulary). An in-flight
 token's input id (overlap scheduling, `backend.engine`) is taken on the device from the sampled
 ids of the step in flight.
@@ -31,8 +31,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, replace
-from itertools import accumulate, chain
-from operator import attrgetter
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -43,7 +42,8 @@ from backend.config import EngineConfig
 from backend.cuda_graphs import DecodeGraphs, ReplayIds
 from backend.kv_cache_memory import KVCacheLayout
 from backend.logprobs import PromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
-from backend.staging import StagingBuffer
+from backend.staging import StagingTurns
+from backend.step_packing import pack_step
 from backend.model_config import ModelConfig
 from backend.model_loader import load_model, weight_bytes
 from backend.model_paths import kept_gguf, resolve_model
@@ -63,11 +63,6 @@ DTYPES = {
 }
 DEFAULT_MAX_SEQ_LEN = 8192
 CPU_KV_CACHE_CAP_BYTES = 4 << 30
-
-
-_request, _start, _num_tokens, _samples, _block_ids = (
-    attrgetter(name) for name in ("request", "start", "num_tokens", "samples", "block_ids")
-)
 
 
 @dataclass
@@ -92,9 +87,6 @@ class StepInputs:
     attn_meta: AttentionMetadata
     logits_indices: torch.Tensor  # [N] int, rows of the last token of each sampling chunk
     in_graph: bool = False  # staged for a decode CUDA graph, which reads it when replayed
-
-
-_STAND_IN = [0]  # the input id of an in-flight token until the device replaces it
 
 
 def pick_device(name: str) -> torch.device:
@@ -166,9 +158,7 @@ class ModelRunner:
         # overlap scheduling step n+1 is packed while step n's inputs may still be waiting in
         # pinned memory for the device to reach their copy. A buffer is refilled only once its
         # previous copy is done (in practice long done: the executor has waited for step n-1).
-        self._staging = (StagingBuffer(self.device), StagingBuffer(self.device))
-        self._staging_done: list[torch.cuda.Event | None] = [None, None]
-        self._num_prepared = 0
+        self._staging = StagingTurns(self.device)
         self.model = load_model(
             self.model_dir,
             self.device,
@@ -258,7 +248,7 @@ class ModelRunner:
         """
         rows = None
         if prompt_logprobs:
-            rows = prompt_rows(chunks, accumulate(map(_num_tokens, chunks), initial=0))
+            rows = prompt_rows(chunks, accumulate((c.num_tokens for c in chunks), initial=0))
         if self.workers is None:
             return self._execute(chunks, in_flight_ids, banned_ids, rows)
         self._step_sent = False
@@ -381,89 +371,33 @@ class ModelRunner:
         allow_graph: bool = True,
         prompt_spans: list[tuple[int, int]] = (),
     ) -> StepInputs:
-        """Pack the chunks into one batch (tensor parallel: and send it to the other ranks, with
-        the prompt rows `prompt_spans` whose logits the step computes). No Python loop over
-        requests beyond reading their lists: at batch 256 this runs every step, so block tables
-        are filled with one masked numpy assignment from all block ids chained together. With
-        several KV cache groups the slots and block tables hold each group's in turn (rows g * n
-        .. of the tables, g * T .. of the slots). A step that a decode CUDA graph will run is
-        staged straight into the graph's inputs (`in_graph`)."""
-        if not chunks:
-            raise ValueError("execute() needs at least one chunk")
-        tokens_per_block = self.tokens_per_block
-        n = len(chunks)
-        requests = list(map(_request, chunks))  # map + attrgetter: C-speed gathers
-        block_lists = list(map(_block_ids, requests))
-        query_lens = np.fromiter(map(_num_tokens, chunks), dtype=np.int64, count=n)
-        starts = np.fromiter(map(_start, chunks), dtype=np.int64, count=n)
-        seq_lens = starts + query_lens
-        if query_lens.min() < 1:
-            raise ValueError("every chunk needs at least one token")
-        if seq_lens.max() > self.max_seq_len:
-            raise ValueError(
-                f"sequence of {seq_lens.max()} tokens exceeds max_seq_len {self.max_seq_len}"
-            )
-        query_start_loc = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        num_blocks = -(-seq_lens // tokens_per_block)
-        held = np.fromiter(map(len, block_lists), dtype=np.int64, count=n)
-        short = np.flatnonzero(held < num_blocks)
-        if short.size:
-            i = int(short[0])
-            raise ValueError(
-                f"chunk {i} covers {seq_lens[i]} tokens but has only "
-                f"{held[i]} blocks of {tokens_per_block}"
-            )
-        block_tables = _block_table(block_lists, held, num_blocks)
-        # Per token: which chunk it belongs to, its position and its cache slot.
-        seq_of_token = np.repeat(np.arange(len(chunks)), query_lens)
-        total = int(query_start_loc[-1])
-        positions = starts[seq_of_token] + np.arange(total) - query_start_loc[seq_of_token]
-        block_of_token, offset = positions // tokens_per_block, positions % tokens_per_block
-        slots = block_tables[seq_of_token, block_of_token] * tokens_per_block + offset
-        if len(self.kv_group_blocks) > 1:  # each group's tables and slots in turn
-            tables = [block_tables] + [
-                _block_table([_group_table(r, g) for r in requests], held, num_blocks)
-                for g in range(1, len(self.kv_group_blocks))
-            ]
-            block_tables = np.concatenate(tables)
-            slots = np.concatenate(
-                [t[seq_of_token, block_of_token] * tokens_per_block + offset for t in tables]
-            )
-        samples = np.fromiter(map(_samples, chunks), dtype=bool, count=n)
-        logits_indices = (query_start_loc[1:] - 1)[samples]
-        # An in-flight token is a chunk of its own (every other token of its request is
-        # computed); its input id is a stand-in here, replaced on the device.
-        in_flight_rows = [r.in_flight_row for r in requests]
-        token_lists = [
-            r.tokens(c.start, c.start + c.num_tokens) if row is None else _STAND_IN
-            for c, r, row in zip(chunks, requests, in_flight_rows)
-        ]
-        input_ids = np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=total)
-        in_flight = None  # per chunk: its input's row of in_flight_ids, -1 when known
-        if in_flight_rows.count(None) < n:
-            if in_flight_ids is None:
-                raise ValueError("chunks of in-flight tokens but no in-flight ids were given")
-            in_flight = np.array(
-                [-1 if row is None else row for row in in_flight_rows], dtype=np.int64
-            )
+        """Pack the chunks into one batch (`backend.step_packing`) on the device (tensor
+        parallel: and send it to the other ranks, with the prompt rows `prompt_spans` whose
+        logits the step computes). A step that a decode CUDA graph will run is staged straight
+        into the graph's inputs (`in_graph`)."""
+        packed = pack_step(
+            chunks, self.tokens_per_block, self.max_seq_len, len(self.kv_group_blocks)
+        )
+        in_flight, n = packed.in_flight, len(chunks)
+        if in_flight is not None and in_flight_ids is None:
+            raise ValueError("chunks of in-flight tokens but no in-flight ids were given")
         graphs = self.decode_graphs
         if (
             graphs is not None
             and allow_graph
-            and total == n
+            and packed.num_tokens == n
             and n <= graphs.max_batch_size
-            and samples.all()
+            and packed.samples.all()
         ):
             own = in_flight_ids is not None and (
                 in_flight_ids.data_ptr() == graphs.sampled_ids.data_ptr()
             )
             step = tp_workers.GraphStep(
-                input_ids,
-                positions,
-                slots,
-                seq_lens,
-                block_tables,
+                packed.input_ids,
+                packed.positions,
+                packed.slots,
+                packed.seq_lens,
+                packed.block_tables,
                 in_flight,
                 banned_ids,
                 ids_sent=in_flight is not None and not own,
@@ -479,17 +413,17 @@ class ModelRunner:
                 in_graph=True,
             )
         arrays = [
-            input_ids,
-            positions,
-            slots,
-            query_start_loc.astype(np.int32),
-            seq_lens.astype(np.int32),
-            block_tables.astype(np.int32),
-            logits_indices,
+            packed.input_ids,
+            packed.positions,
+            packed.slots,
+            packed.query_start_loc.astype(np.int32),
+            packed.seq_lens.astype(np.int32),
+            packed.block_tables.astype(np.int32),
+            packed.logits_indices,
         ]
         if in_flight is not None:
             chunks_in_flight = np.flatnonzero(in_flight >= 0)
-            arrays.append((query_start_loc[1:] - 1)[chunks_in_flight])
+            arrays.append((packed.query_start_loc[1:] - 1)[chunks_in_flight])
         if self._sends_steps:
             tp_workers.send_step(self.tp, arrays, list(prompt_spans))
             self._step_sent = True
@@ -503,7 +437,7 @@ class ModelRunner:
         """A step's packed host arrays (`prepare`'s, or those rank 0 sent) on the device. The
         ids of the rows in flight come from `in_flight_ids` (by the last array's rows), or from
         rank 0 when tensor parallel."""
-        ids_d, pos_d, slots_d, qsl_d, seq_d, bt_d, li_d, *fill = self._to_device(arrays)
+        ids_d, pos_d, slots_d, qsl_d, seq_d, bt_d, li_d, *fill = self._staging.to_device(arrays)
         num_groups, total, n = len(self.kv_group_blocks), arrays[0].size, arrays[4].size
         if fill:
             if len(fill) == 2:
@@ -534,28 +468,6 @@ class ModelRunner:
             for g in range(1, num_groups)
         )
         return StepInputs(ids_d, pos_d, meta, li_d)
-
-    def _to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        staging = self._next_staging()
-        tensors = staging.to_device(arrays)
-        self._staged(staging)
-        return tensors
-
-    def _next_staging(self) -> StagingBuffer:
-        """The staging buffer whose turn it is, once its previous copy is done."""
-        turn = self._num_prepared % 2
-        done = self._staging_done[turn]
-        if done is not None:
-            done.synchronize()
-        return self._staging[turn]
-
-    def _staged(self, staging: StagingBuffer) -> None:
-        """Mark `staging`'s copy as queued: it may be refilled once the device has done it."""
-        turn = self._num_prepared % 2
-        self._num_prepared += 1
-        if self.device.type == "cuda":
-            done = self._staging_done[turn] = self._staging_done[turn] or torch.cuda.Event()
-            done.record()
 
     # ---- sizing ------------------------------------------------------------------------------
     def _pick_max_seq_len(self) -> int:
@@ -656,24 +568,3 @@ def dist_min():
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MIN
     return options
-
-
-def _block_table(block_lists: list[list[int]], held: np.ndarray, num_blocks: np.ndarray):
-    """Row i: the first num_blocks[i] ids of block_lists[i] (held[i] long), zeros after and for
-    FREED entries (outside every window)."""
-    columns = np.arange(max(int(held.max()), 1))
-    table = np.zeros((len(block_lists), columns.size), dtype=np.int64)
-    table[columns < held[:, None]] = np.fromiter(
-        chain.from_iterable(block_lists), dtype=np.int64, count=int(held.sum())
-    )
-    width = int(num_blocks.max())
-    block_tables = table[:, :width]
-    block_tables[columns[:width] >= num_blocks[:, None]] = 0
-    np.maximum(block_tables, 0, out=block_tables)
-    return block_tables
-
-
-def _group_table(request, group: int) -> list[int]:
-    """The request's block table in KV cache group `group` (1..); a bare sequence
-    (`Chunk.of_sequence`) has the same block ids in every group's pool."""
-    return request.group_block_ids[group - 1] if request.group_block_ids else request.block_ids

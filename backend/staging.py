@@ -9,7 +9,7 @@ pinned byte buffer, sent with a single non-blocking copy, and viewed on the devi
 (Decode CUDA graph steps do without it: the graph reads its inputs from pinned memory itself,
 `backend.cuda_graphs`.)
 
-The host buffer may be rewritten only after its last copy finished: the model runner keeps two of
+The host buffer may be rewritten only after its last copy finished: `StagingTurns` keeps two of
 these, used in turn, and waits on each one's event before reusing it (the step may be packed while
 the previous one still runs on the GPU).
 """
@@ -51,6 +51,28 @@ class StagingBuffer:
             self.dev[start : start + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
             for a, start in zip(arrays, offsets)
         ]
+
+
+class StagingTurns:
+    """Two staging buffers used in turn: a step may be packed while the previous one's copy is
+    still queued, and a buffer is refilled only once the device has done its last copy."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffers = (StagingBuffer(device), StagingBuffer(device))
+        self._done: list[torch.cuda.Event | None] = [None, None]
+        self._count = 0
+
+    def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        turn = self._count % 2
+        if self._done[turn] is not None:
+            self._done[turn].synchronize()
+        tensors = self._buffers[turn].to_device(arrays)
+        self._count += 1
+        if self.device.type == "cuda":
+            done = self._done[turn] = self._done[turn] or torch.cuda.Event()
+            done.record()
+        return tensors
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
