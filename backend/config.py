@@ -54,6 +54,9 @@ class EngineConfig:
     # layer, "4096,32768" = alternating); None = the model's own (e.g. Mistral's sliding_window).
     max_attention_window_size: str | None = None
     sink_token_length: int = 0  # first tokens that windowed layers always see
+    # A streamed request's outputs after its first carry at least this many new tokens (its last
+    # may carry fewer): fewer outputs for the host to build, send and answer at high concurrency.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -110,6 +113,7 @@ _LOWEST = {
     "seed": 0,
     "sink_token_length": 0,
     "tensor_parallel_size": 1,
+    "stream_interval": 1,
 }
 CHOICES = {
     "batch_scheduler_policy": SCHEDULER_POLICIES,

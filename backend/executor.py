@@ -68,7 +68,9 @@ class Executor:
             self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed
         )
         self._stats = ExecutorStats(kv=self.scheduler.kv_stats())
-        self.outputs = OutputProcessor(self.max_seq_len, self.eos_token_ids, self._release)
+        self.outputs = OutputProcessor(
+            self.max_seq_len, self.eos_token_ids, self._release, self.config.stream_interval
+        )
         self._live = self.outputs.live  # request_id -> LiveRequest, guarded by _lock
         self._cancel_requests: set[str] = set()
         self._lock = threading.Lock()

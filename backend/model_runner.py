@@ -2,8 +2,9 @@
 
 The engine hands it the chunks scheduled this step (prefill chunks and decodes together); the
 runner packs them into one batch (`backend.step_packing`: token ids, positions, cache slots, block
-tables), puts it on the device, runs the model and returns logits for the chunks that sample, and the prompt log-probs of the requests that ask
-for them (`backend.logprobs`: only then are other rows projected to the vocabulary). An in-flight
+tables), puts it on the device, runs the model and returns logits for the chunks that sample, and
+the prompt log-probs of the requests that ask for them (`backend.logprobs`: only then are other
+rows projected to the vocabulary). An in-flight
 token's input id (overlap scheduling, `backend.engine`) is taken on the device from the sampled
 ids of the step in flight.
 

@@ -34,10 +34,19 @@ class LiveRequest:
 
 
 class OutputProcessor:
-    def __init__(self, max_seq_len: int, default_end_ids: list[int], release: ReleaseHook):
+    def __init__(
+        self,
+        max_seq_len: int,
+        default_end_ids: list[int],
+        release: ReleaseHook,
+        stream_interval: int = 1,
+    ):
         """`release(request, reason, error)` is called once when a request ends, before its final
-        output is delivered: the executor frees its blocks, forgets it and counts it there."""
+        output is delivered: the executor frees its blocks, forgets it and counts it there.
+        `stream_interval`: a request's outputs between its first and its last wait until they
+        carry that many new tokens (fewer outputs, the same tokens)."""
         self.max_seq_len = max_seq_len
+        self.stream_interval = stream_interval
         self.default_end_ids = frozenset(default_end_ids)
         self.live: dict[str, LiveRequest] = {}
         self.num_unflushed_tokens = 0  # delivered, not yet added to the executor's stats
@@ -99,7 +108,9 @@ class OutputProcessor:
         if deliverable < start:
             deliverable = start
         finished = reason is not None
-        if deliverable == start and not finished:
+        if not finished and (
+            deliverable == start or (start and deliverable - start < self.stream_interval)
+        ):
             return
         new_ids = request.output_ids[start:deliverable]
         new_logprobs = (

@@ -168,6 +168,7 @@ def settings_for(args, model_dir: str):
         preprocessing_instance_count=4,
         llm_instance_count=args.llm_instances,
         response_rate_limit=args.response_rate_limit,
+        stream_interval=args.stream_interval,
         http_port=free_port(),
         grpc_port=free_port(),
         metrics_port=free_port(),
@@ -386,6 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="responses/s tensorrt_llm aims at under load (0: every token at once)",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the engine's stream_interval (tokens per streamed output after the first), "
+        "for the server and the engine alone",
     )
     p.add_argument("--check-text", type=int, default=4)
     p.add_argument(

@@ -278,3 +278,48 @@ def test_shutdown_frees_the_model_and_kv_cache_at_once(tiny_dir):
         assert kv_cache() is None and weight() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("interval", [3, 4])
+def test_stream_interval_gives_the_same_tokens_in_fewer_outputs(tiny_dir, interval):
+    def run(stream_interval, params):
+        ex = Executor(
+            EngineConfig(
+                model_path=str(tiny_dir),
+                device="cpu",
+                max_seq_len=256,
+                tokens_per_block=8,
+                stream_interval=stream_interval,
+            )
+        )
+        try:
+            collectors = [Collector(), Collector()]
+            for i, (prompt, c) in enumerate(zip([[3, 4, 5], [6, 7, 8, 9]], collectors)):
+                ex.submit(f"r{i}", prompt, params, c)
+            return [(c.final, [o.new_token_ids for o in c.outputs], c.tokens) for c in collectors]
+        finally:
+            ex.shutdown()
+
+    params = SamplingParams(max_tokens=11, ignore_end_id=True)
+    every = run(1, params)
+    paced = run(interval, params)
+    for (final, pieces, tokens), (final_1, pieces_1, tokens_1) in zip(paced, every):
+        assert tokens == tokens_1 and len(tokens) == 11
+        assert pieces_1 == [[t] for t in tokens_1]
+        assert pieces[0] == tokens[:1]  # the first token is not held back
+        assert all(len(p) >= interval for p in pieces[1:-1]) and 0 < len(pieces[-1])
+        assert len(pieces) < len(pieces_1) and final.finished and final_1.finished
+    # A stop sequence still ends the text where it starts, whatever was held back.
+    stop = every[0][2][6:8]
+    stopped = run(
+        interval, SamplingParams(max_tokens=11, ignore_end_id=True, stop_token_ids=[stop])
+    )
+    assert stopped[0][0].finish_reason == FinishReason.STOP
+    free = every[0][2]
+    first = next(i for i in range(len(free)) if free[i : i + 2] == stop)
+    assert stopped[0][2] == free[:first]
+
+
+def test_stream_interval_is_checked():
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineConfig(stream_interval=0)
