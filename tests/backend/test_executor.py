@@ -28,17 +28,13 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
+def tiny_config(tiny_dir, **settings) -> EngineConfig:
+    return EngineConfig(model_path=str(tiny_dir), device="cpu", tokens_per_block=8, **settings)
+
+
 @pytest.fixture
 def executor(tiny_dir):
-    ex = Executor(
-        EngineConfig(
-            model_path=str(tiny_dir),
-            device="cpu",
-            max_seq_len=256,
-            tokens_per_block=8,
-            max_batch_size=8,
-        )
-    )
+    ex = Executor(tiny_config(tiny_dir, max_seq_len=256, max_batch_size=8))
     yield ex
     ex.shutdown()
 
@@ -149,15 +145,7 @@ def test_end_id_finishes_and_is_not_delivered(executor):
 
 
 def test_queue_full_is_refused_explicitly(tiny_dir):
-    ex = Executor(
-        EngineConfig(
-            model_path=str(tiny_dir),
-            device="cpu",
-            max_batch_size=1,
-            max_queue_size=1,
-            tokens_per_block=8,
-        )
-    )
+    ex = Executor(tiny_config(tiny_dir, max_batch_size=1, max_queue_size=1))
     try:
         first, second = Collector(), Collector()
         ex.submit("a", [3, 4], SamplingParams(max_tokens=100, ignore_end_id=True), first)
@@ -182,7 +170,7 @@ class PoisonedRunner(ModelRunner):
 
 
 def test_a_failing_request_fails_alone(tiny_dir):
-    config = EngineConfig(model_path=str(tiny_dir), device="cpu", tokens_per_block=8)
+    config = tiny_config(tiny_dir)
     clean = Executor(config)
     prompts = random_prompts(6, 512, seed=3)
     prompts = [[t for t in p if t != POISON] for p in prompts]
@@ -202,10 +190,8 @@ def test_a_failing_request_fails_alone(tiny_dir):
 
 def test_a_request_failing_in_a_prefill_chunk_that_does_not_sample_fails(tiny_dir):
     """Its KV for that chunk was never written: it must not go on to sample from it."""
-    config = EngineConfig(
-        model_path=str(tiny_dir),
-        device="cpu",
-        tokens_per_block=8,
+    config = tiny_config(
+        tiny_dir,
         max_num_tokens=8,
         enable_chunked_context=True,
     )
@@ -264,9 +250,7 @@ def test_offline_command_default_model(capsys):
 def test_shutdown_frees_the_model_and_kv_cache_at_once(tiny_dir):
     """Shutdown hands the runner's memory back without waiting for the garbage collector to find
     the engine's reference cycles (on a GPU, a benchmark's next model needs that memory)."""
-    ex = Executor(
-        EngineConfig(model_path=str(tiny_dir), device="cpu", max_seq_len=256, tokens_per_block=8)
-    )
+    ex = Executor(tiny_config(tiny_dir, max_seq_len=256))
     assert ex.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0]["error"] is None
     kv_cache, weight = (
         weakref.ref(ex.runner.kv_cache),
@@ -283,15 +267,7 @@ def test_shutdown_frees_the_model_and_kv_cache_at_once(tiny_dir):
 @pytest.mark.parametrize("interval", [3, 4])
 def test_stream_interval_gives_the_same_tokens_in_fewer_outputs(tiny_dir, interval):
     def run(stream_interval, params):
-        ex = Executor(
-            EngineConfig(
-                model_path=str(tiny_dir),
-                device="cpu",
-                max_seq_len=256,
-                tokens_per_block=8,
-                stream_interval=stream_interval,
-            )
-        )
+        ex = Executor(tiny_config(tiny_dir, max_seq_len=256, stream_interval=stream_interval))
         try:
             collectors = [Collector(), Collector()]
             for i, (prompt, c) in enumerate(zip([[3, 4, 5], [6, 7, 8, 9]], collectors)):
