@@ -42,6 +42,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" = triton on GPU, torch on CPU
     cuda_graphs: bool = True  # decode-only steps on GPU
     quantization: str = "none"  # one of QUANTIZATIONS
+    # Comma-separated fragments of module names ("layers.0.,layers.29.", "down_proj") whose
+    # projections stay in the model dtype when float weights are quantized at load.
+    quantization_exclude: str | None = None
     seed: int = 0  # engine-wide generator for unseeded sampling
     # Ranks the model is split across (backend/tensor_parallel.py): processes on this host, gloo
     # on CPU, NCCL on CUDA; `gpu_device_ids` ("0,1") picks each rank's GPU (else rank i: GPU i).
@@ -73,6 +76,7 @@ class EngineConfig:
                 f"got {self.kv_cache_free_gpu_mem_fraction!r}"
             )
         self.attention_windows()
+        self.excluded_modules()
         if self.gpu_device_ids is not None:
             ids = self.gpu_device_ids.split(",")
             if not all(i.strip().isdigit() for i in ids) or len(ids) != self.tensor_parallel_size:
@@ -84,6 +88,18 @@ class EngineConfig:
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+
+    def excluded_modules(self) -> tuple[str, ...]:
+        """`quantization_exclude` as its fragments, () when unset."""
+        if self.quantization_exclude is None:
+            return ()
+        fragments = tuple(part.strip() for part in self.quantization_exclude.split(","))
+        if not all(fragments):
+            raise ValueError(
+                "quantization_exclude must be fragments of module names separated by commas, "
+                f"got {self.quantization_exclude!r}"
+            )
+        return fragments
 
     def attention_windows(self) -> tuple[int, ...] | None:
         """`max_attention_window_size` as integers, None when unset."""

@@ -108,6 +108,7 @@ def load_model(
     gguf_file: str | None = None,
     quantization: str = "none",
     tp: TensorParallel | None = None,
+    exclude: tuple[str, ...] = (),
 ) -> torch.nn.Module:
     """Build the model for `model_dir` and fill it: safetensors weights, random ones for a preset,
     or, given `gguf_file`, that file's blocks kept quantized (the directory gives the config).
@@ -118,6 +119,7 @@ def load_model(
     if config.model_type == "null":
         return NullModel(config)
     if gguf_file is not None:
+        _refuse_exclude(exclude, "kept GGUF blocks")
         if tp is not None and tp.enabled:
             # Row-parallel layers would cut GGUF blocks across their columns.
             raise ValueError(
@@ -133,9 +135,12 @@ def load_model(
             "use quantization 'none'"
         )
     if quantization in FORMATS and quantization_config(model_dir) is not None:
+        _refuse_exclude(exclude, "quantized in the checkpoint")
         return _load_quantized(
             model_dir, quantization, config, device, dtype, attention, max_positions
         )
+    if quantization == "none":
+        _refuse_exclude(exclude, "not quantized (quantization 'none')")
     model = build_model(config, device, dtype, attention, max_positions, tp=tp)
     spec = random_weights_spec(model_dir)
     with torch.no_grad():
@@ -143,7 +148,7 @@ def load_model(
             init_random_weights(model, seed=spec.get("seed", 0), std=spec.get("std", 0.02))
         else:
             model.load_weights(iter_safetensors(model_dir))
-        quantized = quantize_at_load(model, quantization) if quantization != "none" else 0
+        quantized = quantize_at_load(model, quantization, exclude) if quantization != "none" else 0
     log.info(
         "weights: %s (%s%s)",
         _megabytes(weight_bytes(model)),
@@ -151,6 +156,14 @@ def load_model(
         f"; {quantization} x{quantized}, quantized at load" if quantized else "",
     )
     return model
+
+
+def _refuse_exclude(exclude: tuple[str, ...], weights: str) -> None:
+    if exclude:
+        raise ValueError(
+            "quantization_exclude applies to float weights quantized at load (quantization "
+            f"int8_wo, int4_wo or fp8 on a float checkpoint); these weights are {weights}"
+        )
 
 
 def _load_quantized(model_dir, quantization, config, device, dtype, attention, max_positions):

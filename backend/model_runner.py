@@ -155,10 +155,8 @@ class ModelRunner:
                 self.workers = tp_workers.Workers(config, tp_port, type(self))
             self.tp = connect(tp_rank, size, tp_port, self.device, self.dtype)
         self.decode_graphs: DecodeGraphs | None = None
-        # Two staging buffers, used in turn, each with an event marking its last copy: with
-        # overlap scheduling step n+1 is packed while step n's inputs may still be waiting in
-        # pinned memory for the device to reach their copy. A buffer is refilled only once its
-        # previous copy is done (in practice long done: the executor has waited for step n-1).
+        # With overlap scheduling step n+1 is packed while step n's inputs may still wait in
+        # pinned memory for their copy: two buffers, used in turn.
         self._staging = StagingTurns(self.device)
         self.model = load_model(
             self.model_dir,
@@ -170,6 +168,7 @@ class ModelRunner:
             gguf_file,
             config.quantization,
             self.tp,
+            config.excluded_modules(),
         )
         self.weight_bytes = weight_bytes(self.model)  # resident parameters and buffers
         self.kv_layout = KVCacheLayout(

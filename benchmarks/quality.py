@@ -4,7 +4,8 @@ documentation) and greedy agreement with the unquantized model over a fixed prom
 
 The unquantized baseline (`none`) is the float32 checkpoint de-quantized from the shipped Q4_1
 GGUF; `gguf` serves those Q4_1 blocks kept quantized (the same values, so the same numbers);
-`int8_wo` and `fp8` quantize the baseline's weights at load; `int4_awq` loads an AWQ-format
+`int8_wo` and `fp8` quantize the baseline's weights at load (`fp8_ends`: all but the first and
+last two decoder layers, `quantization_exclude`); `int4_awq` loads an AWQ-format
 checkpoint written from the baseline by the round-to-nearest packer
 (`backend.quantization.int4_packing.awq_tensors`: AWQ's layout without its activation-aware
 scaling search). SmolLM2's hidden size 576 is not a multiple of 128, so the int4 group is 64.
@@ -43,9 +44,11 @@ ROWS = {
     "int8_wo": ("int8_wo", "auto"),
     "int4_awq": ("int4_awq", "auto"),
     "fp8": ("fp8", "auto"),
+    "fp8_ends": ("fp8", "auto"),  # the first and last END_LAYERS decoder layers kept float
     "kv_fp8": ("none", "fp8"),
     "kv_int8": ("none", "int8"),
 }
+END_LAYERS = 2
 FORMATS = tuple(ROWS)
 PROMPTS = [
     "The capital of France is",
@@ -107,6 +110,14 @@ def awq_checkpoint(float_dir: str, group_size: int) -> str:
     return out
 
 
+def end_layers(model_dir: str, count: int) -> str:
+    """`quantization_exclude` for the first and last `count` decoder layers."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    ends = [*range(count), *range(layers - count, layers)]
+    return ",".join(f"layers.{i}." for i in ends)
+
+
 def perplexity(executor: Executor, ids: list[int], window: int, stride: int) -> dict:
     spans = windows(len(ids), window, stride)
     params = SamplingParams(max_tokens=1, return_prompt_log_probs=True)
@@ -165,10 +176,12 @@ def run(args) -> dict:
     results = {}
     for fmt in args.formats:
         quantization, kv_cache_dtype = ROWS[fmt]
+        exclude = end_layers(float_dir, END_LAYERS) if fmt == "fp8_ends" else None
         config = EngineConfig(
             model_path=models[fmt],
             device=args.device,
             quantization=quantization,
+            quantization_exclude=exclude,
             kv_cache_dtype=kv_cache_dtype,
             max_batch_size=args.max_batch_size,
             max_num_tokens=args.max_num_tokens,
@@ -186,6 +199,7 @@ def run(args) -> dict:
         results[fmt] = {
             **scores,
             "quantization": quantization,
+            "quantization_exclude": exclude,
             "kv_cache_dtype": kv_cache_dtype,
             "weight_bytes": weights,
             "kv_bytes_per_token": kv_token_bytes,

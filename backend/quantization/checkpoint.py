@@ -33,15 +33,27 @@ QUANTIZERS = {
 }
 
 
-def quantize_at_load(model: nn.Module, quantization: str) -> int:
-    """Replace the weight of every Linear except the lm_head by its `quantization` form
-    (int8_wo, int4_wo, fp8); returns how many layers changed."""
+def quantize_at_load(model: nn.Module, quantization: str, exclude: tuple[str, ...] = ()) -> int:
+    """Replace the weight of every Linear except the lm_head, and those whose name holds one of
+    the `exclude` fragments, by its `quantization` form (int8_wo, int4_wo, fp8); returns how many
+    layers changed."""
     quantize = QUANTIZERS[quantization]
-    count = 0
+    count, matched = 0, set()
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and module.quantized is None and name != "lm_head":
-            module.set_quantized(quantize(module.weight))
-            count += 1
+        if not isinstance(module, Linear) or module.quantized is not None or name == "lm_head":
+            continue
+        hits = {fragment for fragment in exclude if fragment in name}
+        if hits:
+            matched |= hits
+            continue
+        module.set_quantized(quantize(module.weight))
+        count += 1
+    unmatched = [fragment for fragment in exclude if fragment not in matched]
+    if unmatched:
+        raise ValueError(
+            f"quantization_exclude: {unmatched} match no projection of this model "
+            "(fragments of module names such as 'layers.0.' or 'down_proj')"
+        )
     return count
 
 

@@ -265,3 +265,49 @@ def test_int4_wo_rounds_every_projection_to_nearest_at_load(tiny_hf_model, tmp_p
         lambda w: Int4Weight.quantize(w).dequantize(w.dtype),
     )
     assert _tokens(directory, "int4_wo") == _tokens(plain)
+
+
+def test_excluded_projections_stay_float_and_the_rest_is_quantized(tiny_hf_model, tmp_path):
+    _, directory = tiny_hf_model("llama", **WIDE)
+    attention = get_attention_backend("torch", CPU)
+    dense = _load(directory)
+    kept = load_model(
+        str(directory),
+        CPU,
+        torch.float32,
+        attention,
+        256,
+        quantization="fp8",
+        exclude=("layers.0.", "down_proj"),
+    )
+    for name, layer in _projections(kept).items():
+        if "layers.0." in name or "down_proj" in name:
+            assert layer.quantized is None
+            assert torch.equal(layer.weight, dense.get_submodule(name).weight)
+        else:
+            assert isinstance(layer.quantized, Fp8Weight), name
+    # The engine parameter reaches the loader: excluding every layer gives the float tokens.
+    every_layer = ",".join(f"layers.{i}." for i in range(len(kept.model.layers)))
+    results, _ = serve(
+        directory,
+        PROMPTS,
+        16,
+        ignore_end_id=True,
+        quantization="fp8",
+        quantization_exclude=every_layer,
+    )
+    assert [r["token_ids"] for r in results] == _tokens(directory)
+
+
+@pytest.mark.parametrize(
+    "exclude, quantization, message",
+    [
+        ("layers.99.", "fp8", "['layers.99.'] match no projection"),
+        ("layers.0.", "none", "these weights are not quantized"),
+        ("layers.0.,", "fp8", "fragments of module names separated by commas"),
+    ],
+)
+def test_quantization_exclude_refusals_name_the_rule(tiny_hf_model, exclude, quantization, message):
+    _, directory = tiny_hf_model("llama", **WIDE)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        serve(directory, PROMPTS[:1], 2, quantization=quantization, quantization_exclude=exclude)
