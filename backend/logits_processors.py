@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from backend.request import Request
-from backend.staging import to_device
 from backend.sampling_params import SamplingParams
+from backend.staging import to_device
 
 
 def end_ids_for(params: SamplingParams, default_end_ids: list[int]) -> list[int]:
