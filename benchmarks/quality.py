@@ -32,6 +32,7 @@ import torch
 from backend.cache import cache_root
 from backend.config import EngineConfig
 from backend.executor import Executor
+from backend.model_config import ModelConfig
 from backend.model_paths import resolve_model
 from backend.sampling_params import SamplingParams
 from benchmarks import quality_corpus
@@ -112,8 +113,7 @@ def awq_checkpoint(float_dir: str, group_size: int) -> str:
 
 def end_layers(model_dir: str, count: int) -> str:
     """`quantization_exclude` for the first and last `count` decoder layers."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        layers = json.load(f)["num_hidden_layers"]
+    layers = ModelConfig.from_dir(model_dir).num_layers
     ends = [*range(count), *range(layers - count, layers)]
     return ",".join(f"layers.{i}." for i in ends)
 
