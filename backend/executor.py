@@ -279,6 +279,7 @@ class Executor:
         )
         stats = self._stats
         stats.num_iterations += 1
+        stats.num_context_iterations += decodes < len(batch.chunks)
         stats.num_preemptions += len(batch.preempted)
         stats.last_num_scheduled_tokens = batch.num_batched_tokens
         stats.last_num_generation_requests = decodes

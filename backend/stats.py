@@ -16,6 +16,7 @@ class ExecutorStats:
     num_failed: int = 0
     num_cancelled: int = 0
     num_iterations: int = 0
+    num_context_iterations: int = 0  # steps that computed part of some prompt (eager steps)
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # cumulative, of finished requests
     num_generated_tokens: int = 0  # cumulative, delivered tokens

@@ -46,6 +46,7 @@ from benchmarks.serving_load import (
     summarize,
 )
 from benchmarks.serving_perf_analyzer import perf_analyzer_summary
+from backend.engine_service import STATS_PERIOD_S
 
 TARGETS = ("ensemble:grpc", "ensemble:http", "tensorrt_llm_bls:grpc", "tensorrt_llm:grpc")
 # The same load from perf_analyzer (C++ clients) where it is installed; text models only.
@@ -175,23 +176,62 @@ def settings_for(args, model_dir: str):
     )
 
 
+def step_counts(before: tuple[int, int], after: tuple[int, int], row: dict) -> dict:
+    """The engine's steps during a load, from its (iterations, context iterations) counters:
+    more steps for the same tokens means emptier batches; longer steps, slower ones (prompt
+    chunks run as eager steps)."""
+    steps, context = after[0] - before[0], after[1] - before[1]
+    return {
+        "engine_steps": steps,
+        "engine_context_steps": context,
+        "ms_per_step": 1e3 * row["wall_s"] / steps if steps else None,
+        "tokens_per_step": row["output_tokens"] / steps if steps else None,
+    }
+
+
+def metrics_counts(metrics_url: str) -> tuple[int, int]:
+    """(iterations, context iterations) from the server's metrics, once they are current."""
+    import urllib.request
+
+    time.sleep(3 * STATS_PERIOD_S)  # the gauges are refreshed every stats period
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        for label in ('general_type="iteration_counter"', 'metric="context_iterations"'):
+            if label in line and not line.startswith("#"):
+                values[label] = int(float(line.rsplit(" ", 1)[1]))
+    return values.get('general_type="iteration_counter"', 0), values.get(
+        'metric="context_iterations"', 0
+    )
+
+
 def run_engine_alone(settings, requests, args, expected) -> list[dict]:
     from backend.executor import Executor
 
     executor = Executor(settings.engine_config())
+
+    def counts() -> tuple[int, int]:
+        stats = executor.stats()
+        return stats.num_iterations, stats.num_context_iterations
+
     rows = []
     try:
         warm = [LoadRequest(r.text, list(reversed(r.prompt_ids)), r.output_len) for r in requests]
         for c, n in warm_loads(args):
             engine_closed_loop(executor, warm[:n], c, args.exact_with)
-        for c in args.concurrency:
-            load = requests[: requests_at(c, args)]
-            records = engine_closed_loop(executor, load, c, args.exact_with)
-            row = {"target": "engine", "concurrency": c, **summarize(records, load)}
-            if expected:
-                row["wrong_outputs"] = count_wrong(records, expected, token_ids=True)
-            rows.append(row)
-            _print(row)
+        for jitter_ms in [0.0, *args.engine_jitter_ms]:
+            for c in args.concurrency:
+                load = requests[: requests_at(c, args)]
+                before = counts()
+                records = engine_closed_loop(executor, load, c, args.exact_with, jitter_ms / 1e3)
+                target = f"engine:jitter{jitter_ms:g}ms" if jitter_ms else "engine"
+                row = {"target": target, "concurrency": c, **summarize(records, load)}
+                row.update(step_counts(before, counts(), row))
+                if expected:
+                    row["wrong_outputs"] = count_wrong(records, expected, token_ids=True)
+                rows.append(row)
+                _print(row)
     finally:
         executor.shutdown()
     return rows
@@ -237,6 +277,7 @@ def run_server_loads(
                     _print(rows[-1])
                     continue
                 timed = args.timeline and kind == "grpc"
+                before = metrics_counts(server.metrics_url)
                 records = run_clients(
                     Target(kind, model, url, args.exact_with, timed),
                     load,
@@ -246,6 +287,7 @@ def run_server_loads(
                     cpus=args.client_cpu_set,
                 )
                 row = {"target": spec, "concurrency": c, **summarize(records, load)}
+                row.update(step_counts(before, metrics_counts(server.metrics_url), row))
                 if expected:
                     row["wrong_outputs"] = count_wrong(records, expected, model == "tensorrt_llm")
                 rows.append(row)
@@ -289,6 +331,13 @@ def _print(row: dict) -> None:
         + (f"  wrong {row['wrong_outputs']}" if "wrong_outputs" in row else ""),
         flush=True,
     )
+    if row.get("engine_steps"):
+        print(
+            f"{'':>22} engine: {row['engine_steps']} steps ({row['engine_context_steps']} with "
+            f"prompt chunks), {row['ms_per_step']:.2f} ms and {row['tokens_per_step']:.1f} "
+            "output tokens a step",
+            flush=True,
+        )
     if "timeline_ms" in row:
         stages = ", ".join(f"{k} {v['p50']:.1f}" for k, v in row["timeline_ms"].items())
         print(f"{'':>22} p50 ms: {stages}", flush=True)
@@ -371,6 +420,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens")
     p.add_argument("--no-engine-alone", action="store_true")
+    p.add_argument(
+        "--engine-jitter-ms",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also run the engine alone with each slot's next request sent a random 0..X ms "
+        "after its last ended (a diagnostic: arrivals spread as a server's round trips spread "
+        "them)",
+    )
     p.add_argument(
         "--postprocessing-batching",
         action="store_true",

@@ -20,10 +20,12 @@ so the requested length is the count.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 import multiprocessing as mp
 import os
 import queue
+import random
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -120,9 +122,16 @@ def timeline(records: list[Record]) -> dict[str, dict[str, float]]:
 
 # ---- engine alone ----------------------------------------------------------------------------
 def engine_closed_loop(
-    executor, requests: list[LoadRequest], concurrency: int, exact_with: str = "min_tokens"
+    executor,
+    requests: list[LoadRequest],
+    concurrency: int,
+    exact_with: str = "min_tokens",
+    jitter_s: float = 0.0,
 ) -> list[Record]:
-    """The same closed loop against an in-process Executor (no Triton, no IPC)."""
+    """The same closed loop against an in-process Executor (no Triton, no IPC). `jitter_s`: a
+    slot sends its next request a random time in [0, jitter_s] after its last one ended, as a
+    server's round trip would; at 0 it sends at once, so requests that start together keep
+    starting and ending together."""
     from backend.sampling_params import SamplingParams
 
     records = [Record(i, 0.0) for i in range(len(requests))]
@@ -162,11 +171,20 @@ def engine_closed_loop(
     for _ in range(min(concurrency, len(requests))):
         submit(sent)
         sent += 1
+    rng = random.Random(len(requests))
+    due: list[tuple[float, int]] = []  # (when, index): the next request of a slot, delayed
     for _ in range(len(requests)):
-        ended.get()
+        while True:
+            try:
+                ended.get(timeout=max(0.0, due[0][0] - time.perf_counter()) if due else None)
+                break
+            except queue.Empty:
+                submit(heapq.heappop(due)[1])
         if sent < len(requests):
-            submit(sent)
+            heapq.heappush(due, (time.perf_counter() + rng.uniform(0, jitter_s), sent))
             sent += 1
+        while due and due[0][0] <= time.perf_counter():
+            submit(heapq.heappop(due)[1])
     return records
 
 

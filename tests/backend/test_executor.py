@@ -83,6 +83,19 @@ def test_bad_input_is_rejected_and_neighbours_are_served(executor, prompt, param
     assert len(good.tokens) == 6
 
 
+def test_context_iterations_count_the_steps_that_compute_a_prompt(tiny_dir):
+    """A 40-token prompt in chunks of at most 16 tokens takes three prompt steps; its four later
+    tokens come from decode steps, which are not counted."""
+    ex = Executor(tiny_config(tiny_dir, max_seq_len=256, max_num_tokens=16))
+    try:
+        ex.generate([list(range(3, 43))], SamplingParams(max_tokens=5, ignore_end_id=True))
+        stats = ex.stats()
+    finally:
+        ex.shutdown()
+    assert stats.num_context_iterations == 3
+    assert stats.num_iterations == 3 + 4
+
+
 def test_cancel_frees_blocks_and_sends_final(executor):
     collector = Collector()
     executor.submit(

@@ -23,7 +23,13 @@ LABELS = {
     ),
     "nv_trt_llm_inflight_batcher_metrics": (
         "inflight_batcher_specific_metric",
-        ["total_context_tokens", "generation_requests", "micro_batch_id"],
+        [
+            "total_context_tokens",
+            "generation_requests",
+            "micro_batch_id",
+            "preemptions",
+            "context_iterations",
+        ],
     ),
     "nv_trt_llm_general_metrics": ("general_type", ["iteration_counter", "timestamp"]),
 }
@@ -135,6 +141,13 @@ def test_counts_match_what_was_served(triton, tokenizer):
     assert _delta(
         after, before, "nv_trt_llm_general_metrics", general_type="iteration_counter"
     ) >= max(MAX_TOKENS)
+    # one request at a time: each computed its prompt in at least one step of its own
+    assert _delta(
+        after,
+        before,
+        "nv_trt_llm_inflight_batcher_metrics",
+        inflight_batcher_specific_metric="context_iterations",
+    ) >= len(PROMPTS)
     assert metric(after, "nv_trt_llm_kv_cache_block_metrics", kv_cache_block_type="used") == 0
     assert metric(after, "nv_trt_llm_request_metrics", request_type="active") == 0
 

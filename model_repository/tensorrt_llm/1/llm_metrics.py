@@ -9,7 +9,7 @@ the same series crashed tritonserver 2.51: heap corruption under load). Families
   nv_trt_llm_request_metrics{request_type=active|max|scheduled|context|waiting}
   nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max|free|used|tokens_per|reused|fraction}
   nv_trt_llm_inflight_batcher_metrics{inflight_batcher_specific_metric=
-      total_context_tokens|generation_requests|micro_batch_id|preemptions}
+      total_context_tokens|generation_requests|micro_batch_id|preemptions|context_iterations}
   nv_trt_llm_general_metrics{general_type=iteration_counter|timestamp}   (timestamp: µs since epoch)
   nv_llm_input_token_len / nv_llm_output_token_len  histograms, buckets 10 50 100 500 1000
   nv_llm_requests_finished_total{finish_reason=length|stop|end_id|cancelled|error}  counter
@@ -103,7 +103,13 @@ class LlmMetrics:
             "nv_trt_llm_inflight_batcher_metrics",
             "TRT LLM inflight batcher metrics",
             "inflight_batcher_specific_metric",
-            ("total_context_tokens", "generation_requests", "micro_batch_id", "preemptions"),
+            (
+                "total_context_tokens",
+                "generation_requests",
+                "micro_batch_id",
+                "preemptions",
+                "context_iterations",
+            ),
         )
         self.general = self._gauges(
             "nv_trt_llm_general_metrics",
@@ -197,6 +203,7 @@ class LlmMetrics:
                 0, stats.last_num_scheduled_tokens - stats.last_num_generation_requests
             ),
             preemptions=stats.num_preemptions,
+            context_iterations=stats.num_context_iterations,
         )
         self._set(
             self.general, iteration_counter=stats.num_iterations, timestamp=int(time.time() * 1e6)

@@ -1,0 +1,45 @@
+"""The serving benchmark's engine-alone closed loop, with and without arrival jitter, on a tiny
+random model: every request served once, with its exact length, never more in flight than the
+concurrency."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.config import EngineConfig
+from backend.executor import Executor
+from benchmarks.serving import step_counts
+from benchmarks.serving_load import LoadRequest, engine_closed_loop, summarize
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def executor(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model("llama", path)
+    ex = Executor(EngineConfig(model_path=str(path), device="cpu", max_seq_len=128))
+    yield ex
+    ex.shutdown()
+
+
+@pytest.mark.parametrize("jitter_s", [0.0, 0.02])
+def test_closed_loop_serves_each_request_once_within_its_concurrency(executor, jitter_s):
+    requests = [LoadRequest(f"r{i}", [3 + i, 4, 5, 6], 3 + i % 4) for i in range(10)]
+    before = executor.stats()
+    records = engine_closed_loop(executor, requests, 3, jitter_s=jitter_s)
+    after = executor.stats()
+
+    assert [len(r.output) for r in records] == [req.output_len for req in requests]
+    assert all(r.error is None for r in records)
+    for r in records:  # at each send, at most 2 others are between their send and their end
+        overlapping = [o for o in records if o is not r and o.sent <= r.sent < o.last]
+        assert len(overlapping) <= 2
+    row = summarize(records, requests)
+    steps = step_counts(
+        (before.num_iterations, before.num_context_iterations),
+        (after.num_iterations, after.num_context_iterations),
+        row,
+    )
+    assert steps["engine_steps"] >= max(req.output_len for req in requests)
+    assert 1 <= steps["engine_context_steps"] <= steps["engine_steps"]
+    assert steps["tokens_per_step"] == row["output_tokens"] / steps["engine_steps"]
