@@ -37,6 +37,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 
+from backend import compile_watch
 from backend.attention import AttentionMetadata, get_attention_backend
 from backend.attention.kv_dtype import storage_dtype
 from backend.config import EngineConfig
@@ -199,6 +200,8 @@ class ModelRunner:
             self.attention.name,
             f", tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp.enabled else "",
         )
+        if self.device.type == "cuda":  # from here on a compile holds up a served step
+            compile_watch.watch()
 
     def explain(self, exc: TensorParallelError) -> TensorParallelError:
         """A failed collective, named after the rank that died when one did."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -206,7 +207,20 @@ def metrics_counts(metrics_url: str) -> tuple[int, int]:
     )
 
 
+COMPILE_LINE = re.compile(r"kernel (\w+) compiled after the warm-up \(([\d.]+) s")
+
+
+def logged_compiles(server_log: Path) -> list[str]:
+    """The kernel compiles after the warm-up that the engine has logged so far ("name 1.23 s")."""
+    try:
+        text = server_log.read_text(errors="replace")
+    except OSError:
+        return []
+    return [f"{name} {seconds} s" for name, seconds in COMPILE_LINE.findall(text)]
+
+
 def run_engine_alone(settings, requests, args, expected) -> list[dict]:
+    from backend import compile_watch
     from backend.executor import Executor
 
     executor = Executor(settings.engine_config())
@@ -223,11 +237,14 @@ def run_engine_alone(settings, requests, args, expected) -> list[dict]:
         for jitter_ms in [0.0, *args.engine_jitter_ms]:
             for c in args.concurrency:
                 load = requests[: requests_at(c, args)]
-                before = counts()
+                before, compiled = counts(), len(compile_watch.compiles())
                 records = engine_closed_loop(executor, load, c, args.exact_with, jitter_ms / 1e3)
                 target = f"engine:jitter{jitter_ms:g}ms" if jitter_ms else "engine"
                 row = {"target": target, "concurrency": c, **summarize(records, load)}
                 row.update(step_counts(before, counts(), row))
+                row["kernel_compiles"] = [
+                    f"{k.kernel} {k.seconds:.2f} s" for k in compile_watch.compiles()[compiled:]
+                ]
                 if expected:
                     row["wrong_outputs"] = count_wrong(records, expected, token_ids=True)
                 rows.append(row)
@@ -278,6 +295,7 @@ def run_server_loads(
                     continue
                 timed = args.timeline and kind == "grpc"
                 before = metrics_counts(server.metrics_url)
+                compiled = len(logged_compiles(server_log))
                 records = run_clients(
                     Target(kind, model, url, args.exact_with, timed),
                     load,
@@ -288,6 +306,7 @@ def run_server_loads(
                 )
                 row = {"target": spec, "concurrency": c, **summarize(records, load)}
                 row.update(step_counts(before, metrics_counts(server.metrics_url), row))
+                row["kernel_compiles"] = logged_compiles(server_log)[compiled:]
                 if expected:
                     row["wrong_outputs"] = count_wrong(records, expected, model == "tensorrt_llm")
                 rows.append(row)
@@ -338,6 +357,8 @@ def _print(row: dict) -> None:
             "output tokens a step",
             flush=True,
         )
+    if row.get("kernel_compiles"):
+        print(f"{'':>22} kernels compiled during the load: {row['kernel_compiles']}", flush=True)
     if "timeline_ms" in row:
         stages = ", ".join(f"{k} {v['p50']:.1f}" for k, v in row["timeline_ms"].items())
         print(f"{'':>22} p50 ms: {stages}", flush=True)

@@ -450,3 +450,22 @@ def test_two_ranks_with_decode_graphs_give_one_ranks_tokens(tmp_path):
     assert [r["token_ids"] for r in two] == [r["token_ids"] for r in one]
     assert [r["token_ids"] for r in eager] == [r["token_ids"] for r in one]
     assert [len(r["token_ids"]) for r in two] == [48] * 4 + [40]
+
+
+def test_a_kernel_compiled_after_the_warm_up_is_reported(tmp_path):
+    """Once an engine has warmed up, a launch shape it never met (here an activation width no
+    model of the tests has) compiles a kernel, and the compile watch reports it."""
+    from backend import compile_watch
+    from backend.kernels.activation import silu_and_mul
+
+    make_tiny_model("qwen2", tmp_path, **SMALL_QWEN2)
+    executor = Executor(EngineConfig(model_path=str(tmp_path), device="cuda", max_seq_len=128))
+    try:
+        before = len(compile_watch.compiles())
+        silu_and_mul(torch.randn(3, 2 * 4000, device="cuda"))
+        torch.cuda.synchronize()
+        new = compile_watch.compiles()[before:]
+    finally:
+        executor.shutdown()
+    assert [c.kernel for c in new] == ["_silu_and_mul_kernel"]
+    assert "size: i32" in new[0].specialization

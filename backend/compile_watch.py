@@ -1,0 +1,77 @@
+"""Kernel compiles after the warm-up, made visible.
+
+A Triton kernel is compiled for each combination of its compile-time constants and of what it
+specialises its integer arguments on (equal to 1, divisible by 16). A step that meets a
+combination the warm-up did not waits for the compile (seconds on a machine whose kernel cache
+is empty), and every request in the step waits with it. After `watch()` each such compile is
+logged as a warning naming the kernel, its specialisation and the time it took, and kept in
+`compiles()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KernelCompile:
+    kernel: str
+    seconds: float  # compiling, or loading from Triton's disk cache (milliseconds)
+    specialization: str  # the integer arguments' and the constants' values it was built for
+
+
+_lock = threading.Lock()
+_compiles: list[KernelCompile] = []
+_started: dict[tuple[str, str], float] = {}
+
+
+def watch() -> bool:
+    """Start watching (for the whole process); False where this Triton offers no compile hooks."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return False
+    runtime.jit_cache_hook = _before_compile
+    runtime.jit_post_compile_hook = _after_compile
+    return True
+
+
+def compiles() -> list[KernelCompile]:
+    with _lock:
+        return list(_compiles)
+
+
+def _before_compile(*, key, fn, **_) -> bool:
+    with _lock:
+        _started[(fn.name, str(key))] = time.perf_counter()
+    return False  # False: compile as usual
+
+
+def _after_compile(*, key, repr, fn, compile, **_) -> None:
+    with _lock:
+        began = _started.pop((fn.name, str(key)), None)
+        seconds = time.perf_counter() - began if began is not None else 0.0
+        event = KernelCompile(fn.name, seconds, _specialization(repr, compile))
+        _compiles.append(event)
+    log.warning(
+        "kernel %s compiled after the warm-up (%.2f s; the step waited): %s",
+        event.kernel,
+        event.seconds,
+        event.specialization,
+    )
+
+
+def _specialization(repr: str, compile: dict) -> str:
+    """The non-pointer arguments of Triton's description of the launch, and the constants."""
+    arguments = repr[repr.find("](") + 2 : -1] if "](" in repr else repr
+    kept = [a for a in arguments.split(", ") if ": *" not in a]
+    constants = compile.get("constants") or {}
+    return ", ".join(kept) + (f"; constants {constants}" if constants else "")
