@@ -55,11 +55,11 @@ def _before_compile(*, key, fn, **_) -> bool:
     return False  # False: compile as usual
 
 
-def _after_compile(*, key, repr, fn, compile, **_) -> None:
+def _after_compile(*, key, fn, compile, **_) -> None:
     with _lock:
         began = _started.pop((fn.name, str(key)), None)
         seconds = time.perf_counter() - began if began is not None else 0.0
-        event = KernelCompile(fn.name, seconds, _specialization(repr, compile))
+        event = KernelCompile(fn.name, seconds, _specialization(fn, key, compile))
         _compiles.append(event)
     log.warning(
         "kernel %s compiled after the warm-up (%.2f s; the step waited): %s",
@@ -69,9 +69,19 @@ def _after_compile(*, key, repr, fn, compile, **_) -> None:
     )
 
 
-def _specialization(repr: str, compile: dict) -> str:
-    """The non-pointer arguments of Triton's description of the launch, and the constants."""
-    arguments = repr[repr.find("](") + 2 : -1] if "](" in repr else repr
-    kept = [a for a in arguments.split(", ") if ": *" not in a]
-    constants = compile.get("constants") or {}
+def _specialization(fn, key, compile: dict) -> str:
+    """What the compile was for: each non-pointer argument's type and what it was specialised
+    on (key[1], per parameter: "i32:16" or ("i32", "D") depending on the Triton version), then
+    the constants by name."""
+    names = [p.name for p in getattr(fn.jit_function, "params", ())]
+    specs = key[1] if isinstance(key, tuple) and len(key) > 1 else ()
+    kept = []
+    for name, spec in zip(names, specs):
+        text = spec if isinstance(spec, str) else ":".join(str(s) for s in spec if s != "")
+        if not text.startswith("*") and not text.startswith("constexpr"):
+            kept.append(f"{name}: {text}")
+    constants = {
+        (names[k[0]] if isinstance(k, tuple) and k and k[0] < len(names) else k): v
+        for k, v in (compile.get("constants") or {}).items()
+    }
     return ", ".join(kept) + (f"; constants {constants}" if constants else "")

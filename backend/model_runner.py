@@ -183,6 +183,8 @@ class ModelRunner:
         # The block ids every group's pool has (a bare sequence's: `Chunk.of_sequence`).
         self.num_kv_blocks = min(self.kv_group_blocks)
         self.kv_cache, self.kv_scales = self.kv_layout.allocate(self.kv_group_blocks)
+        if self.device.type == "cuda":
+            self._warm_up_eager()
         self.decode_graphs = self._capture_decode_graphs()
         if self.workers is not None:
             self.workers.on_death = lambda message: self.on_fatal(message)
@@ -338,6 +340,17 @@ class ModelRunner:
         return self.model(
             inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_meta, **scales
         )
+
+    def _warm_up_eager(self) -> StepLogits | None:
+        """A mixed step (a prompt chunk beside a decode) on blocks no request holds yet: the
+        eager path's kernels compile here, not in a served step."""
+        n = 2 * self.tokens_per_block + 3
+        per_chunk = -(-n // self.tokens_per_block)
+        if self.num_kv_blocks < 2 * per_chunk:
+            return None
+        prompt = Chunk.of_sequence([0] * n, list(range(per_chunk)))
+        decode = Chunk.of_sequence([0] * n, list(range(per_chunk, 2 * per_chunk)), start=n - 1)
+        return self.execute([prompt, decode])
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """Decode-only steps replay CUDA graphs on GPU with the Triton kernels (they skip padded

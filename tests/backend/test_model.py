@@ -115,6 +115,14 @@ def test_packed_batch_equals_sequences_alone(tiny_hf_model):
     torch.testing.assert_close(step2[0], hf_logits(hf, a)[-1], atol=1e-4, rtol=1e-4)
 
 
+def test_eager_warm_up_runs_a_mixed_step_of_two_sampling_rows(tiny_hf_model):
+    """The step a GPU runner runs before serving, so that the eager path's kernels compile then:
+    a prompt chunk and a decode, each giving the logits of its next token."""
+    _, path = tiny_hf_model("llama")
+    runner = make_runner(path)
+    assert runner._warm_up_eager().logits.shape == (2, runner.vocab_size)
+
+
 def test_an_in_flight_token_takes_its_input_from_the_previous_steps_ids(tiny_hf_model):
     """Overlap scheduling: a decode whose input token is still on the device (`in_flight_row`)
     reads it from the ids given; packed with another sequence's prefill it computes what the

@@ -57,7 +57,9 @@ def _find_request(query_start_ptr, tile_id, num_seqs, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+# The step's request count and block-table width change from step to step: specialising on
+# them (== 1, divisible by 16) would compile a variant per combination while serving.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
