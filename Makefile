@@ -40,8 +40,12 @@ $(STAMP): pyproject.toml Makefile
 serve: setup
 	$(PY) -m ensemble serve --model $(MODEL) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT)
 
+# Two workers (pytest-xdist): the end-to-end tests on one (they share its tritonserver), the rest
+# spread over both. TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
+
 test: setup lint
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # ruff (pyproject.toml [tool.ruff]): lint errors and unformatted files fail `make test`.
 lint: setup
@@ -53,7 +57,7 @@ format: setup
 	$(PY) -m ruff check --fix .
 
 test-fast: setup lint
-	$(PY) -m pytest tests -m "not slow and not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not slow and not e2e" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 repository: setup
 	$(PY) -m ensemble build --model default --out model_repository

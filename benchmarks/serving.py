@@ -254,6 +254,36 @@ def run_engine_alone(settings, requests, args, expected) -> list[dict]:
     return rows
 
 
+def run_engine_process(settings, requests, args) -> list[dict]:
+    """The same loads through an engine process driven from here (`EngineProcess`: the IPC,
+    the engine's output and request threads; no Triton): where the Triton path's cost lies."""
+    from backend.engine_process import EngineProcess
+
+    engine = EngineProcess(settings.engine_config())
+
+    def counts() -> tuple[int, int]:
+        time.sleep(3 * STATS_PERIOD_S)  # the engine sends its stats every stats period
+        stats = engine.stats()
+        return stats.num_iterations, stats.num_context_iterations
+
+    rows = []
+    try:
+        warm = [LoadRequest(r.text, list(reversed(r.prompt_ids)), r.output_len) for r in requests]
+        for c, n in warm_loads(args):
+            engine_closed_loop(engine, warm[:n], c, args.exact_with)
+        for c in args.concurrency:
+            load = requests[: requests_at(c, args)]
+            before = counts()
+            records = engine_closed_loop(engine, load, c, args.exact_with)
+            row = {"target": "engine:process", "concurrency": c, **summarize(records, load)}
+            row.update(step_counts(before, counts(), row))
+            rows.append(row)
+            _print(row)
+    finally:
+        engine.shutdown()
+    return rows
+
+
 def run_server_loads(
     settings, requests, args, expected, server_log: Path
 ) -> tuple[list[dict], dict]:
@@ -442,6 +472,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens")
     p.add_argument("--no-engine-alone", action="store_true")
     p.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="also run the loads through an engine process driven from the benchmark (its IPC "
+        "and threads without Triton)",
+    )
+    p.add_argument(
         "--engine-jitter-ms",
         type=float,
         nargs="*",
@@ -518,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.no_engine_alone:
         result["runs"] += run_engine_alone(settings, requests, args, expected)
+    if args.engine_process:
+        result["runs"] += run_engine_process(settings, requests, args)
     log = Path(
         args.server_log or Path(tempfile.gettempdir()) / f"serving-bench-{time.time():.0f}.log"
     )

@@ -12,6 +12,15 @@ from tests.tiny_models import save_tiny_hf_model
 from tests.tokenizer_fixtures import sentencepiece, smollm2  # noqa: F401 - fixtures
 
 
+def pytest_collection_modifyitems(items):
+    """With pytest-xdist (`make test` runs two workers), every end-to-end test goes to one
+    worker: they share a session's tritonserver, started once per worker, and the other worker
+    takes the unit, engine and kernel tests meanwhile."""
+    for item in items:
+        if item.get_closest_marker("e2e") is not None:
+            item.add_marker(pytest.mark.xdist_group("e2e"))
+
+
 @pytest.fixture
 def tiny_hf_model(tmp_path):
     """Factory: tiny_hf_model(model_type, **config overrides) -> (transformers model, dir)."""
