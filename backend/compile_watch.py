@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 class KernelCompile:
     kernel: str
     seconds: float  # compiling, or loading from Triton's disk cache (milliseconds)
-    specialization: str  # the integer arguments' and the constants' values it was built for
+    specialization: str  # the argument types and the constants it was built for
 
 
 _lock = threading.Lock()
@@ -59,7 +59,7 @@ def _after_compile(*, key, fn, compile, **_) -> None:
     with _lock:
         began = _started.pop((fn.name, str(key)), None)
         seconds = time.perf_counter() - began if began is not None else 0.0
-        event = KernelCompile(fn.name, seconds, _specialization(fn, key, compile))
+        event = KernelCompile(fn.name, seconds, _specialization(compile))
         _compiles.append(event)
     log.warning(
         "kernel %s compiled after the warm-up (%.2f s; the step waited): %s",
@@ -69,17 +69,16 @@ def _after_compile(*, key, fn, compile, **_) -> None:
     )
 
 
-def _specialization(fn, key, compile: dict) -> str:
-    """What the compile was for: each non-pointer argument's type and what it was specialised
-    on (key[1], per parameter: "i32:16" or ("i32", "D") depending on the Triton version), then
-    the constants by name."""
-    names = [p.name for p in getattr(fn.jit_function, "params", ())]
-    specs = key[1] if isinstance(key, tuple) and len(key) > 1 else ()
-    kept = []
-    for name, spec in zip(names, specs):
-        text = spec if isinstance(spec, str) else ":".join(str(s) for s in spec if s != "")
-        if not text.startswith("*") and not text.startswith("constexpr"):
-            kept.append(f"{name}: {text}")
+def _specialization(compile: dict) -> str:
+    """What the compile was for: the type of each argument that is not a pointer, then the
+    constants (compile-time arguments, and integers specialised as equal to 1) by name."""
+    signature = compile.get("signature") or {}
+    names = list(signature)
+    kept = [
+        f"{name}: {kind}"
+        for name, kind in signature.items()
+        if isinstance(kind, str) and not kind.startswith("*") and kind != "constexpr"
+    ]
     constants = {
         (names[k[0]] if isinstance(k, tuple) and k and k[0] < len(names) else k): v
         for k, v in (compile.get("constants") or {}).items()

@@ -458,7 +458,7 @@ def test_a_kernel_compiled_after_the_warm_up_is_reported(tmp_path):
     from backend import compile_watch
     from backend.kernels.activation import silu_and_mul
 
-    make_tiny_model("qwen2", tmp_path, **SMALL_QWEN2)
+    make_tiny_model("qwen2", tmp_path)
     executor = Executor(EngineConfig(model_path=str(tmp_path), device="cuda", max_seq_len=128))
     try:
         before = len(compile_watch.compiles())
