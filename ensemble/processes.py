@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -82,9 +83,24 @@ def send_signal(pid: int, signum: int) -> None:
         pass
 
 
-def terminate_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the launcher dies, however it dies."""
+def with_parent(command: list[str]) -> list[str]:
+    """`command`, run so that it gets SIGTERM when this process dies, however it dies.
+
+    Through a small launcher rather than a `preexec_fn`: Python code in the child of a fork of a
+    threaded process (gRPC clients, torch, a test runner) can deadlock or crash, and without a
+    `preexec_fn` subprocess starts the child without running fork handlers at all."""
+    return [sys.executable, "-m", "ensemble.processes", str(os.getpid()), *command]
+
+
+def _exec_with_parent(parent: int, command: list[str]) -> None:
     import ctypes
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the signal was asked for
+        sys.exit(1)
+    os.execvp(command[0], command)
+
+
+if __name__ == "__main__":
+    _exec_with_parent(int(sys.argv[1]), sys.argv[2:])

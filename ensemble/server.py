@@ -32,7 +32,7 @@ from ensemble.processes import (
     engine_processes,
     remove_orphan_shm_regions,
     send_signal,
-    terminate_with_parent,
+    with_parent,
     wait_group_gone,
 )
 
@@ -181,13 +181,12 @@ class TritonServer:
         self._shm_before = set(SHM_DIR.glob(SHM_PATTERN))
         output = open(self.log_file, "ab") if self.log_file else None
         self.process = subprocess.Popen(
-            self.command(install, backends),
+            with_parent(self.command(install, backends)),
             env=self.environment(install, stubs),
             stdout=output,
             stderr=subprocess.STDOUT if output else None,
             start_new_session=True,
             cwd=PROJECT_ROOT,
-            preexec_fn=terminate_with_parent,
         )
         if output:
             output.close()

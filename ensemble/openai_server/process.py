@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ensemble.processes import terminate_with_parent
+from ensemble.processes import with_parent
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 STOP_TIMEOUT_S = 10.0
@@ -54,9 +54,7 @@ class FrontEndProcess:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p
         )
-        self.process = subprocess.Popen(
-            self.command(), env=env, cwd=PROJECT_ROOT, preexec_fn=terminate_with_parent
-        )
+        self.process = subprocess.Popen(with_parent(self.command()), env=env, cwd=PROJECT_ROOT)
         return self
 
     def exit_code(self) -> int | None:

@@ -1,0 +1,46 @@
+"""A command started through `with_parent` runs as given and ends when the process that started
+it dies, however that one dies (here: SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ensemble.build import PROJECT_ROOT
+
+LAUNCHER = """
+import subprocess, sys, time
+from ensemble.processes import with_parent
+child = subprocess.Popen(with_parent(["sleep", "60"]))
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_command_ends_with_the_process_that_started_it():
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, cwd=PROJECT_ROOT, text=True
+    )
+    child = int(launcher.stdout.readline())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}/cmdline").read_bytes() != b"sleep\x0060\x00":  # after its exec
+        assert time.monotonic() < deadline, "the command was not started as given"
+        time.sleep(0.05)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, "the command outlived the process that started it"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended (its parent, now init, reaps it)
