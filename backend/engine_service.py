@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
@@ -104,11 +105,16 @@ def output_values(out: RequestOutput, rejected_reason: str | None = None) -> tup
 class Outbox:
     """Everything the engine sends its clients after "ready", from one thread: each client's
     outputs (produced on the executor thread) in one message, notices in order, and the
-    statistics every STATS_PERIOD_S. It also knows which client each request in flight is for."""
+    statistics every STATS_PERIOD_S. It also knows which client each request in flight is for.
+
+    The executor thread only appends its outputs to a queue and calls `flush` once per pass of
+    its loop: turning them into messages, and sending them, happens here, mostly while that
+    thread waits for the device."""
 
     def __init__(self, executor):
         self._executor = executor
         self.rejected_reason: str | None = None  # set while draining: why requests end
+        self._pending: deque[tuple[Connection, RequestOutput]] = deque()  # appends need no lock
         self._outputs: dict[Connection, list[tuple]] = {}
         self._requests: dict[Connection, set[str]] = {}
         self._notices: list[tuple[Connection, tuple | None]] = []  # None: close it
@@ -132,24 +138,21 @@ class Outbox:
         """Note a request of `conn`; returns the executor's output callback for it."""
         with self._cond:
             self._requests[conn].add(request_id)
-        return lambda out: self.put(conn, out)
+        pending = self._pending
+        return lambda out: pending.append((conn, out))
 
-    def put(self, conn: Connection, out: RequestOutput) -> None:
-        values = output_values(out, self.rejected_reason)
-        with self._cond:
-            items = self._outputs.get(conn)
-            if items is None:  # its client has gone
-                return
-            items.append(values)
-            if out.finished:
-                self._requests[conn].discard(out.request_id)
-            self._wake()
+    def flush(self) -> None:
+        """Send what has been put so far (the executor calls this once per pass of its loop)."""
+        if self._pending:
+            with self._cond:
+                self._wake()
 
     def reject(self, conn: Connection, request_id: str, reason: str, message: str) -> None:
         out = RequestOutput(
             request_id, [], [], 0, True, FinishReason.ERROR, error=message, rejected=reason
         )
-        self.put(conn, out)
+        self._pending.append((conn, out))
+        self.flush()
 
     def notify(self, conn: Connection, message: tuple) -> None:
         with self._cond:
@@ -161,6 +164,7 @@ class Outbox:
         """Stop sending to `conn` after its outputs so far and `farewell`, then close it; returns
         its requests still in flight."""
         with self._cond:
+            self._take_pending()
             items = self._outputs.pop(conn, None)
             if items is None:
                 return set()
@@ -184,12 +188,25 @@ class Outbox:
             self._waiting = True
             self._cond.notify()
 
+    def _take_pending(self) -> None:
+        """Move the queued outputs to their clients' lists, as tuples (hold `_cond`)."""
+        pending, reason = self._pending, self.rejected_reason
+        while pending:
+            conn, out = pending.popleft()
+            items = self._outputs.get(conn)
+            if items is None:  # its client has gone
+                continue
+            items.append(output_values(out, reason))
+            if out.finished:
+                self._requests[conn].discard(out.request_id)
+
     def _run(self) -> None:
         next_stats = 0.0
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._waiting or self._closing, timeout=STATS_PERIOD_S)
                 self._waiting = False
+                self._take_pending()
                 batches = [(c, items) for c, items in self._outputs.items() if items]
                 for conn, _ in batches:
                     self._outputs[conn] = []
@@ -269,6 +286,7 @@ def serve(first: Connection, listener: socket.socket | None = None) -> int:
     )
     first.send(("ready", info))
     outbox = Outbox(executor)
+    executor.on_delivered = outbox.flush
     outbox.add(first)
     wake_read, wake_write = os.pipe()
     signal.signal(signal.SIGTERM, lambda signum, frame: os.write(wake_write, b"x"))

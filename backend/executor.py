@@ -92,6 +92,9 @@ class Executor:
         self._stop_reason = "executor shut down"
         self.error: str | None = None  # why the engine cannot compute any more
         self.on_fatal = lambda message: None  # called once, when `error` is set
+        # Called on the executor thread after each pass of its loop that may have delivered
+        # outputs, before it can sleep: a caller that queues outputs sends them then.
+        self.on_delivered = lambda: None
         self.runner.on_fatal = self._fail
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._thread.start()
@@ -230,6 +233,7 @@ class Executor:
     def _serve(self) -> None:
         engine = self.engine
         while True:
+            self.on_delivered()
             with self._lock:
                 while (
                     not self._stopping
@@ -244,6 +248,7 @@ class Executor:
                 reason = FinishReason.CANCELLED if self.error is None else FinishReason.ERROR
                 for live in list(self._live.values()):
                     self.outputs.finish(live.request, reason, error=self._stop_reason)
+                self.on_delivered()
                 return
             for request_id in cancelled:
                 live = self._live.get(request_id)

@@ -189,7 +189,8 @@ def test_outputs_travel_as_tuples_of_every_field():
         4.0,
         "invalid",
     )
-    outbox.put(conn, out)
+    outbox.track(conn, "r")(out)  # what the executor thread calls
+    outbox.flush()  # what it calls at the end of each pass of its loop
     deadline = time.monotonic() + 5
     while not any(m[0] == "outputs" for m in sent) and time.monotonic() < deadline:
         time.sleep(0.01)
