@@ -41,11 +41,11 @@ serve: setup
 	$(PY) -m ensemble serve --model $(MODEL) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT)
 
 # Two workers (pytest-xdist): the end-to-end tests on one (they share its tritonserver), the rest
-# spread over both. TEST_WORKERS=0 runs everything in this process.
+# spread over both (tests/conftest.py). TEST_WORKERS=0 runs everything in this process.
 TEST_WORKERS ?= 2
 
 test: setup lint
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # ruff (pyproject.toml [tool.ruff]): lint errors and unformatted files fail `make test`.
 lint: setup

@@ -12,13 +12,23 @@ from tests.tiny_models import save_tiny_hf_model
 from tests.tokenizer_fixtures import sentencepiece, smollm2  # noqa: F401 - fixtures
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With pytest-xdist (`make test` runs two workers): every end-to-end test on one worker, as
+    one unit (they share a session's tritonserver, started once per worker), each other test a
+    unit of its own, spread over the workers."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EndToEndOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "e2e" if nodeid.startswith("tests/e2e/") else nodeid
+
+    return EndToEndOnOneWorker(config, log)
+
+
 def pytest_collection_modifyitems(items):
-    """With pytest-xdist (`make test` runs two workers), every end-to-end test goes to one
-    worker: they share a session's tritonserver, started once per worker, and the other worker
-    takes the unit, engine and kernel tests meanwhile."""
-    for item in items:
-        if item.get_closest_marker("e2e") is not None:
-            item.add_marker(pytest.mark.xdist_group("e2e"))
+    """The end-to-end tests first (stable otherwise): their worker has the longest share."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/e2e/"))
 
 
 @pytest.fixture
