@@ -127,7 +127,7 @@ class EngineProcess:
         handle = cls.__new__(cls)
         try:
             handle._connect(conn, config, max(deadline - time.monotonic(), 1.0), None)
-        except EOFError:  # it was exiting: start another
+        except (EOFError, ConnectionError):  # it was exiting, or reset us on its way out
             return None
         return handle
 

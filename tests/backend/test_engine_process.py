@@ -91,9 +91,14 @@ def test_outputs_through_the_process_equal_the_executors(tiny_dir, engine):
         assert final.finish_reason == result["finish_reason"]
     assert engine.vocab_size == executor.vocab_size and engine.max_seq_len == executor.max_seq_len
     deadline = time.monotonic() + 5
-    while engine.stats().num_completed < len(prompts) and time.monotonic() < deadline:
+
+    def completed() -> int:
+        stats = engine.stats()  # None until the first statistics have come
+        return -1 if stats is None else stats.num_completed
+
+    while completed() < len(prompts) and time.monotonic() < deadline:
         time.sleep(0.05)  # statistics come every STATS_PERIOD_S
-    assert engine.stats().num_completed >= len(prompts)
+    assert completed() >= len(prompts)
 
 
 def test_bad_input_is_refused_at_once_with_the_executors_message(engine):
