@@ -229,29 +229,14 @@ def run_engine_alone(settings, requests, args, expected) -> list[dict]:
         stats = executor.stats()
         return stats.num_iterations, stats.num_context_iterations
 
-    rows = []
+    def compiles() -> list[str]:
+        return [f"{k.kernel} {k.seconds:.2f} s" for k in compile_watch.compiles()]
+
     try:
-        warm = [LoadRequest(r.text, list(reversed(r.prompt_ids)), r.output_len) for r in requests]
-        for c, n in warm_loads(args):
-            engine_closed_loop(executor, warm[:n], c, args.exact_with)
-        for jitter_ms in [0.0, *args.engine_jitter_ms]:
-            for c in args.concurrency:
-                load = requests[: requests_at(c, args)]
-                before, compiled = counts(), len(compile_watch.compiles())
-                records = engine_closed_loop(executor, load, c, args.exact_with, jitter_ms / 1e3)
-                target = f"engine:jitter{jitter_ms:g}ms" if jitter_ms else "engine"
-                row = {"target": target, "concurrency": c, **summarize(records, load)}
-                row.update(step_counts(before, counts(), row))
-                row["kernel_compiles"] = [
-                    f"{k.kernel} {k.seconds:.2f} s" for k in compile_watch.compiles()[compiled:]
-                ]
-                if expected:
-                    row["wrong_outputs"] = count_wrong(records, expected, token_ids=True)
-                rows.append(row)
-                _print(row)
+        jitters = [0.0, *args.engine_jitter_ms]
+        return engine_loads(executor, "engine", requests, args, counts, jitters, compiles, expected)
     finally:
         executor.shutdown()
-    return rows
 
 
 def run_engine_process(settings, requests, args) -> list[dict]:
@@ -266,21 +251,35 @@ def run_engine_process(settings, requests, args) -> list[dict]:
         stats = engine.stats()
         return stats.num_iterations, stats.num_context_iterations
 
-    rows = []
     try:
-        warm = [LoadRequest(r.text, list(reversed(r.prompt_ids)), r.output_len) for r in requests]
-        for c, n in warm_loads(args):
-            engine_closed_loop(engine, warm[:n], c, args.exact_with)
-        for c in args.concurrency:
-            load = requests[: requests_at(c, args)]
-            before = counts()
-            records = engine_closed_loop(engine, load, c, args.exact_with)
-            row = {"target": "engine:process", "concurrency": c, **summarize(records, load)}
-            row.update(step_counts(before, counts(), row))
-            rows.append(row)
-            _print(row)
+        return engine_loads(engine, "engine:process", requests, args, counts, [0.0])
     finally:
         engine.shutdown()
+
+
+def engine_loads(
+    engine, target, requests, args, counts, jitters, compiles=None, expected=None
+) -> list[dict]:
+    """Warm `engine` (an Executor or an EngineProcess), then one closed loop per jitter and
+    concurrency; a row each, with the engine's steps (`counts`) and the compiles meanwhile."""
+    warm = [LoadRequest(r.text, list(reversed(r.prompt_ids)), r.output_len) for r in requests]
+    for c, n in warm_loads(args):
+        engine_closed_loop(engine, warm[:n], c, args.exact_with)
+    rows = []
+    for jitter_ms in jitters:
+        for c in args.concurrency:
+            load = requests[: requests_at(c, args)]
+            before, compiled = counts(), len(compiles()) if compiles else 0
+            records = engine_closed_loop(engine, load, c, args.exact_with, jitter_ms / 1e3)
+            name = f"{target}:jitter{jitter_ms:g}ms" if jitter_ms else target
+            row = {"target": name, "concurrency": c, **summarize(records, load)}
+            row.update(step_counts(before, counts(), row))
+            if compiles:
+                row["kernel_compiles"] = compiles()[compiled:]
+            if expected:
+                row["wrong_outputs"] = count_wrong(records, expected, token_ids=True)
+            rows.append(row)
+            _print(row)
     return rows
 
 
