@@ -190,6 +190,10 @@ def step_counts(before: tuple[int, int], after: tuple[int, int], row: dict) -> d
     }
 
 
+# The samples of the iteration counter and of the context iterations among the server's metrics.
+STEP_LABELS = ('general_type="iteration_counter"', 'metric="context_iterations"')
+
+
 def metrics_counts(metrics_url: str) -> tuple[int, int]:
     """(iterations, context iterations) from the server's metrics, once they are current."""
     import urllib.request
@@ -197,14 +201,12 @@ def metrics_counts(metrics_url: str) -> tuple[int, int]:
     time.sleep(3 * STATS_PERIOD_S)  # the gauges are refreshed every stats period
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    values = {}
+    values = dict.fromkeys(STEP_LABELS, 0)
     for line in text.splitlines():
-        for label in ('general_type="iteration_counter"', 'metric="context_iterations"'):
+        for label in STEP_LABELS:
             if label in line and not line.startswith("#"):
                 values[label] = int(float(line.rsplit(" ", 1)[1]))
-    return values.get('general_type="iteration_counter"', 0), values.get(
-        'metric="context_iterations"', 0
-    )
+    return tuple(values.values())
 
 
 COMPILE_LINE = re.compile(r"kernel (\w+) compiled after the warm-up \(([\d.]+) s")
