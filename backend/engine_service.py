@@ -44,6 +44,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 
 from backend.limits import EngineLimits
 from backend.request import FinishReason, RequestOutput
@@ -103,40 +104,39 @@ def output_values(out: RequestOutput, rejected_reason: str | None = None) -> tup
 
 
 class Outbox:
-    """Everything the engine sends its clients after "ready", from one thread: each client's
-    outputs (produced on the executor thread) in one message, notices in order, and the
-    statistics every STATS_PERIOD_S. It also knows which client each request in flight is for.
+    """Everything the engine sends its clients after "ready": each client's outputs of a pass of
+    the executor's loop in one message, notices in order, and the statistics every
+    STATS_PERIOD_S. It also knows which client each request in flight is for.
 
-    The executor thread only appends its outputs to a queue and calls `flush` once per pass of
-    its loop: turning them into messages, and sending them, happens here, mostly while that
-    thread waits for the device."""
+    The executor thread turns its outputs into messages itself, once per pass of its loop
+    (`flush`): pickling a step's outputs costs it less than handing the interpreter lock back
+    and forth with a second thread doing that work would. The writer thread only writes ready
+    bytes (the lock is released while it writes), so a slow client never stalls a step."""
 
     def __init__(self, executor):
         self._executor = executor
         self.rejected_reason: str | None = None  # set while draining: why requests end
         self._pending: deque[tuple[Connection, RequestOutput]] = deque()  # appends need no lock
-        self._outputs: dict[Connection, list[tuple]] = {}
         self._requests: dict[Connection, set[str]] = {}
-        self._notices: list[tuple[Connection, tuple | None]] = []  # None: close it
-        self._waiting = False
+        self._lock = threading.Lock()  # turns outputs into messages, in order
+        self._messages: deque[tuple[Connection, bytes | None]] = deque()  # None: close it
         self._cond = threading.Condition()
         self._closing = False
-        self._thread = threading.Thread(target=self._run, name="engine-outbox", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="engine-writer", daemon=True)
         self._thread.start()
 
     @property
     def clients(self) -> list[Connection]:
-        with self._cond:
-            return list(self._outputs)
+        with self._lock:
+            return list(self._requests)
 
     def add(self, conn: Connection) -> None:
-        with self._cond:
-            self._outputs[conn] = []
+        with self._lock:
             self._requests[conn] = set()
 
     def track(self, conn: Connection, request_id: str):
         """Note a request of `conn`; returns the executor's output callback for it."""
-        with self._cond:
+        with self._lock:
             self._requests[conn].add(request_id)
         pending = self._pending
         return lambda out: pending.append((conn, out))
@@ -144,8 +144,8 @@ class Outbox:
     def flush(self) -> None:
         """Send what has been put so far (the executor calls this once per pass of its loop)."""
         if self._pending:
-            with self._cond:
-                self._wake()
+            with self._lock:
+                self._post(self._take_pending())
 
     def reject(self, conn: Connection, request_id: str, reason: str, message: str) -> None:
         out = RequestOutput(
@@ -155,26 +155,23 @@ class Outbox:
         self.flush()
 
     def notify(self, conn: Connection, message: tuple) -> None:
-        with self._cond:
-            if conn in self._outputs:
-                self._notices.append((conn, message))
-                self._wake()
+        with self._lock:
+            if conn in self._requests:
+                self._post([(conn, _dumps(message))])
 
     def remove(self, conn: Connection, farewell: tuple | None) -> set[str]:
         """Stop sending to `conn` after its outputs so far and `farewell`, then close it; returns
         its requests still in flight."""
-        with self._cond:
-            self._take_pending()
-            items = self._outputs.pop(conn, None)
-            if items is None:
+        with self._lock:
+            messages = self._take_pending()
+            requests = self._requests.pop(conn, None)
+            if requests is None:
+                self._post(messages)
                 return set()
-            if items:
-                self._notices.append((conn, ("outputs", items)))
             if farewell is not None:
-                self._notices.append((conn, farewell))
-            self._notices.append((conn, None))
-            self._wake()
-            return self._requests.pop(conn)
+                messages.append((conn, _dumps(farewell)))
+            self._post([*messages, (conn, None)])
+            return requests
 
     def close(self) -> None:
         """Send what is left, then stop; the connections stay open."""
@@ -183,55 +180,66 @@ class Outbox:
             self._cond.notify()
         self._thread.join(timeout=10)
 
-    def _wake(self) -> None:
-        if not self._waiting:
-            self._waiting = True
-            self._cond.notify()
-
-    def _take_pending(self) -> None:
-        """Move the queued outputs to their clients' lists, as tuples (hold `_cond`)."""
-        pending, reason = self._pending, self.rejected_reason
+    def _take_pending(self) -> list[tuple[Connection, bytes]]:
+        """The queued outputs as one message per client (hold `_lock`)."""
+        pending, reason, requests = self._pending, self.rejected_reason, self._requests
+        batches: dict[Connection, list[tuple]] = {}
         while pending:
             conn, out = pending.popleft()
-            items = self._outputs.get(conn)
-            if items is None:  # its client has gone
+            ids = requests.get(conn)
+            if ids is None:  # its client has gone
                 continue
-            items.append(output_values(out, reason))
+            batch = batches.get(conn)
+            if batch is None:
+                batch = batches[conn] = []
+            batch.append(output_values(out, reason))
             if out.finished:
-                self._requests[conn].discard(out.request_id)
+                ids.discard(out.request_id)
+        return [(conn, _dumps(("outputs", batch))) for conn, batch in batches.items()]
+
+    def _post(self, messages: list[tuple[Connection, bytes | None]]) -> None:
+        if messages:
+            with self._cond:
+                self._messages.extend(messages)
+                self._cond.notify()
 
     def _run(self) -> None:
         next_stats = 0.0
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._waiting or self._closing, timeout=STATS_PERIOD_S)
-                self._waiting = False
-                self._take_pending()
-                batches = [(c, items) for c, items in self._outputs.items() if items]
-                for conn, _ in batches:
-                    self._outputs[conn] = []
-                notices, self._notices = self._notices, []
-                clients, closing = list(self._outputs), self._closing
-            for conn, items in batches:
-                _send(conn, ("outputs", items))
-            for conn, message in notices:
-                if message is None:
+                self._cond.wait_for(
+                    lambda: self._messages or self._closing,
+                    timeout=max(0.0, next_stats - time.monotonic()),
+                )
+                messages = list(self._messages)
+                self._messages.clear()
+                closing = self._closing
+            for conn, data in messages:
+                if data is None:
                     conn.close()
                 else:
-                    _send(conn, message)
+                    _send(conn, data)
             now = time.monotonic()
             if now >= next_stats:
-                stats = self._executor.stats()
-                for conn in clients:
-                    _send(conn, ("stats", stats))
+                stats = _dumps(("stats", self._executor.stats()))
+                for conn in self.clients:
+                    _send(conn, stats)
                 next_stats = now + STATS_PERIOD_S
             if closing:
                 return
 
 
+def _dumps(message) -> bytes:
+    return ForkingPickler.dumps(message)
+
+
 def _send(conn: Connection, message) -> None:
+    """Send a message, or bytes already pickled (the receiving end's `recv` reads both)."""
     try:
-        conn.send(message)
+        if isinstance(message, (bytes, memoryview)):
+            conn.send_bytes(message)
+        else:
+            conn.send(message)
     except OSError:  # that client is gone: the main loop reads its end and removes it
         pass
 
