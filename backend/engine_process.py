@@ -63,7 +63,8 @@ def engine_python() -> str:
 
 class EngineProcess:
     """Drives an engine process like an `Executor`: `submit`, `cancel`, `stats`, `shutdown`.
-    Outputs reach each request's callback from the handle's receiver thread.
+    Outputs reach each request's callback from the handle's receiver thread, or, with
+    `receiver_thread=False`, from `pump` in a thread of the caller's.
 
     `EngineProcess(config)` starts an engine of its own; `EngineProcess.shared(config, name)`
     attaches to the engine running under `name`, or starts it (`owner` is then True)."""
@@ -74,6 +75,7 @@ class EngineProcess:
         python: str | None = None,
         start_timeout_s: float = 1800.0,
         name: str | None = None,
+        receiver_thread: bool = True,
     ):
         config.validate()
         ours, theirs = socket.socketpair()
@@ -89,7 +91,7 @@ class EngineProcess:
             cwd=PROJECT_ROOT,
         )
         theirs.close()
-        self._connect(Connection(ours.detach()), config, start_timeout_s, process)
+        self._connect(Connection(ours.detach()), config, start_timeout_s, process, receiver_thread)
 
     @classmethod
     def shared(
@@ -98,6 +100,7 @@ class EngineProcess:
         name: str,
         python: str | None = None,
         start_timeout_s: float = 1800.0,
+        receiver_thread: bool = True,
     ) -> EngineProcess:
         """The engine running under `name` (an abstract Unix socket of this host), attached;
         started by this call where none runs. Raises RuntimeError when the engine failed to start
@@ -105,33 +108,39 @@ class EngineProcess:
         config.validate()
         deadline = time.monotonic() + start_timeout_s
         while True:
-            handle = cls._attach(config, name, deadline)
+            handle = cls._attach(config, name, deadline, receiver_thread)
             if handle is not None:
                 return handle
             starting = _take_start_lock(name)  # one caller starts it; the others attach
             if starting is not None:
                 with starting:
-                    return cls._attach(config, name, deadline) or cls(
-                        config, python, start_timeout_s, name
+                    return cls._attach(config, name, deadline, receiver_thread) or cls(
+                        config, python, start_timeout_s, name, receiver_thread
                     )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no engine was ready as {name!r} after {start_timeout_s:.0f} s")
             time.sleep(ATTACH_RETRY_S)
 
     @classmethod
-    def _attach(cls, config: EngineConfig, name: str, deadline: float) -> EngineProcess | None:
+    def _attach(
+        cls, config: EngineConfig, name: str, deadline: float, receiver_thread: bool
+    ) -> EngineProcess | None:
         try:
             conn = Client(address(name), family="AF_UNIX")
         except OSError:  # none listens under that name
             return None
         handle = cls.__new__(cls)
         try:
-            handle._connect(conn, config, max(deadline - time.monotonic(), 1.0), None)
+            handle._connect(
+                conn, config, max(deadline - time.monotonic(), 1.0), None, receiver_thread
+            )
         except (EOFError, ConnectionError):  # it was exiting, or reset us on its way out
             return None
         return handle
 
-    def _connect(self, conn: Connection, config, timeout_s: float, process) -> None:
+    def _connect(
+        self, conn: Connection, config, timeout_s: float, process, receiver_thread: bool
+    ) -> None:
         self._conn = conn
         self.process: subprocess.Popen | None = process  # only in the handle that started it
         self.owner = process is not None
@@ -151,8 +160,13 @@ class EngineProcess:
             self._kill()
             self._conn.close()
             raise
-        self._receiver = threading.Thread(target=self._receive, name="engine-receiver", daemon=True)
-        self._receiver.start()
+        self._gone = False
+        self._receiver = None
+        if receiver_thread:
+            self._receiver = threading.Thread(
+                target=self._receive, name="engine-receiver", daemon=True
+            )
+            self._receiver.start()
 
     # Executor's attributes, for callers written against it.
     @property
@@ -216,7 +230,13 @@ class EngineProcess:
             self._send(("stop",))
         except OSError:
             pass
-        self._receiver.join(timeout=timeout_s)
+        if self._receiver is not None:
+            self._receiver.join(timeout=timeout_s)
+        else:  # the caller has stopped pumping: read the rest here, up to the engine's goodbye
+            deadline = time.monotonic() + timeout_s
+            while self.pump(max(deadline - time.monotonic(), 0.0)):
+                if time.monotonic() >= deadline:
+                    break
         self._conn.close()
         if self.process is None:
             return
@@ -248,42 +268,67 @@ class EngineProcess:
             raise RuntimeError(f"the engine failed to start:\n{payload}")
         return payload
 
+    def pump(self, timeout: float | None) -> bool:
+        """Deliver every message that has arrived, waiting up to `timeout` s for the first; the
+        callbacks run in the calling thread. For a handle made with `receiver_thread=False`,
+        whose caller reads in a thread it already has (one thread fewer taking turns at the
+        interpreter lock). Returns False once the engine has gone (its requests have ended)."""
+        if self._gone:
+            return False
+        conn = self._conn
+        try:
+            if not conn.poll(timeout):
+                return True
+            while True:
+                self._dispatch(*conn.recv())
+                if not conn.poll(0):
+                    return True
+        except (EOFError, OSError):
+            self._gone = True
+            self._engine_gone()
+            return False
+
     def _receive(self) -> None:
-        conn, callbacks, lock = self._conn, self._callbacks, self._lock
+        conn = self._conn
         while True:
             try:
-                kind, payload = conn.recv()
+                message = conn.recv()
             except (EOFError, OSError):
                 break
-            if kind == "stats":
-                self._stats = payload
-                continue
-            if kind == "stop_user":
-                if self.on_stop_user is not None:
-                    self.on_stop_user(payload)
-                continue
-            if kind == "detached":
-                self._clients_left = payload
-                continue
-            if kind == "fatal":
-                with lock:
-                    self._exit_error = self.fatal = payload
-                log.error("the engine failed: %s", payload)
-                continue
-            for values in payload:
-                out = RequestOutput(*values)
-                with lock:
-                    callback = (
-                        callbacks.pop(out.request_id, None)
-                        if out.finished
-                        else callbacks.get(out.request_id)
-                    )
-                if callback is not None:
-                    try:
-                        callback(out)
-                    except Exception:  # a caller's bug must not stop the outputs of the others
-                        log.exception("output callback failed for request %s", out.request_id)
+            self._dispatch(*message)
+        self._gone = True
         self._engine_gone()
+
+    def _dispatch(self, kind: str, payload) -> None:
+        if kind == "stats":
+            self._stats = payload
+        elif kind == "stop_user":
+            if self.on_stop_user is not None:
+                self.on_stop_user(payload)
+        elif kind == "detached":
+            self._clients_left = payload
+        elif kind == "fatal":
+            with self._lock:
+                self._exit_error = self.fatal = payload
+            log.error("the engine failed: %s", payload)
+        else:
+            self._deliver(payload)
+
+    def _deliver(self, outputs: list[tuple]) -> None:
+        callbacks, lock = self._callbacks, self._lock
+        for values in outputs:
+            out = RequestOutput(*values)
+            with lock:
+                callback = (
+                    callbacks.pop(out.request_id, None)
+                    if out.finished
+                    else callbacks.get(out.request_id)
+                )
+            if callback is not None:
+                try:
+                    callback(out)
+                except Exception:  # a caller's bug must not stop the outputs of the others
+                    log.exception("output callback failed for request %s", out.request_id)
 
     def _engine_gone(self) -> None:
         if self._stopping:

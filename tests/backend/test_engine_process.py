@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import threading
 import time
+from multiprocessing.connection import Connection
 
 import pytest
 
@@ -166,14 +168,45 @@ def test_a_model_that_cannot_load_fails_the_start_with_its_error(tmp_path):
         EngineProcess(config_for(tmp_path / "missing"))
 
 
+def test_a_handle_without_a_receiver_thread_delivers_in_its_callers_pump(tiny_dir):
+    """`receiver_thread=False` (the Triton model's response thread reads the outputs itself):
+    the callbacks run inside `pump`, in the calling thread, with the same tokens; when the
+    engine dies, `pump` delivers the errors of the requests in flight and returns False."""
+    prompt = random_prompts(1, 512, seed=11)[0]
+    greedy = SamplingParams(max_tokens=12, ignore_end_id=True)
+    reference = Executor(config_for(tiny_dir))
+    try:
+        expected = reference.generate([prompt], greedy)[0]["token_ids"]
+    finally:
+        reference.shutdown()
+    process = EngineProcess(config_for(tiny_dir), receiver_thread=False)
+    try:
+        threads, outputs = set(), Outputs()
+
+        def on_output(out: RequestOutput) -> None:
+            threads.add(threading.get_ident())
+            outputs(out)
+
+        process.submit("pumped", prompt, greedy, on_output)
+        deadline = time.monotonic() + 60
+        while not outputs.done.is_set() and time.monotonic() < deadline:
+            assert process.pump(0.1)
+        assert outputs.token_ids == expected
+        assert threads == {threading.get_ident()}
+        doomed = Outputs()
+        process.submit("doomed", prompt, SamplingParams(max_tokens=250, ignore_end_id=True), doomed)
+        os.kill(process.process.pid, signal.SIGKILL)
+        while process.pump(0.1) and time.monotonic() < deadline:
+            pass
+        assert not process.pump(0.0)
+        assert doomed.wait(timeout=1).finish_reason == FinishReason.ERROR
+    finally:
+        process.shutdown()
+
+
 def test_outputs_travel_as_tuples_of_every_field():
-    sent = []
-
-    class Conn:
-        def send(self, message):
-            sent.append(message)
-
-    conn = Conn()
+    ours, theirs = socket.socketpair()
+    conn, client = Connection(ours.detach()), Connection(theirs.detach())
     outbox = Outbox(executor=type("Idle", (), {"stats": lambda self: None})())
     outbox.add(conn)
     out = RequestOutput(
@@ -196,13 +229,37 @@ def test_outputs_travel_as_tuples_of_every_field():
     )
     outbox.track(conn, "r")(out)  # what the executor thread calls
     outbox.flush()  # what it calls at the end of each pass of its loop
-    deadline = time.monotonic() + 5
-    while not any(m[0] == "outputs" for m in sent) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    messages = []
+    while client.poll(5):
+        messages.append(client.recv())
+        if messages[-1][0] == "outputs":
+            break
     outbox.close()
-    values = next(m[1] for m in sent if m[0] == "outputs")[0]
+    values = next(m[1] for m in messages if m[0] == "outputs")[0]
     assert RequestOutput(*values) == out
     assert len(values) == len(dataclasses.fields(RequestOutput))
+
+
+def test_a_removed_client_gets_its_outputs_then_the_farewell_then_eof():
+    ours, theirs = socket.socketpair()
+    conn, client = Connection(ours.detach()), Connection(theirs.detach())
+    outbox = Outbox(executor=type("Idle", (), {"stats": lambda self: None})())
+    outbox.add(conn)
+    done = RequestOutput("a", [7], [], 1, True, FinishReason.LENGTH)
+    outbox.track(conn, "a")(done)
+    outbox.track(conn, "b")
+    assert outbox.remove(conn, ("detached", 0)) == {"b"}  # "a" ended; "b" is still in flight
+    kinds = []
+    try:
+        while client.poll(5):
+            message = client.recv()
+            kinds.append(message[0])
+            if message[0] == "outputs":
+                assert RequestOutput(*message[1][0]) == done
+    except EOFError:
+        kinds.append("eof")
+    outbox.close()
+    assert [k for k in kinds if k != "stats"] == ["outputs", "detached", "eof"]
 
 
 def test_sigterm_drains_the_engine(tiny_dir):

@@ -1,7 +1,8 @@
 """Live Triton requests of the LLM model and the thread that answers them.
 
-The engine handle calls `on_output` from its receiver thread; the call only enqueues. One sender
-thread builds the responses and sends them, so each request's responses leave in order. A send
+One thread reads the engine's outputs (the handle's `pump`, so no receiver thread takes turns
+with it at the interpreter lock), builds the responses and sends them, so each request's
+responses leave in order; while it sends, the outputs that arrive wait in the socket. A send
 is a round trip to the server (and, through the ensemble, the scheduling of the next step), so
 under load outputs wait: a row's outputs that wait together go out as one response (fewer round
 trips, the same text), and the sender answers rows that finished first, then rows that have
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -47,6 +47,7 @@ ERROR_CODES = {
     "invalid": "INVALID_ARG",
 }
 CANCEL_CHECKS_PER_S = 1000
+IDLE_WAKE_S = 0.1  # the response thread looks for a shutdown this often while idle
 
 
 @dataclass
@@ -87,7 +88,8 @@ class ResponseDispatcher:
         self._gap_per_row_s = gap_per_row_s
         self._metrics = metrics
         self._decoupled = decoupled
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._arrivals: list[RequestOutput] = []  # filled by the engine handle's callbacks
+        self._stopping = threading.Event()
         self._rows: dict[str, LiveRow] = {}
         self._requests: dict[int, LiveRequest] = {}
         self._lock = threading.Lock()
@@ -131,7 +133,7 @@ class ResponseDispatcher:
         submitted = []
         try:
             for engine_id, row, _ in entries:
-                self._engine.submit(engine_id, row.prompt_ids, row.sampling, self._queue.put)
+                self._engine.submit(engine_id, row.prompt_ids, row.sampling, self._arrived)
                 submitted.append(engine_id)
         except (ValueError, RuntimeError) as exc:
             with self._lock:
@@ -199,7 +201,9 @@ class ResponseDispatcher:
             return len(self._requests)
 
     def shutdown(self) -> None:
-        self._queue.put(None)
+        """Stop the response thread (before the engine handle's shutdown, which then reads the
+        rest of the engine's messages itself)."""
+        self._stopping.set()
         self._thread.join(timeout=10)
 
     # ---- the sender thread ---------------------------------------------------------------------
@@ -208,11 +212,13 @@ class ResponseDispatcher:
         waiting: dict[str, RequestOutput] = {}  # row -> its newest unanswered output, oldest first
         urgent: dict[str, None] = {}  # waiting rows finished or not answered yet, a set in order
         due_in: float | None = None  # until the oldest waiting row may be answered again
-        while True:
+        while not self._stopping.is_set():
             block = not waiting or due_in is not None
-            for out in self._arrived(block, due_in):
-                if out is None:
-                    return
+            timeout = min(due_in or IDLE_WAKE_S, IDLE_WAKE_S) if block else 0.0
+            if not self._engine.pump(timeout) and block and not self._arrivals:
+                self._stopping.wait(timeout)  # the engine has gone: nothing more will arrive
+            arrivals, self._arrivals = self._arrivals, []
+            for out in arrivals:
                 older = waiting.get(out.request_id)
                 if older is not None:
                     self._answer(older, send=False)  # its tokens ride with the newer output
@@ -230,16 +236,9 @@ class ResponseDispatcher:
             urgent.pop(row, None)
             self._answer(waiting.pop(row))
 
-    def _arrived(self, block: bool, timeout: float | None) -> list:
-        outputs = []
-        if block:
-            try:
-                outputs.append(self._queue.get(timeout=timeout))
-            except queue.Empty:
-                return outputs
-        while not self._queue.empty():
-            outputs.append(self._queue.get())
-        return outputs
+    def _arrived(self, out: RequestOutput) -> None:
+        """The engine handle's output callback (it runs in the response thread's `pump`)."""
+        self._arrivals.append(out)
 
     def _due_in(self, row_id: str) -> float:
         """Seconds until a row's next response may go: responses of a row keep a gap that grows

@@ -53,7 +53,10 @@ class TritonPythonModel:
         self.cancel_period_s = get_setting(params, "cancellation_check_period_ms") / 1000
         self.stats_period_s = get_setting(params, "stats_check_period_ms") / 1000
         # Named by the server's pid (the stubs' parent) and the model: one engine per served model.
-        self.engine = EngineProcess.shared(self.config, f"{os.getppid()}-{args['model_name']}")
+        # Its outputs are read by the response thread (ResponseDispatcher), not a thread of its own.
+        self.engine = EngineProcess.shared(
+            self.config, f"{os.getppid()}-{args['model_name']}", receiver_thread=False
+        )
         instances = sum(g.get("count", 1) for g in model_config.get("instance_group") or [{}])
         self.metrics = LlmMetrics(
             args["model_name"],
@@ -132,7 +135,7 @@ class TritonPythonModel:
         try:
             self.stopping.set()
             self.poller.join(timeout=5)
+            self.dispatcher.shutdown()  # first: then the handle reads the rest itself
             self.engine.shutdown()
-            self.dispatcher.shutdown()
         finally:
             dismiss(self.stub_watch)
