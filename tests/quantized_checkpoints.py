@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from backend.quantization.checkpoint_writer import write_checkpoint, write_quantized_copy
 from backend.quantization.fp8 import Fp8Weight
 from backend.quantization.int4_packing import (
     awq_tensors,
@@ -22,54 +21,34 @@ from backend.quantization.int4_packing import (
     pack_words,
 )
 
-PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
-
 
 def _tensors(src_dir) -> dict[str, torch.Tensor]:
     (file,) = [f for f in os.listdir(src_dir) if f.endswith(".safetensors")]
     return load_file(os.path.join(src_dir, file))
 
 
-def _write(src_dir, dst_dir, tensors: dict, quantization_config: dict | None) -> str:
-    os.makedirs(dst_dir, exist_ok=True)
-    for name in os.listdir(src_dir):
-        if not name.endswith(".safetensors") and name != "config.json":
-            shutil.copy(os.path.join(src_dir, name), dst_dir)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, f"{dst_dir}/model.safetensors")
-    with open(os.path.join(src_dir, "config.json")) as f:
-        config = json.load(f)
-    if quantization_config is None:
-        config.pop("quantization_config", None)
-    else:
-        config["quantization_config"] = quantization_config
-    with open(os.path.join(dst_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return str(dst_dir)
-
-
 def quantized_checkpoint(src_dir, dst_dir, method: str, group_size: int = 128, **options) -> str:
     """Write `method` ("awq", "gptq", "fp8") of the float checkpoint in src_dir to dst_dir.
     gptq options: symmetric (True), checkpoint_format ("gptq"); fp8: per_tensor (names whose
     scale is one number), input_scale (write static activation scales, which are not read)."""
-    tensors = {}
-    for name, weight in _tensors(src_dir).items():
-        if not PROJECTION.match(name):
-            tensors[name] = weight
-            continue
-        prefix = name[: -len(".weight")]
+
+    def layer_tensors(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         if method == "awq":
-            layer = awq_tensors(weight, group_size)
-        elif method == "gptq":
+            return awq_tensors(weight, group_size)
+        if method == "gptq":
             layer = gptq_tensors(weight, group_size, options.get("symmetric", True))
             if options.get("checkpoint_format") == "gptq_v2":
                 _, z = gptq_values(layer["qweight"], layer["qzeros"])
                 layer["qzeros"] = pack_words(z)
-        else:
-            layer = _fp8_tensors(weight, any(p in name for p in options.get("per_tensor", ())))
-            if options.get("input_scale"):
-                layer["input_scale"] = torch.tensor(0.5)
-        tensors.update({f"{prefix}.{k}": v for k, v in layer.items()})
-    return _write(src_dir, dst_dir, tensors, quantization_config(method, group_size, **options))
+            return layer
+        layer = _fp8_tensors(weight, any(p in name for p in options.get("per_tensor", ())))
+        if options.get("input_scale"):
+            layer["input_scale"] = torch.tensor(0.5)
+        return layer
+
+    config = quantization_config(method, group_size, **options)
+    write_quantized_copy(src_dir, dst_dir, layer_tensors, config)
+    return str(dst_dir)
 
 
 def _fp8_tensors(weight: torch.Tensor, per_tensor: bool) -> dict[str, torch.Tensor]:
@@ -122,13 +101,10 @@ def dequantized_checkpoint(quantized_dir, dst_dir) -> str:
                 q, z = gptq_values(tensor, qzeros, config["checkpoint_format"] == "gptq")
             w = (q - z.repeat_interleave(group, 0)).float()
             out[f"{prefix}.weight"] = (w * scales.float().repeat_interleave(group, 0)).t()
-    return _write(quantized_dir, dst_dir, out, None)
+    return write_checkpoint(quantized_dir, dst_dir, out, None)
 
 
 def rewritten_checkpoint(src_dir, dst_dir, rewrite) -> str:
     """The float checkpoint with every decoder projection's weight w replaced by rewrite(w)."""
-    tensors = {
-        name: rewrite(weight) if PROJECTION.match(name) else weight
-        for name, weight in _tensors(src_dir).items()
-    }
-    return _write(src_dir, dst_dir, tensors, None)
+    write_quantized_copy(src_dir, dst_dir, lambda _, w: {"weight": rewrite(w)}, None)
+    return str(dst_dir)
