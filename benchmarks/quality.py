@@ -8,7 +8,9 @@ GGUF; `gguf` serves those Q4_1 blocks kept quantized (the same values, so the sa
 last two decoder layers, `quantization_exclude`); `int4_awq` loads an AWQ-format
 checkpoint written from the baseline by the round-to-nearest packer
 (`backend.quantization.int4_packing.awq_tensors`: AWQ's layout without its activation-aware
-scaling search). SmolLM2's hidden size 576 is not a multiple of 128, so the int4 group is 64.
+scaling search); `int4_gptq` loads a GPTQ checkpoint calibrated by `backend.quantization.gptq`
+on other pages of the same documentation (`quality_corpus.CALIBRATION`). SmolLM2's hidden
+size 576 is not a multiple of 128, so the int4 group is 64.
 `kv_fp8` and `kv_int8` keep the baseline's weights and store the KV cache as fp8 / int8 with a
 dynamic scale per token and kv head (`kv_cache_dtype`, backend/attention/kv_dtype.py).
 
@@ -44,12 +46,14 @@ ROWS = {
     "gguf": ("gguf", "auto"),
     "int8_wo": ("int8_wo", "auto"),
     "int4_awq": ("int4_awq", "auto"),
+    "int4_gptq": ("int4_gptq", "auto"),
     "fp8": ("fp8", "auto"),
     "fp8_ends": ("fp8", "auto"),  # the first and last END_LAYERS decoder layers kept float
     "kv_fp8": ("none", "fp8"),
     "kv_int8": ("none", "int8"),
 }
 END_LAYERS = 2
+GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS = 64, 512  # calibration: 64 windows of 512 tokens
 FORMATS = tuple(ROWS)
 PROMPTS = [
     "The capital of France is",
@@ -77,37 +81,33 @@ def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, i
 
 def awq_checkpoint(float_dir: str, group_size: int) -> str:
     """An AWQ-format copy of the float checkpoint (cached): every decoder projection packed."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
+    from backend.quantization.checkpoint_writer import write_quantized_copy
     from backend.quantization.int4_packing import awq_tensors
 
     out = os.path.join(cache_root(), f"{os.path.basename(float_dir)}-awq-rtn-g{group_size}")
-    if os.path.isfile(os.path.join(out, "model.safetensors")):
-        return out
-    os.makedirs(out, exist_ok=True)
-    tensors = {}
-    for file in sorted(f for f in os.listdir(float_dir) if f.endswith(".safetensors")):
-        for name, weight in load_file(os.path.join(float_dir, file)).items():
-            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-                prefix = name[: -len(".weight")]
-                packed = awq_tensors(weight, group_size)
-                tensors.update({f"{prefix}.{k}": v for k, v in packed.items()})
-            else:
-                tensors[name] = weight
-    for name in os.listdir(float_dir):
-        if not name.endswith(".safetensors") and name != "config.json":
-            shutil.copy(os.path.join(float_dir, name), out)
-    with open(os.path.join(float_dir, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = dict(
-        quant_method="awq", bits=4, group_size=group_size, zero_point=True, version="gemm"
+    if not os.path.isfile(os.path.join(out, "model.safetensors")):
+        config = dict(
+            quant_method="awq", bits=4, group_size=group_size, zero_point=True, version="gemm"
+        )
+        write_quantized_copy(float_dir, out, lambda _, w: awq_tensors(w, group_size), config)
+    return out
+
+
+def gptq_checkpoint(group_size: int) -> str:
+    """A GPTQ checkpoint of the default model calibrated on the Django calibration text (cached;
+    `backend.quantization.gptq`)."""
+    import hashlib
+
+    from backend.quantization.gptq import quantize_model
+
+    text = quality_corpus.CALIBRATION.read_text()
+    tag = hashlib.sha256(text.encode()).hexdigest()[:8]
+    float_dir = resolve_model("default")
+    out = os.path.join(
+        cache_root(), f"{os.path.basename(float_dir)}-gptq-g{group_size}-{GPTQ_WINDOWS}-{tag}"
     )
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    save_file(tensors, os.path.join(out, "model.safetensors.tmp"))
-    os.replace(os.path.join(out, "model.safetensors.tmp"), os.path.join(out, "model.safetensors"))
+    if not os.path.isfile(os.path.join(out, "model.safetensors")):
+        quantize_model("default", text, out, group_size, GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS)
     return out
 
 
@@ -173,6 +173,8 @@ def run(args) -> dict:
     prompts = [tokenizer.encode(p) for p in PROMPTS] + [list(c) for c in chat]
     models = {f: "default" for f in FORMATS}
     models["int4_awq"] = awq_checkpoint(float_dir, args.group_size)
+    if "int4_gptq" in args.formats:
+        models["int4_gptq"] = gptq_checkpoint(args.group_size)
     results = {}
     for fmt in args.formats:
         quantization, kv_cache_dtype = ROWS[fmt]
@@ -221,7 +223,12 @@ def run(args) -> dict:
         "window": args.window,
         "stride": args.stride,
         "int4_group_size": args.group_size,
-        "int4_source": "AWQ layout packed by round to nearest (no activation-aware search)",
+        "int4_source": {
+            "int4_awq": "AWQ layout packed by round to nearest (no activation-aware search)",
+            "int4_gptq": f"GPTQ calibrated on {GPTQ_WINDOWS} windows of {GPTQ_WINDOW_TOKENS} "
+            "tokens of benchmarks/data/django_calibration.txt (Django docs/howto, intro, ref: "
+            "no paragraph of the corpus)",
+        },
         "greedy_prompts": len(prompts),
         "greedy_max_tokens": args.max_tokens,
         "formats": results,

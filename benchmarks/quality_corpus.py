@@ -5,7 +5,10 @@ Source: the Django 5.2.8 source distribution on PyPI (`pip download django==5.2.
 under docs/faq, docs/misc, docs/internals and docs/topics (sorted by path) the prose paragraphs
 are kept: code blocks (indented), directives (`..`), headings and tables are dropped, inline
 markup is reduced to its text. The result is committed (benchmarks/data/django_docs.txt), so a
-run needs no network; this module rebuilds it:
+run needs no network. The calibration text of GPTQ (backend/quantization/gptq.py) comes from the
+other documentation directories of the same release (docs/howto, docs/intro, docs/ref): the same
+kind of prose, no paragraph of the corpus (benchmarks/data/django_calibration.txt). This module
+rebuilds both:
 
     python -m benchmarks.quality_corpus /path/to/django-5.2.8.tar.gz
 """
@@ -30,6 +33,9 @@ SOURCE = {
 }
 DIRECTORIES = ("docs/faq/", "docs/misc/", "docs/internals/", "docs/topics/")
 MAX_CHARS = 240_000  # a little over 50k tokens of the default tokenizer
+CALIBRATION = DATA / "django_calibration.txt"
+CALIBRATION_DIRECTORIES = ("docs/howto/", "docs/intro/", "docs/ref/")
+CALIBRATION_CHARS = 160_000  # about 34k tokens
 
 _ROLE = re.compile(r":[\w:.-]+:`~?([^`<]*?)\s*(?:<[^>]*>)?`")  # :doc:`text <target>` -> text
 _LITERAL = re.compile(r"``([^`]*)``")
@@ -57,7 +63,13 @@ def prose(text: str) -> list[str]:
     return paragraphs
 
 
-def build(sdist: str) -> str:
+def build(
+    sdist: str,
+    directories: tuple[str, ...] = DIRECTORIES,
+    max_chars: int = MAX_CHARS,
+    exclude: frozenset[str] = frozenset(),
+) -> str:
+    """The prose of `directories`, up to `max_chars`, without the paragraphs in `exclude`."""
     paragraphs = []
     with tarfile.open(sdist) as tar:
         members = sorted(
@@ -68,11 +80,12 @@ def build(sdist: str) -> str:
             path = member.name.split("/", 1)[1]
             if path == "LICENSE":
                 LICENSE.write_bytes(tar.extractfile(member).read())
-            if path.startswith(DIRECTORIES) and path.endswith(".txt"):
-                paragraphs += prose(tar.extractfile(member).read().decode("utf-8"))
+            if path.startswith(directories) and path.endswith(".txt"):
+                text = tar.extractfile(member).read().decode("utf-8")
+                paragraphs += [p for p in prose(text) if p not in exclude]
     text, size = [], 0
     for paragraph in paragraphs:
-        if size >= MAX_CHARS:
+        if size >= max_chars:
             break
         text.append(paragraph)
         size += len(paragraph) + 2
@@ -87,3 +100,7 @@ if __name__ == "__main__":
     DATA.mkdir(exist_ok=True)
     CORPUS.write_text(build(sys.argv[1]))
     print(f"wrote {CORPUS} ({CORPUS.stat().st_size} bytes, sha256 {sha256()})")
+    corpus = frozenset(CORPUS.read_text().split("\n\n"))
+    calibration = build(sys.argv[1], CALIBRATION_DIRECTORIES, CALIBRATION_CHARS, corpus)
+    CALIBRATION.write_text(calibration)
+    print(f"wrote {CALIBRATION} ({CALIBRATION.stat().st_size} bytes)")
