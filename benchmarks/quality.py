@@ -9,8 +9,9 @@ last two decoder layers, `quantization_exclude`); `int4_awq` loads an AWQ-format
 checkpoint written from the baseline by the round-to-nearest packer
 (`backend.quantization.int4_packing.awq_tensors`: AWQ's layout without its activation-aware
 scaling search); `int4_gptq` loads a GPTQ checkpoint calibrated by `backend.quantization.gptq`
-on other pages of the same documentation (`quality_corpus.CALIBRATION`). SmolLM2's hidden
-size 576 is not a multiple of 128, so the int4 group is 64.
+on other pages of the same documentation (`quality_corpus.CALIBRATION`), and `fp8_gptq`
+(`fp8_gptq_ends`: the end layers kept float) an FP8 checkpoint calibrated the same way.
+SmolLM2's hidden size 576 is not a multiple of 128, so the int4 group is 64.
 `kv_fp8` and `kv_int8` keep the baseline's weights and store the KV cache as fp8 / int8 with a
 dynamic scale per token and kv head (`kv_cache_dtype`, backend/attention/kv_dtype.py).
 
@@ -47,6 +48,8 @@ ROWS = {
     "int8_wo": ("int8_wo", "auto"),
     "int4_awq": ("int4_awq", "auto"),
     "int4_gptq": ("int4_gptq", "auto"),
+    "fp8_gptq": ("fp8", "auto"),  # an FP8 checkpoint calibrated by backend.quantization.gptq
+    "fp8_gptq_ends": ("fp8", "auto"),  # the same with the END_LAYERS kept float
     "fp8": ("fp8", "auto"),
     "fp8_ends": ("fp8", "auto"),  # the first and last END_LAYERS decoder layers kept float
     "kv_fp8": ("none", "fp8"),
@@ -93,21 +96,24 @@ def awq_checkpoint(float_dir: str, group_size: int) -> str:
     return out
 
 
-def gptq_checkpoint(group_size: int) -> str:
-    """A GPTQ checkpoint of the default model calibrated on the Django calibration text (cached;
-    `backend.quantization.gptq`)."""
+def gptq_checkpoint(group_size: int, weights: str = "int4", exclude: str | None = None) -> str:
+    """A checkpoint of the default model calibrated on the Django calibration text (cached;
+    `backend.quantization.gptq`): GPTQ 4-bit, or FP8 with `weights` "fp8"; `exclude`: the
+    `quantization_exclude` fragments kept float."""
     import hashlib
 
     from backend.quantization.gptq import quantize_model
 
     text = quality_corpus.CALIBRATION.read_text()
-    tag = hashlib.sha256(text.encode()).hexdigest()[:8]
+    tag = hashlib.sha256(f"{text}{exclude}".encode()).hexdigest()[:8]
     float_dir = resolve_model("default")
-    out = os.path.join(
-        cache_root(), f"{os.path.basename(float_dir)}-gptq-g{group_size}-{GPTQ_WINDOWS}-{tag}"
-    )
+    name = f"gptq-g{group_size}" if weights == "int4" else "gptq-fp8"
+    out = os.path.join(cache_root(), f"{os.path.basename(float_dir)}-{name}-{GPTQ_WINDOWS}-{tag}")
     if not os.path.isfile(os.path.join(out, "model.safetensors")):
-        quantize_model("default", text, out, group_size, GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS)
+        fragments = tuple(exclude.split(",")) if exclude else ()
+        quantize_model(
+            "default", text, out, group_size, GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS, weights, fragments
+        )
     return out
 
 
@@ -175,6 +181,11 @@ def run(args) -> dict:
     models["int4_awq"] = awq_checkpoint(float_dir, args.group_size)
     if "int4_gptq" in args.formats:
         models["int4_gptq"] = gptq_checkpoint(args.group_size)
+    if "fp8_gptq" in args.formats:
+        models["fp8_gptq"] = gptq_checkpoint(args.group_size, "fp8")
+    if "fp8_gptq_ends" in args.formats:
+        ends = end_layers(float_dir, END_LAYERS)
+        models["fp8_gptq_ends"] = gptq_checkpoint(args.group_size, "fp8", ends)
     results = {}
     for fmt in args.formats:
         quantization, kv_cache_dtype = ROWS[fmt]
@@ -228,6 +239,7 @@ def run(args) -> dict:
             "int4_gptq": f"GPTQ calibrated on {GPTQ_WINDOWS} windows of {GPTQ_WINDOW_TOKENS} "
             "tokens of benchmarks/data/django_calibration.txt (Django docs/howto, intro, ref: "
             "no paragraph of the corpus)",
+            "fp8_gptq": "the same calibration, e4m3 weights with per-channel scales",
         },
         "greedy_prompts": len(prompts),
         "greedy_max_tokens": args.max_tokens,

@@ -4,12 +4,19 @@ int4_gptq, and the engine serves exactly the de-quantized weights it wrote."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from backend.config import EngineConfig
 from backend.executor import Executor
 from backend.models.hf_weights import weight_targets
-from backend.quantization.gptq import collect_hessians, gptq_quantize, write_gptq_checkpoint
+from backend.quantization import Fp8Weight
+from backend.quantization.gptq import (
+    collect_hessians,
+    gptq_fp8,
+    gptq_quantize,
+    write_gptq_checkpoint,
+)
 from backend.quantization.int4_packing import quantize_groups
 from backend.weight_formats import declared_quantization
 from tests.backend.test_quantization import WIDE, _load, _projections, _tokens
@@ -88,3 +95,50 @@ def _parts(layer, weight: torch.Tensor) -> list[torch.Tensor]:
     if layer.shards is None:
         return [weight]
     return [weight[first : first + rows] for first, rows in layer.shards.values()]
+
+
+def test_fp8_gptq_changes_the_outputs_less_than_rounding_each_weight():
+    gen = torch.Generator().manual_seed(2)
+    mixing = torch.randn(128, 128, generator=gen) * torch.linspace(0.1, 3.0, 128)
+    inputs = torch.randn(2048, 128, generator=gen) @ mixing
+    hessian = inputs.t() @ inputs / inputs.shape[0]
+    weight = torch.randn(64, 128, generator=gen) * 0.05
+    plain = Fp8Weight.quantize(weight)
+    values, scales = gptq_fp8(weight, hessian)
+    assert values.dtype == plain.qweight.dtype and torch.equal(scales, plain.scales)
+    calibrated = values.float() * scales[:, None]
+    rounded = plain.dequantize(torch.float32)
+    assert output_error(weight, calibrated, hessian) < 0.5 * output_error(weight, rounded, hessian)
+
+
+def test_an_fp8_checkpoint_keeps_the_excluded_layers_float(tiny_hf_model, tmp_path):
+    _, directory = tiny_hf_model("llama", **WIDE)
+    executor = Executor(EngineConfig(model_path=str(directory), device="cpu", max_seq_len=128))
+    try:
+        hessians = collect_hessians(executor, random_prompts(4, 500, seed=5, low=40, high=60))
+        targets = weight_targets(executor.runner.model)
+    finally:
+        executor.shutdown()
+    checkpoint = tmp_path / "fp8"
+    written = write_gptq_checkpoint(
+        str(directory), str(checkpoint), hessians, targets, 64, "fp8", ("layers.1.",)
+    )
+    assert written == 7  # layer 0's projections; layer 1's stay float
+    assert declared_quantization(checkpoint) == "fp8"
+    dense, kept = _load(directory), _load(checkpoint, "fp8")
+    for name, layer in _projections(kept).items():
+        weight = dense.get_submodule(name).weight
+        if "layers.1." in name:
+            assert layer.quantized is None and torch.equal(layer.weight, weight)
+        else:
+            values, scales = (
+                torch.cat(t)
+                for t in zip(*[gptq_fp8(p, hessians[name]) for p in _parts(layer, weight)])
+            )
+            assert torch.equal(layer.quantized.qweight, values)
+            assert torch.equal(layer.quantized.scales, scales)
+    with pytest.raises(ValueError, match="match no projection"):
+        write_gptq_checkpoint(
+            str(directory), str(tmp_path / "x"), hessians, targets, 64, "fp8", ("nope",)
+        )
+    assert _tokens(checkpoint, "fp8")  # it serves
