@@ -14,8 +14,9 @@ projection's input (a fused q|k|v or gate|up layer has one input, so one H for i
 writes every decoder projection as GPTQ tensors (asymmetric, groups of `--group-size` input
 channels, no reordering) or as e4m3 with a scale per output channel, and copies the rest. The
 engine loads the result like any GPTQ or FP8 checkpoint. The same error moving works for any
-grid: only the rounding of one column differs (`gptq_quantize`, `gptq_fp8`). Each layer's H is taken from the float model (not from the layers already
-quantized before it, as GPTQ's reference code does), which keeps this to one pass.
+grid: only the rounding of one column differs (`gptq_quantize`, `gptq_fp8`). Each layer's H is
+taken from the float model (not from the layers already quantized before it, as GPTQ's reference
+code does), which keeps this to one pass.
 """
 
 from __future__ import annotations
