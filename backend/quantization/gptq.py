@@ -40,21 +40,23 @@ def _group_grid(
     group's min..max, or with `importance` [g] (H's diagonal) that range shrunk by the factor
     of CLIP_FACTORS that rounds the row with the least importance-weighted squared error."""
     low, high = w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0)
-    best_scale = best_zero = best_error = None
-    for factor in CLIP_FACTORS if importance is not None else (1.0,):
+
+    def grid(factor: float) -> tuple[torch.Tensor, torch.Tensor]:
         scale = ((high - low) * factor / 15).clamp(min=1e-8).half().float()
-        zero = torch.round(-low * factor / scale).clamp(0, 15)
-        if importance is None:
-            return scale, zero
+        return scale, torch.round(-low * factor / scale).clamp(0, 15)
+
+    best_scale, best_zero = grid(1.0)
+    if importance is None:
+        return best_scale, best_zero
+    best_error = torch.full((w.shape[0],), float("inf"))
+    for factor in CLIP_FACTORS:
+        scale, zero = grid(factor)
         levels = torch.clamp(torch.round(w / scale[:, None]) + zero[:, None], 0, 15)
         error = (((levels - zero[:, None]) * scale[:, None] - w) ** 2 * importance).sum(dim=1)
-        if best_error is None:
-            best_scale, best_zero, best_error = scale, zero, error
-        else:
-            better = error < best_error
-            best_scale = torch.where(better, scale, best_scale)
-            best_zero = torch.where(better, zero, best_zero)
-            best_error = torch.minimum(error, best_error)
+        better = error < best_error
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+        best_error = torch.minimum(error, best_error)
     return best_scale, best_zero
 
 
@@ -260,26 +262,31 @@ def quantize_model(
     exclude: tuple[str, ...] = (),
 ) -> str:
     """Calibrate and write the GPTQ checkpoint of `model` (a name or directory); returns out_dir."""
-    from backend.config import EngineConfig
-    from backend.executor import Executor
     from backend.model_paths import resolve_model
-    from backend.models.hf_weights import weight_targets
     from preprocessing.tokenizer import load_tokenizer
 
     float_dir = resolve_model(model)
     prompts = calibration_prompts(load_tokenizer(float_dir), calibration_text, num, length)
-    executor = Executor(
-        EngineConfig(
-            model_path=float_dir, device="cpu", dtype="float32", max_seq_len=length + 8, seed=0
-        )
-    )
-    try:
-        hessians = collect_hessians(executor, prompts)
-        targets = weight_targets(executor.runner.model)
-    finally:
-        executor.shutdown()
+    hessians, targets = calibrate(float_dir, prompts, max_seq_len=length + 8)
     write_gptq_checkpoint(float_dir, out_dir, hessians, targets, group_size, weights, exclude)
     return out_dir
+
+
+def calibrate(float_dir: str, prompts: list[list[int]], max_seq_len: int) -> tuple[dict, dict]:
+    """(H of every layer's input over `prompts`, the Hugging Face names' targets) of the float
+    model in `float_dir`, run on the CPU in float32: what `write_gptq_checkpoint` takes."""
+    from backend.config import EngineConfig
+    from backend.executor import Executor
+    from backend.models.hf_weights import weight_targets
+
+    config = EngineConfig(
+        model_path=str(float_dir), device="cpu", dtype="float32", max_seq_len=max_seq_len, seed=0
+    )
+    executor = Executor(config)
+    try:
+        return collect_hessians(executor, prompts), weight_targets(executor.runner.model)
+    finally:
+        executor.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,12 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.executor import Executor
-from backend.models.hf_weights import weight_targets
 from backend.quantization import Fp8Weight
 from backend.quantization.gptq import (
-    collect_hessians,
+    calibrate,
     gptq_fp8,
     gptq_quantize,
     write_gptq_checkpoint,
@@ -39,6 +36,15 @@ def output_error(weight, approx, hessian) -> float:
     return torch.trace(delta @ hessian.double() @ delta.t()).item()
 
 
+def correlated_layer(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [64, 128] and the H of inputs whose channels are correlated and uneven."""
+    gen = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(128, 128, generator=gen) * torch.linspace(0.1, 3.0, 128)
+    inputs = torch.randn(2048, 128, generator=gen) @ mixing
+    hessian = inputs.t() @ inputs / inputs.shape[0]
+    return torch.randn(64, 128, generator=gen) * 0.05, hessian
+
+
 def test_without_input_correlations_gptq_is_round_to_nearest():
     weight = torch.randn(48, 128, generator=torch.Generator().manual_seed(0))
     gptq = gptq_quantize(weight, torch.eye(128), 64, act_order=False, clip_search=False)
@@ -47,11 +53,7 @@ def test_without_input_correlations_gptq_is_round_to_nearest():
 
 
 def test_gptq_changes_the_outputs_less_than_round_to_nearest():
-    gen = torch.Generator().manual_seed(1)
-    mixing = torch.randn(128, 128, generator=gen) * torch.linspace(0.1, 3.0, 128)
-    inputs = torch.randn(2048, 128, generator=gen) @ mixing  # correlated, uneven channels
-    hessian = inputs.t() @ inputs / inputs.shape[0]
-    weight = torch.randn(64, 128, generator=gen) * 0.05
+    weight, hessian = correlated_layer(seed=1)
     rtn = output_error(weight, dequantize(*quantize_groups(weight, 64), 64), hessian)
     errors = {}
     for act_order in (False, True):
@@ -67,12 +69,7 @@ def test_gptq_changes_the_outputs_less_than_round_to_nearest():
 
 def test_a_calibrated_checkpoint_loads_as_gptq_and_serves_its_values(tiny_hf_model, tmp_path):
     _, directory = tiny_hf_model("llama", **WIDE)
-    executor = Executor(EngineConfig(model_path=str(directory), device="cpu", max_seq_len=128))
-    try:
-        hessians = collect_hessians(executor, random_prompts(8, 500, seed=4, low=40, high=60))
-        targets = weight_targets(executor.runner.model)
-    finally:
-        executor.shutdown()
+    hessians, targets = calibrate(directory, random_prompts(8, 500, seed=4, low=40, high=60), 128)
     projections = _projections(_load(directory))
     assert set(hessians) == set(projections)  # one H per layer's input, fused layers once
     checkpoint = tmp_path / "gptq"
@@ -98,11 +95,7 @@ def _parts(layer, weight: torch.Tensor) -> list[torch.Tensor]:
 
 
 def test_fp8_gptq_changes_the_outputs_less_than_rounding_each_weight():
-    gen = torch.Generator().manual_seed(2)
-    mixing = torch.randn(128, 128, generator=gen) * torch.linspace(0.1, 3.0, 128)
-    inputs = torch.randn(2048, 128, generator=gen) @ mixing
-    hessian = inputs.t() @ inputs / inputs.shape[0]
-    weight = torch.randn(64, 128, generator=gen) * 0.05
+    weight, hessian = correlated_layer(seed=2)
     plain = Fp8Weight.quantize(weight)
     values, scales = gptq_fp8(weight, hessian)
     assert values.dtype == plain.qweight.dtype and torch.equal(scales, plain.scales)
@@ -113,12 +106,7 @@ def test_fp8_gptq_changes_the_outputs_less_than_rounding_each_weight():
 
 def test_an_fp8_checkpoint_keeps_the_excluded_layers_float(tiny_hf_model, tmp_path):
     _, directory = tiny_hf_model("llama", **WIDE)
-    executor = Executor(EngineConfig(model_path=str(directory), device="cpu", max_seq_len=128))
-    try:
-        hessians = collect_hessians(executor, random_prompts(4, 500, seed=5, low=40, high=60))
-        targets = weight_targets(executor.runner.model)
-    finally:
-        executor.shutdown()
+    hessians, targets = calibrate(directory, random_prompts(4, 500, seed=5, low=40, high=60), 128)
     checkpoint = tmp_path / "fp8"
     written = write_gptq_checkpoint(
         str(directory), str(checkpoint), hessians, targets, 64, "fp8", ("layers.1.",)

@@ -206,7 +206,7 @@ class ResponseDispatcher:
         self._stopping.set()
         self._thread.join(timeout=10)
 
-    # ---- the sender thread ---------------------------------------------------------------------
+    # ---- the response thread -------------------------------------------------------------------
     def _run(self) -> None:
         """Answer outputs, each row's in order, urgent rows first (see the module docstring)."""
         waiting: dict[str, RequestOutput] = {}  # row -> its newest unanswered output, oldest first
