@@ -58,8 +58,9 @@ def stream_rows_dot_int4(
         words = tl.load(word_rows + (k0 // 8 + w)[None, :])  # [BLOCK_N, WORDS]
         group = group_rows + (k0 + 8 * w)[None, :] // GROUP
         scale = tl.load(scale_ptr + group).to(tl.float32)[:, :, None]
-        zero = tl.load(zero_ptr + group).to(tl.float32)[:, :, None]
-        q = ((words[:, :, None] >> shifts) & 0xF).to(tl.float32)
+        # No int-to-float conversion per weight: q | 0x4B000000 bitcast is exactly 2^23 + q.
+        zero = (tl.load(zero_ptr + group).to(tl.float32) + 8388608.0)[:, :, None]
+        q = (((words[:, :, None] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
         partial += (q - zero) * scale * a[None, :, :]
     if PDL and not EARLY_LAUNCH:
         gdc_launch_dependents()

@@ -50,10 +50,14 @@ def _int4_gemm_kernel(
         even = tl.load(x_rows + (k0 + 2 * j)[None, :])  # [BLOCK_M, HALF]
         odd = tl.load(x_rows + (k0 + 2 * j + 1)[None, :])
         packed = tl.load(q_ptr + n_in[:, None] * (K // 2) + (k0 // 2 + j)[None, :])  # [N, HALF]
+        packed = packed.to(tl.int32)
         s = tl.load(scale_ptr + n_in * groups + k0 // GROUP).to(tl.float32)[:, None]
-        z = tl.load(zero_ptr + n_in * groups + k0 // GROUP).to(tl.float32)[:, None]
-        low = (((packed & 0x0F).to(tl.float32) - z) * s).to(even.dtype)
-        high = (((packed >> 4).to(tl.float32) - z) * s).to(even.dtype)
+        z = (tl.load(zero_ptr + n_in * groups + k0 // GROUP).to(tl.float32) + 8388608.0)[:, None]
+        # No int-to-float conversion per weight: q | 0x4B000000 bitcast is exactly 2^23 + q.
+        q_low = ((packed & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True)
+        q_high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
+        low = ((q_low - z) * s).to(even.dtype)
+        high = ((q_high - z) * s).to(even.dtype)
         acc = tl.dot(even, tl.trans(low), acc)
         acc = tl.dot(odd, tl.trans(high), acc)
     if HAS_BIAS:
