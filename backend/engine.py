@@ -91,6 +91,7 @@ class Engine:
         self.on_step = on_step
         self._lock = lock
         self.in_flight: LaunchedStep | None = None  # the step whose tokens are in flight
+        self.device_wait_s = 0.0  # cumulative: waiting for sampled ids (see ExecutorStats)
         # Ids of requests for which `reads_token_history` (kept by the executor, under `lock`):
         # when empty, as usual, no step has to look for them.
         self.history_requests: set[str] = set()
@@ -175,10 +176,12 @@ class Engine:
         """Wait for a step's sampled ids; append each request's token, check stops, deliver."""
         requests, sampled = step.requests, None
         if step.sampled is not None:
+            waited = time.perf_counter()
             try:
                 sampled = step.sampled.result()
             except Exception:
                 log.exception("the step failed on the device")
+            self.device_wait_s += time.perf_counter() - waited
         if sampled is None:
             for request in requests:
                 request.in_flight_row = None

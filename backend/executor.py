@@ -68,6 +68,7 @@ class Executor:
             self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed
         )
         self._stats = ExecutorStats(kv=self.scheduler.kv_stats())
+        self._last_step_decoded = False  # the step before ran no prompt chunk (_time_step)
         self.outputs = OutputProcessor(
             self.max_seq_len, self.eos_token_ids, self._release, self.config.stream_interval
         )
@@ -255,6 +256,7 @@ class Executor:
                 if live is not None:
                     self.outputs.finish(live.request, FinishReason.CANCELLED)
             was_in_flight = engine.in_flight is not None
+            started = time.perf_counter()
             try:
                 ran = engine.step()
             except TensorParallelError as exc:  # raised anywhere in the step: name a dead rank
@@ -263,6 +265,7 @@ class Executor:
             except Exception:  # never let the loop die
                 log.exception("executor step failed")
                 continue
+            self._time_step(ran, time.perf_counter() - started)
             if ran is None and not was_in_flight:
                 time.sleep(0.001)  # nothing could be scheduled yet (KV blocks, budget)
 
@@ -276,6 +279,18 @@ class Executor:
             self._stopping = True
             self._work.notify()
         self.on_fatal(message)
+
+    def _time_step(self, ran: SchedulerOutput | None, seconds: float) -> None:
+        """Add a step's wall time to the stats (see ExecutorStats): only this thread writes
+        those fields, so no lock."""
+        stats = self._stats
+        stats.step_seconds += seconds
+        stats.device_wait_seconds = self.engine.device_wait_s
+        decoded = ran is not None and stats.last_num_context_requests == 0
+        if decoded and self._last_step_decoded:
+            stats.num_decode_streak_steps += 1
+            stats.decode_streak_seconds += seconds
+        self._last_step_decoded = decoded
 
     def _record_step(self, batch: SchedulerOutput) -> None:
         """Engine hook, under `_lock`: a step ran."""

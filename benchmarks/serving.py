@@ -177,36 +177,53 @@ def settings_for(args, model_dir: str):
     )
 
 
-def step_counts(before: tuple[int, int], after: tuple[int, int], row: dict) -> dict:
-    """The engine's steps during a load, from its (iterations, context iterations) counters:
-    more steps for the same tokens means emptier batches; longer steps, slower ones (prompt
-    chunks run as eager steps)."""
-    steps, context = after[0] - before[0], after[1] - before[1]
+# The engine's step counters (ExecutorStats fields) and their samples among the server's metrics.
+STEP_COUNTERS = {
+    "num_iterations": 'general_type="iteration_counter"',
+    "num_context_iterations": 'metric="context_iterations"',
+    "step_seconds": 'engine_step_metric="step_seconds"',
+    "device_wait_seconds": 'engine_step_metric="device_wait_seconds"',
+    "num_decode_streak_steps": 'engine_step_metric="decode_streak_steps"',
+    "decode_streak_seconds": 'engine_step_metric="decode_streak_seconds"',
+}
+
+
+def stats_counts(stats) -> dict[str, float]:
+    return {name: getattr(stats, name) for name in STEP_COUNTERS}
+
+
+def step_counts(before: dict[str, float], after: dict[str, float], row: dict) -> dict:
+    """The engine's steps during a load, from its counters: more steps for the same tokens means
+    emptier batches; longer steps, slower ones (prompt chunks run as eager steps). The step
+    thread's share not spent waiting for the device says whether the host paces the steps, and
+    a decode step right after another is the steady step, free of prompt chunks' time."""
+    d = {name: after[name] - before[name] for name in STEP_COUNTERS}
+    steps, streak = d["num_iterations"], d["num_decode_streak_steps"]
     return {
         "engine_steps": steps,
-        "engine_context_steps": context,
+        "engine_context_steps": d["num_context_iterations"],
         "ms_per_step": 1e3 * row["wall_s"] / steps if steps else None,
         "tokens_per_step": row["output_tokens"] / steps if steps else None,
+        "host_share": 1 - d["device_wait_seconds"] / d["step_seconds"]
+        if d["step_seconds"]
+        else None,
+        "ms_per_decode_step": 1e3 * d["decode_streak_seconds"] / streak if streak else None,
     }
 
 
-# The samples of the iteration counter and of the context iterations among the server's metrics.
-STEP_LABELS = ('general_type="iteration_counter"', 'metric="context_iterations"')
-
-
-def metrics_counts(metrics_url: str) -> tuple[int, int]:
-    """(iterations, context iterations) from the server's metrics, once they are current."""
+def metrics_counts(metrics_url: str) -> dict[str, float]:
+    """The engine's step counters from the server's metrics, once they are current."""
     import urllib.request
 
     time.sleep(3 * STATS_PERIOD_S)  # the gauges are refreshed every stats period
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    values = dict.fromkeys(STEP_LABELS, 0)
+    values = dict.fromkeys(STEP_COUNTERS, 0.0)
     for line in text.splitlines():
-        for label in STEP_LABELS:
+        for name, label in STEP_COUNTERS.items():
             if label in line and not line.startswith("#"):
-                values[label] = int(float(line.rsplit(" ", 1)[1]))
-    return tuple(values.values())
+                values[name] = float(line.rsplit(" ", 1)[1])
+    return values
 
 
 COMPILE_LINE = re.compile(r"kernel (\w+) compiled after the warm-up \(([\d.]+) s")
@@ -227,9 +244,8 @@ def run_engine_alone(settings, requests, args, expected) -> list[dict]:
 
     executor = Executor(settings.engine_config())
 
-    def counts() -> tuple[int, int]:
-        stats = executor.stats()
-        return stats.num_iterations, stats.num_context_iterations
+    def counts() -> dict[str, float]:
+        return stats_counts(executor.stats())
 
     def compiles() -> list[str]:
         return [f"{k.kernel} {k.seconds:.2f} s" for k in compile_watch.compiles()]
@@ -248,10 +264,9 @@ def run_engine_process(settings, requests, args) -> list[dict]:
 
     engine = EngineProcess(settings.engine_config())
 
-    def counts() -> tuple[int, int]:
+    def counts() -> dict[str, float]:
         time.sleep(3 * STATS_PERIOD_S)  # the engine sends its stats every stats period
-        stats = engine.stats()
-        return stats.num_iterations, stats.num_context_iterations
+        return stats_counts(engine.stats())
 
     try:
         return engine_loads(engine, "engine:process", requests, args, counts, [0.0])
@@ -383,9 +398,15 @@ def _print(row: dict) -> None:
     )
     if row.get("engine_steps"):
         print(
-            f"{'':>22} engine: {row['engine_steps']} steps ({row['engine_context_steps']} with "
-            f"prompt chunks), {row['ms_per_step']:.2f} ms and {row['tokens_per_step']:.1f} "
-            "output tokens a step",
+            f"{'':>22} engine: {row['engine_steps']:.0f} steps "
+            f"({row['engine_context_steps']:.0f} with prompt chunks), "
+            f"{row['ms_per_step']:.2f} ms and {row['tokens_per_step']:.1f} output tokens a step"
+            + (f", host {row['host_share']:.0%}" if row.get("host_share") is not None else "")
+            + (
+                f", steady decode {row['ms_per_decode_step']:.2f} ms"
+                if row.get("ms_per_decode_step")
+                else ""
+            ),
             flush=True,
         )
     if row.get("kernel_compiles"):

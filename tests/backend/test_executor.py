@@ -85,7 +85,8 @@ def test_bad_input_is_rejected_and_neighbours_are_served(executor, prompt, param
 
 def test_context_iterations_count_the_steps_that_compute_a_prompt(tiny_dir):
     """A 40-token prompt in chunks of at most 16 tokens takes three prompt steps; its four later
-    tokens come from decode steps, which are not counted."""
+    tokens come from decode steps, which are not counted. Three of those follow a decode step
+    (steady decode steps), and the step thread's time is split into waits and the rest."""
     ex = Executor(tiny_config(tiny_dir, max_seq_len=256, max_num_tokens=16))
     try:
         ex.generate([list(range(3, 43))], SamplingParams(max_tokens=5, ignore_end_id=True))
@@ -94,6 +95,9 @@ def test_context_iterations_count_the_steps_that_compute_a_prompt(tiny_dir):
         ex.shutdown()
     assert stats.num_context_iterations == 3
     assert stats.num_iterations == 3 + 4
+    assert stats.num_decode_streak_steps == 3
+    assert 0 < stats.decode_streak_seconds < stats.step_seconds
+    assert 0 <= stats.device_wait_seconds < stats.step_seconds
 
 
 def test_cancel_frees_blocks_and_sends_final(executor):

@@ -8,7 +8,7 @@ import pytest
 
 from backend.config import EngineConfig
 from backend.executor import Executor
-from benchmarks.serving import step_counts
+from benchmarks.serving import stats_counts, step_counts
 from benchmarks.serving_load import LoadRequest, engine_closed_loop, summarize
 from tests.tiny_models import make_tiny_model
 
@@ -35,11 +35,8 @@ def test_closed_loop_serves_each_request_once_within_its_concurrency(executor, j
         overlapping = [o for o in records if o is not r and o.sent <= r.sent < o.last]
         assert len(overlapping) <= 2
     row = summarize(records, requests)
-    steps = step_counts(
-        (before.num_iterations, before.num_context_iterations),
-        (after.num_iterations, after.num_context_iterations),
-        row,
-    )
+    steps = step_counts(stats_counts(before), stats_counts(after), row)
     assert steps["engine_steps"] >= max(req.output_len for req in requests)
     assert 1 <= steps["engine_context_steps"] <= steps["engine_steps"]
     assert steps["tokens_per_step"] == row["output_tokens"] / steps["engine_steps"]
+    assert 0 <= steps["host_share"] <= 1

@@ -32,6 +32,10 @@ LABELS = {
         ],
     ),
     "nv_trt_llm_general_metrics": ("general_type", ["iteration_counter", "timestamp"]),
+    "nv_llm_engine_step_metrics": (
+        "engine_step_metric",
+        ["step_seconds", "device_wait_seconds", "decode_streak_steps", "decode_streak_seconds"],
+    ),
 }
 
 
@@ -141,6 +145,11 @@ def test_counts_match_what_was_served(triton, tokenizer):
     assert _delta(
         after, before, "nv_trt_llm_general_metrics", general_type="iteration_counter"
     ) >= max(MAX_TOKENS)
+    step_s, wait_s = (
+        _delta(after, before, "nv_llm_engine_step_metrics", engine_step_metric=m)
+        for m in ("step_seconds", "device_wait_seconds")
+    )
+    assert step_s > wait_s >= 0
     # one request at a time: each computed its prompt in at least one step of its own
     assert _delta(
         after,

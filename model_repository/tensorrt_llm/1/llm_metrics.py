@@ -11,6 +11,8 @@ the same series crashed tritonserver 2.51: heap corruption under load). Families
   nv_trt_llm_inflight_batcher_metrics{inflight_batcher_specific_metric=
       total_context_tokens|generation_requests|micro_batch_id|preemptions|context_iterations}
   nv_trt_llm_general_metrics{general_type=iteration_counter|timestamp}   (timestamp: µs since epoch)
+  nv_llm_engine_step_metrics{engine_step_metric=step_seconds|device_wait_seconds|
+      decode_streak_steps|decode_streak_seconds}  (cumulative; see backend.stats.ExecutorStats)
   nv_llm_input_token_len / nv_llm_output_token_len  histograms, buckets 10 50 100 500 1000
   nv_llm_requests_finished_total{finish_reason=length|stop|end_id|cancelled|error}  counter
   nv_llm_requests_rejected_total{reason=queue_full|shutting_down|invalid}  counter
@@ -117,6 +119,12 @@ class LlmMetrics:
             "general_type",
             ("iteration_counter", "timestamp"),
         )
+        self.steps = self._gauges(
+            "nv_llm_engine_step_metrics",
+            "Where the engine's step thread spends its time (cumulative)",
+            "engine_step_metric",
+            ("step_seconds", "device_wait_seconds", "decode_streak_steps", "decode_streak_seconds"),
+        )
 
     def _request_families(self) -> None:
         self.input_len = self._histogram(
@@ -207,6 +215,13 @@ class LlmMetrics:
         )
         self._set(
             self.general, iteration_counter=stats.num_iterations, timestamp=int(time.time() * 1e6)
+        )
+        self._set(
+            self.steps,
+            step_seconds=stats.step_seconds,
+            device_wait_seconds=stats.device_wait_seconds,
+            decode_streak_steps=stats.num_decode_streak_steps,
+            decode_streak_seconds=stats.decode_streak_seconds,
         )
 
     def observe_finished(self) -> None:
