@@ -46,6 +46,7 @@ from benchmarks.serving_load import (
     run_clients,
     summarize,
 )
+from benchmarks.sampled_profile import engine_process_pid, sampled_profile
 from benchmarks.serving_perf_analyzer import perf_analyzer_summary
 from backend.engine_service import STATS_PERIOD_S
 
@@ -208,6 +209,11 @@ def step_counts(before: dict[str, float], after: dict[str, float], row: dict) ->
         if d["step_seconds"]
         else None,
         "ms_per_decode_step": 1e3 * d["decode_streak_seconds"] / streak if streak else None,
+        # the other steps: those with prompt chunks and the decode step after each
+        "ms_per_other_step": 1e3 * (d["step_seconds"] - d["decode_streak_seconds"]) / others
+        if (others := steps - streak)
+        else None,
+        "step_counters": d,
     }
 
 
@@ -274,6 +280,12 @@ def run_engine_process(settings, requests, args) -> list[dict]:
         engine.shutdown()
 
 
+def profile_path(args, target: str, concurrency: int) -> Path | None:
+    if not args.profile_dir:
+        return None
+    return Path(args.profile_dir) / f"{target.replace(':', '_')}_c{concurrency}.txt"
+
+
 def engine_loads(
     engine, target, requests, args, counts, jitters, compiles=None, expected=None
 ) -> list[dict]:
@@ -287,8 +299,10 @@ def engine_loads(
         for c in args.concurrency:
             load = requests[: requests_at(c, args)]
             before, compiled = counts(), len(compiles()) if compiles else 0
-            records = engine_closed_loop(engine, load, c, args.exact_with, jitter_ms / 1e3)
             name = f"{target}:jitter{jitter_ms:g}ms" if jitter_ms else target
+            pid = getattr(getattr(engine, "process", None), "pid", os.getpid())
+            with sampled_profile(pid, profile_path(args, name, c)):
+                records = engine_closed_loop(engine, load, c, args.exact_with, jitter_ms / 1e3)
             row = {"target": name, "concurrency": c, **summarize(records, load)}
             row.update(step_counts(before, counts(), row))
             if compiles:
@@ -342,14 +356,15 @@ def run_server_loads(
                 timed = args.timeline and kind == "grpc"
                 before = metrics_counts(server.metrics_url)
                 compiled = len(logged_compiles(server_log))
-                records = run_clients(
-                    Target(kind, model, url, args.exact_with, timed),
-                    load,
-                    c,
-                    args.processes,
-                    gone,
-                    cpus=args.client_cpu_set,
-                )
+                with sampled_profile(engine_process_pid(), profile_path(args, spec, c)):
+                    records = run_clients(
+                        Target(kind, model, url, args.exact_with, timed),
+                        load,
+                        c,
+                        args.processes,
+                        gone,
+                        cpus=args.client_cpu_set,
+                    )
                 row = {"target": spec, "concurrency": c, **summarize(records, load)}
                 row.update(step_counts(before, metrics_counts(server.metrics_url), row))
                 row["kernel_compiles"] = logged_compiles(server_log)[compiled:]
@@ -404,7 +419,8 @@ def _print(row: dict) -> None:
             + (f", host {row['host_share']:.0%}" if row.get("host_share") is not None else "")
             + (
                 f", steady decode {row['ms_per_decode_step']:.2f} ms"
-                if row.get("ms_per_decode_step")
+                f", other {row['ms_per_other_step']:.2f} ms"
+                if row.get("ms_per_decode_step") and row.get("ms_per_other_step")
                 else ""
             ),
             flush=True,
@@ -533,6 +549,11 @@ def main(argv: list[str] | None = None) -> int:
         "for the server and the engine alone",
     )
     p.add_argument("--check-text", type=int, default=4)
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="write a sampling profile of the engine (py-spy, collapsed stacks) per load here",
+    )
     p.add_argument(
         "--timeline",
         action="store_true",
