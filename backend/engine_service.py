@@ -37,6 +37,7 @@ import logging
 import os
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -108,19 +109,25 @@ class Outbox:
     the executor's loop in one message, notices in order, and the statistics every
     STATS_PERIOD_S. It also knows which client each request in flight is for.
 
-    The executor thread turns its outputs into messages itself, once per pass of its loop
-    (`flush`): pickling a step's outputs costs it less than handing the interpreter lock back
-    and forth with a second thread doing that work would. The writer thread only writes ready
-    bytes (the lock is released while it writes), so a slow client never stalls a step."""
+    The executor thread turns its outputs into messages and writes them itself, once per pass
+    of its loop (`flush`), without waiting: a second thread doing either would hand the
+    interpreter lock back and forth with the step thread several times a step, and each handoff
+    costs the step more than the work. What a client's socket cannot take at once goes to the
+    writer thread, which waits for the socket (the lock is released meanwhile), so a slow client
+    never stalls a step; while it has anything to write, later messages queue behind it, in
+    order. Messages are written with `multiprocessing.connection`'s framing, so the clients'
+    `recv` reads them."""
 
     def __init__(self, executor):
         self._executor = executor
         self.rejected_reason: str | None = None  # set while draining: why requests end
         self._pending: deque[tuple[Connection, RequestOutput]] = deque()  # appends need no lock
         self._requests: dict[Connection, set[str]] = {}
+        self._sockets: dict[Connection, socket.socket] = {}  # a socket on each one's descriptor
         self._lock = threading.Lock()  # turns outputs into messages, in order
-        self._messages: deque[tuple[Connection, bytes | None]] = deque()  # None: close it
+        self._messages: deque[tuple[Connection, bytes | None]] = deque()  # framed; None: close
         self._cond = threading.Condition()
+        self._writing = False  # the writer thread has messages in hand: queue behind them
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="engine-writer", daemon=True)
         self._thread.start()
@@ -133,6 +140,7 @@ class Outbox:
     def add(self, conn: Connection) -> None:
         with self._lock:
             self._requests[conn] = set()
+            self._sockets[conn] = socket.socket(fileno=os.dup(conn.fileno()))
 
     def track(self, conn: Connection, request_id: str):
         """Note a request of `conn`; returns the executor's output callback for it."""
@@ -157,7 +165,7 @@ class Outbox:
     def notify(self, conn: Connection, message: tuple) -> None:
         with self._lock:
             if conn in self._requests:
-                self._post([(conn, _dumps(message))])
+                self._post([(conn, _frame(_dumps(message)))])
 
     def remove(self, conn: Connection, farewell: tuple | None) -> set[str]:
         """Stop sending to `conn` after its outputs so far and `farewell`, then close it; returns
@@ -169,7 +177,7 @@ class Outbox:
                 self._post(messages)
                 return set()
             if farewell is not None:
-                messages.append((conn, _dumps(farewell)))
+                messages.append((conn, _frame(_dumps(farewell))))
             self._post([*messages, (conn, None)])
             return requests
 
@@ -195,18 +203,51 @@ class Outbox:
             batch.append(output_values(out, reason))
             if out.finished:
                 ids.discard(out.request_id)
-        return [(conn, _dumps(("outputs", batch))) for conn, batch in batches.items()]
+        return [(conn, _frame(_dumps(("outputs", batch)))) for conn, batch in batches.items()]
 
     def _post(self, messages: list[tuple[Connection, bytes | None]]) -> None:
-        if messages:
-            with self._cond:
+        """Write `messages` now as far as the sockets take them; queue the rest (hold `_lock`)."""
+        if not messages:
+            return
+        with self._cond:
+            if not self._writing and not self._messages:
+                messages = self._write_now(messages)
+            if messages:
                 self._messages.extend(messages)
                 self._cond.notify()
+
+    def _write_now(self, messages: list[tuple[Connection, bytes | None]]) -> list:
+        """Write in order without waiting; returns what is left from the first message that did
+        not fit (its unwritten bytes first)."""
+        for i, (conn, data) in enumerate(messages):
+            sock = self._sockets.get(conn)
+            if data is None:
+                self._close(conn)
+                continue
+            if sock is None:  # closed already
+                continue
+            try:
+                sent = sock.send(data, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            except OSError:  # that client is gone: the main loop reads its end and removes it
+                continue
+            if sent < len(data):
+                return [(conn, data[sent:]), *messages[i + 1 :]]
+        return []
+
+    def _close(self, conn: Connection) -> None:
+        sock = self._sockets.pop(conn, None)
+        if sock is not None:
+            sock.close()
+        conn.close()
 
     def _run(self) -> None:
         next_stats = 0.0
         while True:
+            clients = self.clients
             with self._cond:
+                self._writing = False
                 self._cond.wait_for(
                     lambda: self._messages or self._closing,
                     timeout=max(0.0, next_stats - time.monotonic()),
@@ -214,32 +255,47 @@ class Outbox:
                 messages = list(self._messages)
                 self._messages.clear()
                 closing = self._closing
+                stats_due = time.monotonic() >= next_stats
+                self._writing = bool(messages) or stats_due
             for conn, data in messages:
                 if data is None:
-                    conn.close()
+                    self._close(conn)
                 else:
-                    _send(conn, data)
-            now = time.monotonic()
-            if now >= next_stats:
-                stats = _dumps(("stats", self._executor.stats()))
-                for conn in self.clients:
-                    _send(conn, stats)
-                next_stats = now + STATS_PERIOD_S
+                    self._write_all(conn, data)
+            if stats_due:
+                stats = _frame(_dumps(("stats", self._executor.stats())))
+                for conn in clients:
+                    self._write_all(conn, stats)
+                next_stats = time.monotonic() + STATS_PERIOD_S
             if closing:
+                for sock in list(self._sockets.values()):
+                    sock.close()
                 return
+
+    def _write_all(self, conn: Connection, data: bytes) -> None:
+        sock = self._sockets.get(conn)
+        try:
+            if sock is not None:
+                sock.sendall(data)
+        except OSError:  # that client is gone: the main loop reads its end and removes it
+            pass
 
 
 def _dumps(message) -> bytes:
     return ForkingPickler.dumps(message)
 
 
+def _frame(data: bytes) -> bytes:
+    """`data` as one message of `multiprocessing.connection` (a length, then the bytes)."""
+    if len(data) > 0x7FFFFFFF:
+        return struct.pack("!iQ", -1, len(data)) + data
+    return struct.pack("!i", len(data)) + data
+
+
 def _send(conn: Connection, message) -> None:
-    """Send a message, or bytes already pickled (the receiving end's `recv` reads both)."""
+    """Send a message outside the Outbox (before it starts or after it stops)."""
     try:
-        if isinstance(message, (bytes, memoryview)):
-            conn.send_bytes(message)
-        else:
-            conn.send(message)
+        conn.send(message)
     except OSError:  # that client is gone: the main loop reads its end and removes it
         pass
 

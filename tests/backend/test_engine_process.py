@@ -262,6 +262,34 @@ def test_a_removed_client_gets_its_outputs_then_the_farewell_then_eof():
     assert [k for k in kinds if k != "stats"] == ["outputs", "detached", "eof"]
 
 
+def test_a_client_that_reads_late_gets_every_message_in_order_and_never_stalls_a_flush():
+    """Far more than the socket holds, flushed while the client reads nothing: each flush
+    returns at once (what does not fit goes to the writer thread, partial messages included),
+    and the client then reads every output whole and in order."""
+    ours, theirs = socket.socketpair()
+    conn, client = Connection(ours.detach()), Connection(theirs.detach())
+    outbox = Outbox(executor=type("Idle", (), {"stats": lambda self: None})())
+    outbox.add(conn)
+    sent = [RequestOutput(f"r{i}", list(range(i, i + 5000)), [], i, False) for i in range(200)]
+
+    def flush_all():
+        for out in sent:
+            outbox.track(conn, out.request_id)(out)
+            outbox.flush()
+
+    flusher = threading.Thread(target=flush_all)
+    flusher.start()
+    flusher.join(timeout=30)
+    assert not flusher.is_alive(), "a flush waited for the client"
+    received = []
+    while len(received) < len(sent) and client.poll(10):
+        message = client.recv()
+        if message[0] == "outputs":
+            received += [RequestOutput(*values) for values in message[1]]
+    outbox.close()
+    assert received == sent
+
+
 def test_sigterm_drains_the_engine(tiny_dir):
     """A server being stopped: requests in flight end at once, refused as "shutting_down", and
     so is every later submit; the process then waits for its handle's stop."""
