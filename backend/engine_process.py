@@ -34,6 +34,7 @@ from pathlib import Path
 from backend.config import EngineConfig
 from backend.engine_service import (  # noqa: F401  (the protocol's names, for the handle's callers)
     FATAL_EXIT_CODE,
+    MIDDLE_FIELDS,
     SHUTTING_DOWN,
     STATS_PERIOD_S,
     EngineInfo,
@@ -147,6 +148,7 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._callbacks: dict[str, object] = {}
+        self._earlier: dict[str, tuple] = {}  # each live request's last whole output (_deliver)
         self._stats = None
         self._exit_error: str | None = None
         self._stopping = False
@@ -315,9 +317,22 @@ class EngineProcess:
             self._deliver(payload)
 
     def _deliver(self, outputs: list[tuple]) -> None:
-        callbacks, lock = self._callbacks, self._lock
+        callbacks, lock, earlier = self._callbacks, self._lock, self._earlier
+        middle = len(MIDDLE_FIELDS)
         for values in outputs:
-            out = RequestOutput(*values)
+            if len(values) == middle:  # the rest is as in the request's previous output
+                request_id, new_ids, num_output, num_new_blocks, last_time = values
+                e = earlier[request_id]
+                out = RequestOutput(
+                    request_id, new_ids, [], num_output, False, None, None, e[7], e[8],
+                    num_new_blocks, e[10], e[11], e[12], e[13], last_time,
+                )  # fmt: skip
+            else:
+                out = RequestOutput(*values)
+                if out.finished:
+                    earlier.pop(out.request_id, None)
+                else:
+                    earlier[out.request_id] = values
             with lock:
                 callback = (
                     callbacks.pop(out.request_id, None)
@@ -343,6 +358,7 @@ class EngineProcess:
         with self._lock:
             self._exit_error = self._exit_error or reason
             orphans, self._callbacks = self._callbacks, {}
+            self._earlier.clear()
         for request_id, callback in orphans.items():
             callback(
                 RequestOutput(

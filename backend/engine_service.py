@@ -18,7 +18,8 @@ Protocol: `multiprocessing.connection` framing, pickled tuples.
 
 A client that attaches sends the config it would have started the engine with; a different one
 is refused. An output travels as the tuple of `RequestOutput`'s fields (a tenth of the pickling
-cost of the objects); a client's outputs produced since its last message go together, about one
+cost of the objects), a stream's middle outputs as the few fields that change
+(`output_values`); a client's outputs produced since its last message go together, about one
 message per step. A request the engine refuses after the handle's own checks (a full queue)
 comes back as a finished output with reason `error` and `rejected` set. A client that stops (or
 whose connection closes) has its requests cancelled; the process exits when its last client has
@@ -78,7 +79,24 @@ def address(name: str) -> str:
 
 
 def output_values(out: RequestOutput, rejected_reason: str | None = None) -> tuple:
-    """An output as the tuple of its fields; `rejected_reason` marks errors while draining."""
+    """An output as the tuple of its fields; `rejected_reason` marks errors while draining. The
+    outputs between a plain stream's first and last (no log-probs) travel as MIDDLE_FIELDS
+    only: the client keeps the rest from the request's previous output (a quarter of the
+    fields: the engine's step thread pickles every output of every step)."""
+    if (
+        not out.finished
+        and not out.new_logprobs
+        and out.new_top_ids is None
+        and out.prompt_logprobs is None
+        and out.num_output_tokens > len(out.new_token_ids)  # an output came before
+    ):
+        return (
+            out.request_id,
+            out.new_token_ids,
+            out.num_output_tokens,
+            out.num_new_blocks,
+            out.last_token_time,
+        )
     return (
         out.request_id,
         out.new_token_ids,
@@ -102,6 +120,16 @@ def output_values(out: RequestOutput, rejected_reason: str | None = None) -> tup
         out.prompt_top_ids,
         out.prompt_top_logprobs,
     )
+
+
+# What a middle output carries (`output_values`); the rest is its request's previous output's.
+MIDDLE_FIELDS = (
+    "request_id",
+    "new_token_ids",
+    "num_output_tokens",
+    "num_new_blocks",
+    "last_token_time",
+)
 
 
 class Outbox:

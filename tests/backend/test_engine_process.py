@@ -15,7 +15,7 @@ import pytest
 
 from backend.config import EngineConfig
 from backend.engine_process import EngineProcess
-from backend.engine_service import Outbox
+from backend.engine_service import MIDDLE_FIELDS, Outbox, output_values
 from backend.executor import Executor
 from backend.request import FinishReason, RequestOutput
 from backend.sampling_params import SamplingParams
@@ -101,6 +101,32 @@ def test_outputs_through_the_process_equal_the_executors(tiny_dir, engine):
     while completed() < len(prompts) and time.monotonic() < deadline:
         time.sleep(0.05)  # statistics come every STATS_PERIOD_S
     assert completed() >= len(prompts)
+
+
+def test_a_streams_middle_outputs_travel_short_and_arrive_whole(engine):
+    """Between a stream's first and last output only the changing fields travel; the handle
+    gives each output the request's other fields as the first output had them."""
+    first = RequestOutput("r", [4], [], 1, False, None, None, 9, 0, 2, 0.0, 1.0, 2.0, 3.0, 3.0)
+    middle = dataclasses.replace(first, new_token_ids=[5], num_output_tokens=2, last_token_time=4.0)
+    assert len(output_values(first)) == len(dataclasses.fields(RequestOutput))
+    assert len(output_values(middle)) == len(MIDDLE_FIELDS)
+
+    prompt = random_prompts(1, 512, seed=7)[0]
+    outputs = Outputs()
+    engine.submit("short", prompt, SamplingParams(max_tokens=6, ignore_end_id=True), outputs)
+    outputs.wait()
+    head = outputs.items[0]
+    assert len(outputs.items) == 6 and head.first_token_time is not None
+    for n, out in enumerate(outputs.items, start=1):
+        assert out.num_output_tokens == n and len(out.new_token_ids) == 1
+        assert out.num_prompt_tokens == len(prompt)
+        assert (out.arrival_time, out.first_scheduled_time, out.first_token_time) == (
+            head.arrival_time,
+            head.first_scheduled_time,
+            head.first_token_time,
+        )
+        assert out.last_token_time >= head.first_token_time
+    assert [o.finished for o in outputs.items] == [False] * 5 + [True]
 
 
 def test_bad_input_is_refused_at_once_with_the_executors_message(engine):
