@@ -309,52 +309,6 @@ class Outbox:
             pass
 
 
-class RequestIntake:
-    """Who reads the clients' messages. While the executor runs steps, its own thread does, once
-    a pass of its loop and without waiting (`poll`); while it is idle, the main thread does,
-    blocked on the sockets. Read by the main thread under load, each request would take the
-    interpreter lock from the step thread two or three times (its wake-up, each read), and each
-    handoff delays a step. The reader that gives up makes the switch: the main thread once it
-    has read what it handles (`hand_over`, then it wakes the executor), the executor thread
-    before it sleeps (`hand_back`, which wakes the main thread through `wake_fd`), so one thread
-    reads at a time and an idle executor never holds the reading."""
-
-    def __init__(self, outbox: Outbox, handle):
-        self._outbox = outbox
-        self._handle = handle  # (conn, message) -> None; message None: the client has gone
-        self.executor_reads = False
-        self.wake_fd, self._wake_write = os.pipe()
-
-    def hand_over(self) -> None:
-        self.executor_reads = True
-
-    def hand_back(self) -> None:
-        if self.executor_reads:
-            self.executor_reads = False
-            os.write(self._wake_write, b"r")
-
-    def poll(self) -> None:
-        if not self.executor_reads:
-            return
-        for conn in wait(self._outbox.clients, timeout=0):
-            for message in self.take(conn):
-                self._handle(conn, message)
-        if not self._outbox.clients:  # the last one has gone: the main thread ends the process
-            os.write(self._wake_write, b"g")
-
-    @staticmethod
-    def take(conn: Connection) -> list:
-        """Every message `conn` has sent so far (it is readable); None last if it has gone."""
-        messages = []
-        try:
-            while True:
-                messages.append(conn.recv())
-                if not conn.poll(0):
-                    return messages
-        except (EOFError, OSError):
-            return [*messages, None]
-
-
 def _dumps(message) -> bytes:
     return ForkingPickler.dumps(message)
 
@@ -424,6 +378,7 @@ def serve(first: Connection, listener: socket.socket | None = None) -> int:
     )
     first.send(("ready", info))
     outbox = Outbox(executor)
+    executor.on_delivered = outbox.flush
     outbox.add(first)
     wake_read, wake_write = os.pipe()
     signal.signal(signal.SIGTERM, lambda signum, frame: os.write(wake_write, b"x"))
@@ -435,16 +390,6 @@ def serve(first: Connection, listener: socket.socket | None = None) -> int:
         for request_id in outbox.remove(conn, ("detached", left) if farewell_left else None):
             executor.cancel(request_id)
 
-    def handle(conn: Connection, message) -> None:
-        if message is None:
-            detach(conn, farewell_left=False)
-        else:
-            _handle(message, conn, executor, outbox, draining, QueueFullError, detach)
-
-    intake = RequestIntake(outbox, handle)
-    executor.on_delivered = lambda: (outbox.flush(), intake.poll())
-    executor.on_idle = intake.hand_back
-
     try:
         while outbox.clients:
             if executor.error is not None:  # its requests have failed with it: tell and exit
@@ -454,8 +399,7 @@ def serve(first: Connection, listener: socket.socket | None = None) -> int:
                 for conn in clients:
                     _send(conn, ("fatal", executor.error))
                 return FATAL_EXIT_CODE
-            clients = [] if intake.executor_reads else outbox.clients
-            sources = [*clients, wake_read, intake.wake_fd] + ([listener] if listener else [])
+            sources = [*outbox.clients, wake_read] + ([listener] if listener else [])
             for ready in wait(sources):
                 if ready is wake_read:
                     os.read(wake_read, 64)
@@ -463,20 +407,17 @@ def serve(first: Connection, listener: socket.socket | None = None) -> int:
                         draining = True
                         outbox.rejected_reason = "shutting_down"
                         executor.shutdown(reason=SHUTTING_DOWN)
-                        intake.executor_reads = False  # its thread has stopped: read here
-                elif ready is intake.wake_fd:
-                    os.read(intake.wake_fd, 64)
                 elif ready is listener:
                     conn = _accept(listener, config, info, None)
                     if conn is not None:
                         outbox.add(conn)
-                elif not intake.executor_reads:  # (it may have taken over since the wait)
-                    messages = intake.take(ready)
-                    if not draining:
-                        intake.hand_over()  # from its next pass, the executor thread reads
-                    for message in messages:
-                        handle(ready, message)
-                    executor.wake()  # an idle one hands the reading back before it sleeps
+                else:
+                    try:
+                        message = ready.recv()
+                    except (EOFError, OSError):  # the client is gone
+                        detach(ready, farewell_left=False)
+                        continue
+                    _handle(message, ready, executor, outbox, draining, QueueFullError, detach)
     finally:
         if listener is not None:
             listener.close()

@@ -96,9 +96,6 @@ class Executor:
         # Called on the executor thread after each pass of its loop that may have delivered
         # outputs, before it can sleep: a caller that queues outputs sends them then.
         self.on_delivered = lambda: None
-        # Called on the executor thread, under its lock, each time before it sleeps for want of
-        # work (the engine process hands the reading of its clients back then).
-        self.on_idle = lambda: None
         self.runner.on_fatal = self._fail
         self._thread = threading.Thread(target=self._loop, name="executor", daemon=True)
         self._thread.start()
@@ -161,11 +158,6 @@ class Executor:
                 stats.last_num_context_requests = stats.last_num_generation_requests = 0
                 stats.last_num_scheduled_tokens = 0
             return stats
-
-    def wake(self) -> None:
-        """Make the loop look for work (and pass through `on_idle` again if it finds none)."""
-        with self._lock:
-            self._work.notify()
 
     def shutdown(self, reason: str = "executor shut down") -> None:
         """Stop the loop (requests in flight end as cancelled, with `reason` as their error);
@@ -250,7 +242,6 @@ class Executor:
                     and engine.in_flight is None
                     and not self.scheduler.has_work()
                 ):
-                    self.on_idle()
                     self._work.wait()
                 stopping = self._stopping
                 cancelled, self._cancel_requests = self._cancel_requests, set()
