@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.attention.kv_dtype import KV_SCALE_DTYPE, is_scaled, vector_bytes
-from backend.kv_cache_manager import max_blocks_held
+from backend.kv_cache_group import max_blocks_held
 from backend.model_config import ModelConfig
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import pytest
 from backend.config import EngineConfig
 from backend.engine import Engine
 from backend.executor import Executor
-from backend.kv_cache_manager import FREED
+from backend.kv_cache_group import FREED
 from backend.model_config import LayerGroup, ModelConfig
 from backend.model_runner import ModelRunner
 from backend.output_processor import OutputProcessor

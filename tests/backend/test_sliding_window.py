@@ -12,7 +12,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.executor import Executor
-from backend.kv_cache_manager import FREED
+from backend.kv_cache_group import FREED
 from backend.model_config import ModelConfig
 from backend.request import Request
 from backend.sampling_params import SamplingParams
