@@ -68,7 +68,8 @@ class Executor:
             self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed
         )
         self._stats = ExecutorStats(kv=self.scheduler.kv_stats())
-        self._last_step_decoded = False  # the step before ran no prompt chunk (_time_step)
+        self._last_step_decoded = False  # the step before ran no prompt chunk (_record_step)
+        self._streak_step = False  # the step running is a steady decode step
         self.outputs = OutputProcessor(
             self.max_seq_len, self.eos_token_ids, self._release, self.config.stream_interval
         )
@@ -281,16 +282,16 @@ class Executor:
         self.on_fatal(message)
 
     def _time_step(self, ran: SchedulerOutput | None, seconds: float) -> None:
-        """Add a step's wall time to the stats (see ExecutorStats): only this thread writes
-        those fields, so no lock."""
+        """Add a step's wall time to the stats (see ExecutorStats; `_record_step` counted it):
+        only this thread writes those fields, so no lock. A step's time lands after its outputs
+        were delivered, its count before."""
         stats = self._stats
         stats.step_seconds += seconds
         stats.device_wait_seconds = self.engine.device_wait_s
-        decoded = ran is not None and stats.last_num_context_requests == 0
-        if decoded and self._last_step_decoded:
-            stats.num_decode_streak_steps += 1
+        if ran is None:
+            self._last_step_decoded = False
+        elif self._streak_step:
             stats.decode_streak_seconds += seconds
-        self._last_step_decoded = decoded
 
     def _record_step(self, batch: SchedulerOutput) -> None:
         """Engine hook, under `_lock`: a step ran."""
@@ -300,6 +301,10 @@ class Executor:
         stats = self._stats
         stats.num_iterations += 1
         stats.num_context_iterations += decodes < len(batch.chunks)
+        decoded = decodes == len(batch.chunks)
+        self._streak_step = decoded and self._last_step_decoded
+        stats.num_decode_streak_steps += self._streak_step
+        self._last_step_decoded = decoded
         stats.num_preemptions += len(batch.preempted)
         stats.last_num_scheduled_tokens = batch.num_batched_tokens
         stats.last_num_generation_requests = decodes
