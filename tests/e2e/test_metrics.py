@@ -78,8 +78,23 @@ def _settled(triton, before, count: int) -> dict:
         time.sleep(0.1)
 
 
+def _published(triton) -> dict:
+    """Metrics once the engine gauges have been set: they are refreshed every stats period, so
+    a scrape right after the server is ready may still read zeros."""
+    deadline = time.monotonic() + 10
+    while True:
+        samples = metrics(triton.metrics)
+        try:
+            stamp = metric(samples, "nv_trt_llm_general_metrics", general_type="timestamp")
+        except KeyError:  # not registered yet
+            stamp = 0
+        if stamp > 0 or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
 def test_families_and_labels(triton):
-    samples = metrics(triton.metrics)
+    samples = _published(triton)
     for family, (label, values) in LABELS.items():
         for value in values:
             metric(samples, family, model="tensorrt_llm", version="1", **{label: value})
