@@ -148,7 +148,7 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._callbacks: dict[str, object] = {}
-        self._earlier: dict[str, tuple] = {}  # each live request's last whole output (_deliver)
+        self._earlier: dict[str, RequestOutput] = {}  # each live request's last whole output
         self._stats = None
         self._exit_error: str | None = None
         self._stopping = False
@@ -324,15 +324,16 @@ class EngineProcess:
                 request_id, new_ids, num_output, num_new_blocks, last_time = values
                 e = earlier[request_id]
                 out = RequestOutput(
-                    request_id, new_ids, [], num_output, False, None, None, e[7], e[8],
-                    num_new_blocks, e[10], e[11], e[12], e[13], last_time,
+                    request_id, new_ids, [], num_output, False, None, None, e.num_prompt_tokens,
+                    e.num_reused_blocks, num_new_blocks, e.cum_logprob, e.arrival_time,
+                    e.first_scheduled_time, e.first_token_time, last_time,
                 )  # fmt: skip
             else:
                 out = RequestOutput(*values)
                 if out.finished:
                     earlier.pop(out.request_id, None)
                 else:
-                    earlier[out.request_id] = values
+                    earlier[out.request_id] = out
             with lock:
                 callback = (
                     callbacks.pop(out.request_id, None)

@@ -193,7 +193,7 @@ class Outbox:
     def notify(self, conn: Connection, message: tuple) -> None:
         with self._lock:
             if conn in self._requests:
-                self._post([(conn, _frame(_dumps(message)))])
+                self._post([(conn, _framed(message))])
 
     def remove(self, conn: Connection, farewell: tuple | None) -> set[str]:
         """Stop sending to `conn` after its outputs so far and `farewell`, then close it; returns
@@ -205,7 +205,7 @@ class Outbox:
                 self._post(messages)
                 return set()
             if farewell is not None:
-                messages.append((conn, _frame(_dumps(farewell))))
+                messages.append((conn, _framed(farewell)))
             self._post([*messages, (conn, None)])
             return requests
 
@@ -231,7 +231,7 @@ class Outbox:
             batch.append(output_values(out, reason))
             if out.finished:
                 ids.discard(out.request_id)
-        return [(conn, _frame(_dumps(("outputs", batch)))) for conn, batch in batches.items()]
+        return [(conn, _framed(("outputs", batch))) for conn, batch in batches.items()]
 
     def _post(self, messages: list[tuple[Connection, bytes | None]]) -> None:
         """Write `messages` now as far as the sockets take them; queue the rest (hold `_lock`)."""
@@ -291,7 +291,7 @@ class Outbox:
                 else:
                     self._write_all(conn, data)
             if stats_due:
-                stats = _frame(_dumps(("stats", self._executor.stats())))
+                stats = _framed(("stats", self._executor.stats()))
                 for conn in clients:
                     self._write_all(conn, stats)
                 next_stats = time.monotonic() + STATS_PERIOD_S
@@ -309,12 +309,10 @@ class Outbox:
             pass
 
 
-def _dumps(message) -> bytes:
-    return ForkingPickler.dumps(message)
-
-
-def _frame(data: bytes) -> bytes:
-    """`data` as one message of `multiprocessing.connection` (a length, then the bytes)."""
+def _framed(message) -> bytes:
+    """`message` pickled as one message of `multiprocessing.connection` (a length, the bytes),
+    which the clients' `Connection.recv` reads."""
+    data = ForkingPickler.dumps(message)
     if len(data) > 0x7FFFFFFF:
         return struct.pack("!iQ", -1, len(data)) + data
     return struct.pack("!i", len(data)) + data
