@@ -32,11 +32,10 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 
 from backend.config import EngineConfig
+from backend.engine_outbox import MIDDLE_FIELDS, STATS_PERIOD_S  # noqa: F401  (for callers)
 from backend.engine_service import (  # noqa: F401  (the protocol's names, for the handle's callers)
     FATAL_EXIT_CODE,
-    MIDDLE_FIELDS,
     SHUTTING_DOWN,
-    STATS_PERIOD_S,
     EngineInfo,
     address,
 )

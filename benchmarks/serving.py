@@ -48,7 +48,7 @@ from benchmarks.serving_load import (
 )
 from benchmarks.sampled_profile import engine_process_pid, sampled_profile
 from benchmarks.serving_perf_analyzer import perf_analyzer_summary
-from backend.engine_service import STATS_PERIOD_S
+from backend.engine_outbox import STATS_PERIOD_S
 
 TARGETS = ("ensemble:grpc", "ensemble:http", "tensorrt_llm_bls:grpc", "tensorrt_llm:grpc")
 # The same load from perf_analyzer (C++ clients) where it is installed; text models only.

@@ -15,7 +15,7 @@ import pytest
 
 from backend.config import EngineConfig
 from backend.engine_process import EngineProcess
-from backend.engine_service import MIDDLE_FIELDS, Outbox, output_values
+from backend.engine_outbox import MIDDLE_FIELDS, Outbox, output_values
 from backend.executor import Executor
 from backend.request import FinishReason, RequestOutput
 from backend.sampling_params import SamplingParams
