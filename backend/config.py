@@ -40,7 +40,9 @@ class EngineConfig:
     batch_scheduler_policy: str = "guaranteed_no_evict"
     max_queue_size: int = 0  # 0 = unbounded
     attention_backend: str = "auto"  # "auto" = triton on GPU, torch on CPU
-    cuda_graphs: bool = True  # decode-only steps on GPU
+    cuda_graphs: bool = True  # replay CUDA graphs on GPU (steps of decodes only, and ...)
+    # ... steps with prompt tokens of up to this many tokens, padded (0: decode-only graphs)
+    cuda_graph_max_tokens: int = 2048
     quantization: str = "none"  # one of QUANTIZATIONS
     # Comma-separated fragments of module names ("layers.0.,layers.29.", "down_proj") whose
     # projections stay in the model dtype when float weights are quantized at load.
@@ -130,6 +132,7 @@ _LOWEST = {
     "sink_token_length": 0,
     "tensor_parallel_size": 1,
     "stream_interval": 1,
+    "cuda_graph_max_tokens": 0,
 }
 CHOICES = {
     "batch_scheduler_policy": SCHEDULER_POLICIES,

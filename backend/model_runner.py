@@ -6,7 +6,9 @@ tables), puts it on the device, runs the model and returns logits for the chunks
 the prompt log-probs of the requests that ask for them (`backend.logprobs`: only then are other
 rows projected to the vocabulary). An in-flight
 token's input id (overlap scheduling, `backend.engine`) is taken on the device from the sampled
-ids of the step in flight.
+ids of the step in flight. On GPU, decode-only steps replay CUDA graphs (`backend.cuda_graphs`),
+and so do steps with prompt tokens of up to `cuda_graph_max_tokens` (`backend.mixed_graphs`);
+longer steps, and those that compute prompt log-probs, run eagerly.
 
 KV cache (`backend.kv_cache_memory`: block bytes, the groups' shares, the tensors): one tensor
 kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V), in the model dtype, or
@@ -43,6 +45,7 @@ from backend.attention.kv_dtype import storage_dtype
 from backend.config import EngineConfig
 from backend.cuda_graphs import DecodeGraphs, ReplayIds
 from backend.kv_cache_memory import KVCacheLayout
+from backend.mixed_graphs import MixedGraphs
 from backend.logprobs import PromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
 from backend.staging import StagingTurns
 from backend.step_packing import pack_step
@@ -89,6 +92,7 @@ class StepInputs:
     attn_meta: AttentionMetadata
     logits_indices: torch.Tensor  # [N] int, rows of the last token of each sampling chunk
     in_graph: bool = False  # staged for a decode CUDA graph, which reads it when replayed
+    graph_tokens: int = 0  # staged for the mixed-step CUDA graph of this many tokens (0: eager)
 
 
 def pick_device(name: str) -> torch.device:
@@ -113,7 +117,9 @@ class ModelRunner:
         self.config = config
         self.tp = TensorParallel()
         self.workers: tp_workers.Workers | None = None
-        self.model = self.kv_cache = self.kv_scales = self.decode_graphs = None
+        self.model = self.kv_cache = self.kv_scales = None
+        self.decode_graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         self._sends_steps = False  # rank 0 of a group, once every rank has started
         self._step_sent = False  # the step being executed has reached the workers
         self.device = pick_device(config.device)
@@ -155,7 +161,6 @@ class ModelRunner:
                 tp_port = tp_workers.free_port()
                 self.workers = tp_workers.Workers(config, tp_port, type(self))
             self.tp = connect(tp_rank, size, tp_port, self.device, self.dtype)
-        self.decode_graphs: DecodeGraphs | None = None
         # With overlap scheduling step n+1 is packed while step n's inputs may still wait in
         # pinned memory for their copy: two buffers, used in turn.
         self._staging = StagingTurns(self.device)
@@ -186,6 +191,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warm_up_eager()
         self.decode_graphs = self._capture_decode_graphs()
+        self.mixed_graphs = self._capture_mixed_graphs()
         if self.workers is not None:
             self.workers.on_death = lambda message: self.on_fatal(message)
             # From now on the workers follow (a warm-up step ran on every rank by itself).
@@ -230,7 +236,7 @@ class ModelRunner:
             self.workers.stop(self.tp if self.tp.enabled else None)
             self.workers = None
         self.tp.close()
-        self.decode_graphs = None
+        self.decode_graphs = self.mixed_graphs = None
         self.model = self.kv_cache = self.kv_scales = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -278,7 +284,10 @@ class ModelRunner:
             graphs = self.decode_graphs
             if inputs.in_graph:
                 return StepLogits(*graphs.replay(len(chunks)))  # logits, ids, ids to the host
-            hidden = self._run_model(inputs)
+            if inputs.graph_tokens:
+                hidden = self.mixed_graphs.replay(inputs.graph_tokens)
+            else:
+                hidden = self._run_model(inputs)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             prompt = (
                 compute_prompt_logprobs(self.model.compute_logits, hidden, rows) if rows else None
@@ -365,6 +374,36 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
+    def _capture_mixed_graphs(self) -> MixedGraphs | None:
+        """Steps with prompt tokens replay CUDA graphs on GPU, up to `cuda_graph_max_tokens`
+        tokens, with the Triton kernels (rank 0 of a tensor-parallel group runs them eagerly:
+        its workers follow eager steps)."""
+        if not (
+            self.config.cuda_graphs
+            and self.config.cuda_graph_max_tokens
+            and self.device.type == "cuda"
+            and self.attention.name == "triton"
+            and not self.tp.enabled
+        ):
+            return None
+        graphs = self.new_mixed_graphs()
+        graphs.capture()
+        return graphs
+
+    def new_mixed_graphs(self) -> MixedGraphs:
+        """Mixed-step graphs over this runner's model and KV cache, not captured (until
+        `capture`, a replay runs their work eagerly)."""
+        return MixedGraphs(
+            self.model,
+            self.kv_cache,
+            self.config.max_batch_size,
+            min(self.config.cuda_graph_max_tokens, self.config.max_num_tokens),
+            self.max_seq_len,
+            self.tokens_per_block,
+            kv_scales=self.kv_scales,
+            num_kv_groups=len(self.kv_group_blocks),
+        )
+
     def new_decode_graphs(self) -> DecodeGraphs:
         """Decode graphs over this runner's model and KV cache, not captured (until `capture`,
         a replay runs their work eagerly)."""
@@ -427,6 +466,16 @@ class ModelRunner:
                 meta,
                 graphs.query_start_loc[:n],
                 in_graph=True,
+            )
+        mixed = self.mixed_graphs
+        if mixed is not None and allow_graph and mixed.size_for(packed.num_tokens, n):
+            size, meta = mixed.stage(packed, in_flight_ids)
+            return StepInputs(
+                mixed.input_ids[: packed.num_tokens],
+                mixed.positions[: packed.num_tokens],
+                meta,
+                mixed.logits_indices[: packed.logits_indices.size],
+                graph_tokens=size,
             )
         arrays = [
             packed.input_ids,

@@ -2,7 +2,8 @@
 queue it, its wall time with the sampled ids read back, and the host functions that take that
 host time (cProfile, own time). Steps: B decode rows alone, then B - k decode rows
 beside k new prompts of --isl tokens, and the k prompts alone. On GPU a decode-only step runs
-in its CUDA graph and every other step eagerly, so the difference is the eager path's cost.
+in its CUDA graph; a step with prompt tokens replays a mixed-step graph up to
+--cuda-graph-max-tokens tokens (0: eagerly), so comparing the two shows the eager path's cost.
 
     python -m benchmarks.mixed_step --model llama-3.2-1b --batch 64 --isl 336 --json OUT
 """
@@ -116,6 +117,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=64, help="decode rows of the decode-only step")
     p.add_argument("--isl", type=int, default=336, help="tokens of every prompt")
     p.add_argument("--prompts", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument(
+        "--cuda-graph-max-tokens",
+        type=int,
+        default=EngineConfig.cuda_graph_max_tokens,
+        help="steps with prompt tokens up to this many replay CUDA graphs (0: all eager)",
+    )
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--top", type=int, default=15, help="host operations listed per step")
     p.add_argument("--json", default=None)
@@ -129,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_seq_len=seq,
             max_tokens_in_paged_kv_cache=(args.batch + max(args.prompts)) * (seq + 32),
             max_num_tokens=max(8192, max(args.prompts) * args.isl + args.batch),
+            cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         )
     )
     result = {
@@ -137,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "batch": args.batch,
         "isl": args.isl,
+        "cuda_graph_max_tokens": args.cuda_graph_max_tokens,
         **profile_steps(runner, args.batch, args.isl, args.prompts, args.repeats, args.top),
     }
     save_json(args.json, result)

@@ -1,6 +1,6 @@
-"""On a CUDA GPU (skipped elsewhere): the engine with Triton kernels, fused norms/rotary and decode
-CUDA graphs equals transformers token for token in fp32, on a random-weight model and on the
-default model; in bf16 its log-probs stay within 2e-2 of transformers' fp32 log-probs."""
+"""On a CUDA GPU (skipped elsewhere): the engine with Triton kernels, fused norms/rotary, decode
+and mixed-step CUDA graphs equals transformers token for token in fp32, on a random-weight model
+and on the default model; in bf16 its log-probs stay within 2e-2 of transformers' fp32 log-probs."""
 
 from __future__ import annotations
 
@@ -211,6 +211,33 @@ def test_random_weight_model_fp32_matches_transformers(kind, tmp_path):
     for prompt, result in zip(prompts, results):
         expected, _ = hf_greedy(hf, prompt, 24)
         assert result["token_ids"] == expected
+
+
+def test_steps_with_prompt_tokens_in_mixed_graphs_match_transformers(tmp_path):
+    """fp32, prompts of up to 150 tokens chunked at 128 beside decodes: the steps of up to 64
+    tokens replay the captured mixed-step graphs (padded), longer ones run eagerly, and the
+    tokens are transformers' greedy ones."""
+    hf = make_tiny_model("llama", tmp_path).cuda()
+    prompts = random_prompts(16, TINY["vocab_size"], seed=2, low=1, high=150)
+    config = EngineConfig(
+        model_path=str(tmp_path),
+        device="cuda",
+        dtype="float32",
+        max_batch_size=16,
+        max_num_tokens=128,
+        cuda_graph_max_tokens=64,
+        tokens_per_block=16,
+    )
+    executor = Executor(config)
+    try:
+        graphs = executor.runner.mixed_graphs
+        assert graphs is not None and sorted(graphs.graphs) == [16, 32, 64]
+        results = executor.generate(prompts, SamplingParams(max_tokens=24, ignore_end_id=True))
+        assert graphs._staged > 0
+    finally:
+        executor.shutdown()
+    for prompt, result in zip(prompts, results):
+        assert result["token_ids"] == hf_greedy(hf, prompt, 24)[0]
 
 
 def test_top_k_and_prompt_logprobs_with_decode_graphs_and_overlap(tmp_path, monkeypatch):
