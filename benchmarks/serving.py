@@ -48,6 +48,7 @@ from benchmarks.serving_load import (
 )
 from benchmarks.sampled_profile import engine_process_pid, sampled_profile
 from benchmarks.serving_perf_analyzer import perf_analyzer_summary
+from backend.config import EngineConfig
 from backend.engine_outbox import STATS_PERIOD_S
 
 TARGETS = ("ensemble:grpc", "ensemble:http", "tensorrt_llm_bls:grpc", "tensorrt_llm:grpc")
@@ -163,6 +164,7 @@ def settings_for(args, model_dir: str):
         dtype=args.dtype,
         max_batch_size=top,
         max_num_tokens=args.max_num_tokens,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         max_seq_len=isl[1] + osl[1] + 64,
         max_tokens_in_paged_kv_cache=args.kv_tokens or top * (isl[1] + osl[1] + 64),
         default_max_tokens=osl[1],
@@ -507,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
         "run on the others",
     )
     p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument(
+        "--cuda-graph-max-tokens",
+        type=int,
+        default=EngineConfig.cuda_graph_max_tokens,
+        help="steps with prompt tokens up to this many replay CUDA graphs (0: eagerly)",
+    )
     p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens")
     p.add_argument("--no-engine-alone", action="store_true")
     p.add_argument(
