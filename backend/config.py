@@ -42,7 +42,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" = triton on GPU, torch on CPU
     cuda_graphs: bool = True  # replay CUDA graphs on GPU (steps of decodes only, and ...)
     # ... steps with prompt tokens of up to this many tokens, padded (0: decode-only graphs)
-    cuda_graph_max_tokens: int = 2048
+    cuda_graph_max_tokens: int = 8192
     quantization: str = "none"  # one of QUANTIZATIONS
     # Comma-separated fragments of module names ("layers.0.,layers.29.", "down_proj") whose
     # projections stay in the model dtype when float weights are quantized at load.

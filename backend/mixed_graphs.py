@@ -4,7 +4,7 @@ An eager step launches about nine kernels per layer from Python, and on a GPU ho
 more than the kernels of a few hundred tokens take to run (benchmarks/README.md, "Where a step's
 time goes"). So the model's body (embedding to the last residual) is captured once per padded
 token count (`token_sizes`, up to `cuda_graph_max_tokens`) and a step of up to that many tokens
-replays the smallest graph that fits. Longer steps run eagerly: their kernels outlast the launches.
+replays the smallest graph that fits; longer steps run eagerly.
 
 The graphs read one device buffer, filled from a ring of two pinned host slots by one copy per
 step (`stage`): a slot is rewritten once its copy from two steps ago has run. Padding:
