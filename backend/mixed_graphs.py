@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import numpy as np
 import torch
@@ -140,6 +141,7 @@ class MixedGraphs:
     def capture(self) -> None:
         """Largest first, sharing one memory pool; with nothing staged no token has a slot or a
         request, so the capture writes no cache."""
+        began = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -152,7 +154,13 @@ class MixedGraphs:
                 self.graphs[size] = (graph, hidden)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        log.info("captured CUDA graphs for steps of up to %s tokens", self.sizes)
+        log.info(
+            "captured CUDA graphs for steps with prompt tokens: %d sizes, 16 to %d tokens, "
+            "in %.1f s",
+            len(self.sizes),
+            self.max_tokens,
+            time.perf_counter() - began,
+        )
 
     def stage(
         self, packed: PackedStep, in_flight_ids: torch.Tensor | None = None

@@ -378,17 +378,20 @@ class ModelRunner:
         """Steps with prompt tokens replay CUDA graphs on GPU, up to `cuda_graph_max_tokens`
         tokens, with the Triton kernels (rank 0 of a tensor-parallel group runs them eagerly:
         its workers follow eager steps)."""
-        if not (
+        if not self._takes_mixed_graphs():
+            return None
+        graphs = self.new_mixed_graphs()
+        graphs.capture()
+        return graphs
+
+    def _takes_mixed_graphs(self) -> bool:
+        return bool(
             self.config.cuda_graphs
             and self.config.cuda_graph_max_tokens
             and self.device.type == "cuda"
             and self.attention.name == "triton"
             and not self.tp.enabled
-        ):
-            return None
-        graphs = self.new_mixed_graphs()
-        graphs.capture()
-        return graphs
+        )
 
     def new_mixed_graphs(self) -> MixedGraphs:
         """Mixed-step graphs over this runner's model and KV cache, not captured (until
@@ -596,7 +599,9 @@ class ModelRunner:
         self.kv_cache = self.kv_scales = None
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(self.device)
-        budget = (free - activations) * self.config.kv_cache_free_gpu_mem_fraction
+        # The mixed-step graphs keep a step's activations in a pool of their own: set aside twice.
+        reserved = activations * (2 if self._takes_mixed_graphs() else 1)
+        budget = (free - reserved) * self.config.kv_cache_free_gpu_mem_fraction
         log.info(
             "warm-up: %.2f GiB peak activations, %.2f GiB free, %.2f GiB for the KV cache",
             activations / 2**30,
