@@ -37,12 +37,12 @@ from `ModelRunner.prepare`), and each group's metadata views its part.
 from __future__ import annotations
 
 import logging
-import math
 
 import numpy as np
 import torch
 
 from backend.attention.metadata import AttentionMetadata
+from backend.staging import RingedFields
 
 try:  # GPU only; the input buffers and staging also run on CPU tensors (tests)
     from backend.kernels.argmax import argmax_rows
@@ -114,20 +114,12 @@ class DecodeGraphs:
             ("banned_ids", torch.int64, (n, max_banned)),
             ("block_tables", torch.int32, (groups * n, blocks)),
         ]
-        sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in fields]
-        aligned = [-(-size // 16) * 16 for size in sizes]  # every field starts 16-aligned
-        self.offsets = {name: sum(aligned[:i]) for i, (name, _, _) in enumerate(fields)}
-        self.buffer = torch.zeros(sum(aligned), dtype=torch.uint8, device=device)
+        layout = RingedFields(fields, device)
+        self.offsets, self.buffer = layout.offsets, layout.buffer
+        self.host_ring, self.host_fields = layout.host_ring, layout.host_views
+        for name, view in layout.device_views.items():
+            setattr(self, name, view)
         pinned = device.type == "cuda"
-        self.host_ring = torch.zeros(2, self.buffer.numel(), dtype=torch.uint8, pin_memory=pinned)
-        self.host_fields: tuple[dict[str, np.ndarray], ...] = ({}, {})
-        for (name, dtype, shape), size in zip(fields, sizes):
-            start = self.offsets[name]
-            setattr(self, name, self.buffer[start : start + size].view(dtype).view(shape))
-            for slot in (0, 1):
-                self.host_fields[slot][name] = (  # numpy: cheaper to write
-                    self.host_ring[slot, start : start + size].view(dtype).view(shape).numpy()
-                )
         self.sampled_ring = torch.zeros(2, n, dtype=torch.int64, pin_memory=pinned)  # argmax ids
         for slot in (0, 1):
             self.host_fields[slot]["slot_mapping"][:] = -1

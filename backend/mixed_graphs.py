@@ -26,13 +26,13 @@ block-table rows at g * max_batch_size.
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import numpy as np
 import torch
 
 from backend.attention.metadata import AttentionMetadata
+from backend.staging import RingedFields
 from backend.step_packing import PackedStep
 
 log = logging.getLogger(__name__)
@@ -80,21 +80,12 @@ class MixedGraphs:
             ("seq_lens", torch.int32, (s,)),
             ("block_tables", torch.int32, (g * s, width)),
         ]
-        sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in fields]
-        aligned = [-(-size // 16) * 16 for size in sizes]
-        self.offsets = {name: sum(aligned[:i]) for i, (name, _, _) in enumerate(fields)}
+        layout = RingedFields(fields, device)
+        self.offsets, self.buffer = layout.offsets, layout.buffer
+        self.host_ring, self.host_fields = layout.host_ring, layout.host_views
+        for name, view in layout.device_views.items():
+            setattr(self, name, view)
         self.row_bytes = width * 4
-        self.buffer = torch.zeros(sum(aligned), dtype=torch.uint8, device=device)
-        pinned = device.type == "cuda"
-        self.host_ring = torch.zeros(2, self.buffer.numel(), dtype=torch.uint8, pin_memory=pinned)
-        self.host_fields: tuple[dict[str, np.ndarray], ...] = ({}, {})
-        for (name, dtype, shape), size in zip(fields, sizes):
-            start = self.offsets[name]
-            setattr(self, name, self.buffer[start : start + size].view(dtype).view(shape))
-            for slot in (0, 1):
-                self.host_fields[slot][name] = (
-                    self.host_ring[slot, start : start + size].view(dtype).view(shape).numpy()
-                )
         for slot in (0, 1):
             self.host_fields[slot]["slot_mapping"][:] = -1
         self.slot_mapping.fill_(-1)

@@ -16,6 +16,8 @@ the previous one still runs on the GPU).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -73,6 +75,30 @@ class StagingTurns:
             done = self._done[turn] = self._done[turn] or torch.cuda.Event()
             done.record()
         return tensors
+
+
+class RingedFields:
+    """Named arrays laid out in one device buffer (each 16-byte aligned) and mirrored by the two
+    slots of a pinned host ring, as numpy views (cheaper to write): a CUDA graph reads the buffer
+    at fixed addresses, and a step is written into one slot while the other's copy may still be
+    queued (`backend.cuda_graphs`, `backend.mixed_graphs`). `fields`: (name, dtype, shape)."""
+
+    def __init__(self, fields: list[tuple[str, torch.dtype, tuple[int, ...]]], device):
+        sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in fields]
+        aligned = [-(-size // ALIGN) * ALIGN for size in sizes]
+        self.offsets = {name: sum(aligned[:i]) for i, (name, _, _) in enumerate(fields)}
+        self.buffer = torch.zeros(sum(aligned), dtype=torch.uint8, device=device)
+        pinned = device.type == "cuda"
+        self.host_ring = torch.zeros(2, self.buffer.numel(), dtype=torch.uint8, pin_memory=pinned)
+        self.device_views: dict[str, torch.Tensor] = {}
+        self.host_views: tuple[dict[str, np.ndarray], ...] = ({}, {})
+        for (name, dtype, shape), size in zip(fields, sizes):
+            start = self.offsets[name]
+            self.device_views[name] = self.buffer[start : start + size].view(dtype).view(shape)
+            for slot in (0, 1):
+                self.host_views[slot][name] = (
+                    self.host_ring[slot, start : start + size].view(dtype).view(shape).numpy()
+                )
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -32,6 +32,13 @@ class StagedMixedGraphsRunner(ModelRunner):
         return self.new_mixed_graphs()
 
 
+def tiny_config(model_dir, **options) -> EngineConfig:
+    """A CPU engine of the tiny model with the graphs' attention (the torch reference reads the
+    host lengths a graph was built with, not the step's)."""
+    base = dict(device=DEVICE, dtype="float32", tokens_per_block=4, attention_backend="triton")
+    return EngineConfig(model_path=str(model_dir), **{**base, **options})
+
+
 def test_token_sizes_pad_by_powers_of_two_then_by_256():
     assert token_sizes(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
     assert token_sizes(100) == [16, 32, 64, 112]
@@ -45,15 +52,7 @@ def test_a_padded_step_gives_the_eager_steps_logits(tmp_path):
     from tests.tiny_models import save_tiny_hf_model
 
     save_tiny_hf_model(tmp_path, "llama")
-    config = EngineConfig(
-        model_path=str(tmp_path),
-        device=DEVICE,
-        dtype="float32",
-        tokens_per_block=4,
-        max_batch_size=4,
-        max_num_tokens=64,
-        attention_backend="triton",
-    )
+    config = tiny_config(tmp_path, max_batch_size=4, max_num_tokens=64)
     eager, staged = ModelRunner(config), StagedMixedGraphsRunner(config)
     assert eager.mixed_graphs is None and staged.mixed_graphs is not None
     rng = np.random.default_rng(0)
@@ -82,16 +81,7 @@ def test_prompt_logprobs_and_long_steps_run_eagerly(tmp_path):
     from tests.tiny_models import save_tiny_hf_model
 
     save_tiny_hf_model(tmp_path, "llama")
-    config = EngineConfig(
-        model_path=str(tmp_path),
-        device=DEVICE,
-        dtype="float32",
-        tokens_per_block=4,
-        max_batch_size=2,
-        max_num_tokens=64,
-        cuda_graph_max_tokens=16,
-        attention_backend="triton",
-    )
+    config = tiny_config(tmp_path, max_batch_size=2, max_num_tokens=64, cuda_graph_max_tokens=16)
     runner = StagedMixedGraphsRunner(config)
     assert runner.mixed_graphs.sizes == [16]
     short, long = (
@@ -120,15 +110,11 @@ def test_engine_steps_in_mixed_graphs_match_transformers(kind, options, tmp_path
 
     hf = save_tiny_hf_model(tmp_path, kind, **options)
     prompts = random_prompts(3, 640, seed=3, low=10, high=40)
-    config = EngineConfig(
-        model_path=str(tmp_path),
-        device=DEVICE,
-        dtype="float32",
-        tokens_per_block=4,
+    config = tiny_config(
+        tmp_path,
         max_batch_size=3,
         max_num_tokens=24,
         cuda_graph_max_tokens=32,
-        attention_backend="triton",
         overlap_scheduling=True,
     )
     runner = StagedMixedGraphsRunner(config)
