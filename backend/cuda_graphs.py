@@ -114,11 +114,7 @@ class DecodeGraphs:
             ("banned_ids", torch.int64, (n, max_banned)),
             ("block_tables", torch.int32, (groups * n, blocks)),
         ]
-        layout = RingedFields(fields, device)
-        self.offsets, self.buffer = layout.offsets, layout.buffer
-        self.host_ring, self.host_fields = layout.host_ring, layout.host_views
-        for name, view in layout.device_views.items():
-            setattr(self, name, view)
+        RingedFields(fields, device).attach(self)
         pinned = device.type == "cuda"
         self.sampled_ring = torch.zeros(2, n, dtype=torch.int64, pin_memory=pinned)  # argmax ids
         for slot in (0, 1):

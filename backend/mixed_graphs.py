@@ -80,11 +80,7 @@ class MixedGraphs:
             ("seq_lens", torch.int32, (s,)),
             ("block_tables", torch.int32, (g * s, width)),
         ]
-        layout = RingedFields(fields, device)
-        self.offsets, self.buffer = layout.offsets, layout.buffer
-        self.host_ring, self.host_fields = layout.host_ring, layout.host_views
-        for name, view in layout.device_views.items():
-            setattr(self, name, view)
+        RingedFields(fields, device).attach(self)
         self.row_bytes = width * 4
         for slot in (0, 1):
             self.host_fields[slot]["slot_mapping"][:] = -1

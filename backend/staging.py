@@ -100,6 +100,14 @@ class RingedFields:
                     self.host_ring[slot, start : start + size].view(dtype).view(shape).numpy()
                 )
 
+    def attach(self, owner) -> None:
+        """Give `owner` the layout as attributes: offsets, buffer, host_ring, host_fields (the
+        slots' views) and each field's device view under its name."""
+        owner.offsets, owner.buffer, owner.host_ring = self.offsets, self.buffer, self.host_ring
+        owner.host_fields = self.host_views
+        for name, view in self.device_views.items():
+            setattr(owner, name, view)
+
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A list or array as a tensor on `device`, queued behind the step's kernels: a copy from
