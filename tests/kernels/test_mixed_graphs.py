@@ -46,35 +46,36 @@ def test_token_sizes_pad_by_powers_of_two_then_by_256():
 
 
 def test_a_padded_step_gives_the_eager_steps_logits(tmp_path):
-    """Prompt chunks beside a decode, staged and run padded (34 -> 64 tokens, 2 of 4 requests),
-    then a second step in the other host slot: the sampled rows' logits are the eager path's,
-    and the padded tokens wrote no cache slot."""
+    """Two prompts staged and run padded (123 -> 128 tokens, 2 of 8 requests; the long one spans
+    several of the attention kernel's query tiles, which the padded requests must not take), then
+    a decode beside a new prompt in the other host slot: the sampled rows' logits and every
+    cached key and value are the eager path's, and the padded tokens wrote no cache slot."""
     from tests.tiny_models import save_tiny_hf_model
 
     save_tiny_hf_model(tmp_path, "llama")
-    config = tiny_config(tmp_path, max_batch_size=4, max_num_tokens=64)
+    config = tiny_config(tmp_path, max_batch_size=8, max_num_tokens=128)
     eager, staged = ModelRunner(config), StagedMixedGraphsRunner(config)
     assert eager.mixed_graphs is None and staged.mixed_graphs is not None
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 500, size=n).tolist() for n in (13, 21, 6)]
+    prompts = [rng.integers(3, 500, size=n).tolist() for n in (13, 110, 6)]
     first = [
         Chunk.of_sequence(prompts[0], [0, 1, 2, 3]),
-        Chunk.of_sequence(prompts[1], [4, 5, 6, 7, 8, 9]),
+        Chunk.of_sequence(prompts[1], list(range(4, 32))),
     ]
     second = [
         Chunk.of_sequence(prompts[0] + [7], [0, 1, 2, 3], start=13),
-        Chunk.of_sequence(prompts[2], [10, 11]),
+        Chunk.of_sequence(prompts[2], [32, 33]),
     ]
     steps = [first, second]
     for chunks in steps:
         want = eager.execute(chunks).logits
         inputs = staged.prepare(chunks)
-        assert inputs.graph_tokens == (64 if chunks is first else 16)
+        assert inputs.graph_tokens == (128 if chunks is first else 16)
         got = staged.execute(chunks).logits
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert staged.mixed_graphs._staged == 4  # prepare + execute, twice
-    torch.testing.assert_close(staged.kv_cache[:, :, :12], eager.kv_cache[:, :, :12])
-    assert not staged.kv_cache[:, :, 12:].any()  # no padded token wrote past the used blocks
+    torch.testing.assert_close(staged.kv_cache[:, :, :34], eager.kv_cache[:, :, :34])
+    assert not staged.kv_cache[:, :, 34:].any()  # no padded token wrote past the used blocks
 
 
 def test_prompt_logprobs_and_long_steps_run_eagerly(tmp_path):
