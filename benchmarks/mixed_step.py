@@ -1,9 +1,10 @@
 """What a step with prompt chunks costs next to a decode step, at the runner: the host time to
-queue it, its wall time with the sampled ids read back, and the host functions that take that
-host time (cProfile, own time). Steps: B decode rows alone, then B - k decode rows
-beside k new prompts of --isl tokens, and the k prompts alone. On GPU a decode-only step runs
-in its CUDA graph; a step with prompt tokens replays a mixed-step graph up to
---cuda-graph-max-tokens tokens (0: eagerly), so comparing the two shows the eager path's cost.
+queue it, its wall time with the sampled ids read back, the host functions that take that
+host time (cProfile, own time) and, on GPU, its kernels' summed time (torch.profiler). Steps:
+B decode rows alone, then B - k decode rows beside k new prompts of --isl tokens, and the k
+prompts alone. On GPU a decode-only step runs in its CUDA graph; a step with prompt tokens
+replays a mixed-step graph up to --cuda-graph-max-tokens tokens (0: eagerly), so comparing the
+two shows the eager path's cost.
 
     python -m benchmarks.mixed_step --model llama-3.2-1b --batch 64 --isl 336 --json OUT
 """
@@ -24,6 +25,7 @@ import torch
 from backend.config import EngineConfig
 from backend.model_runner import ModelRunner
 from backend.request import Chunk
+from benchmarks.profile_step import kernel_table
 from benchmarks.provenance import provenance, save_json
 
 
@@ -102,6 +104,8 @@ def profile_steps(
             ),
             "top_host_ops": host_ops(runner, chunks, top),
         }
+        if runner.device.type == "cuda":  # what the GPU itself spends, graph replays included
+            row["kernels"] = kernel_table(lambda: runner.execute(chunks), top=5)
         rows.append(row)
         print(f"{name:>28}: {row['tokens']:6d} tokens, queued in {row['host_queue_ms']:.3f} ms, "
               f"{row['wall_ms']:.3f} ms with the ids read back", flush=True)  # fmt: skip

@@ -45,14 +45,16 @@ def wall_ms(fn, repeats: int = 100) -> float:
     return (time.perf_counter() - t) * 1e3 / repeats
 
 
-def kernel_table(runner: ModelRunner, inputs, top: int = 15) -> dict:
+def kernel_table(step, top: int = 15) -> dict:
+    """The CUDA kernels that one call of `step` runs (graph replays included): their summed
+    time, launches and the `top` kernels by time."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.inference_mode():
-        runner.model.compute_logits(runner._run_model(inputs))
+        step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            runner.model.compute_logits(runner._run_model(inputs))
+            step()
             torch.cuda.synchronize()
     rows = [
         e
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             wall_ms(lambda: runner.execute(decode).logits.argmax(-1).tolist()), 4
         )
         row["prepare_ms"] = round(wall_ms(lambda: runner.prepare(decode)), 4)
-        row.update(kernel_table(runner, inputs))
+        row.update(kernel_table(lambda: runner.model.compute_logits(runner._run_model(inputs))))
         results.append(row)
         print(json.dumps(row, indent=1), flush=True)
     save_json(args.json, results)
