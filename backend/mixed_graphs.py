@@ -186,7 +186,8 @@ class MixedGraphs:
         end = self.offsets["block_tables"] + ((groups - 1) * s + n) * self.row_bytes
         self.buffer[:end].copy_(self.host_ring[slot, :end], non_blocking=True)
         if fills:
-            self.input_ids[self.fill_rows[:fills]] = in_flight_ids[self.fill_from[:fills]]
+            ids = in_flight_ids[self.fill_from[:fills]]
+            self.input_ids[self.fill_rows[:fills]] = ids.to(torch.int64)
         if self.buffer.is_cuda:
             done = self._copied[slot] = self._copied[slot] or torch.cuda.Event()
             done.record()
