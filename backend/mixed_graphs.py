@@ -85,6 +85,7 @@ class MixedGraphs:
         for slot in (0, 1):
             self.host_fields[slot]["slot_mapping"][:] = -1
         self.slot_mapping.fill_(-1)
+        self.metas = {size: self._meta(size) for size in self.sizes}  # views of the buffer
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._staged = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -120,7 +121,7 @@ class MixedGraphs:
             self.input_ids[:size],
             self.positions[:size],
             self.kv_cache,
-            self._meta(size),
+            self.metas[size],
             **self.kv_scales,
         )
 
@@ -150,12 +151,11 @@ class MixedGraphs:
         )
 
     def stage(
-        self, packed: PackedStep, in_flight_ids: torch.Tensor | None = None
-    ) -> tuple[int, AttentionMetadata]:
-        """Queue the copy of one packed step into the buffer (and the in-flight ids into it);
-        -> (the step's padded token count, its metadata over the buffer)."""
+        self, packed: PackedStep, size: int, in_flight_ids: torch.Tensor | None = None
+    ) -> AttentionMetadata:
+        """Queue the copy of one packed step, for the graph of `size` tokens (`size_for`), into
+        the buffer (and the in-flight ids into it) -> its metadata over the buffer."""
         n, total = packed.seq_lens.size, packed.num_tokens
-        size = self.size_for(total, n)
         slot = self._staged % 2
         if self._copied[slot] is not None:
             self._copied[slot].synchronize()
@@ -192,7 +192,7 @@ class MixedGraphs:
             done = self._copied[slot] = self._copied[slot] or torch.cuda.Event()
             done.record()
         self._staged += 1
-        return size, self._meta(size)
+        return self.metas[size]
 
     def replay(self, size: int) -> torch.Tensor:
         """Run the staged step in the graph of `size` tokens -> the last residual [size, hidden]

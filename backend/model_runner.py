@@ -471,8 +471,9 @@ class ModelRunner:
                 in_graph=True,
             )
         mixed = self.mixed_graphs
-        if mixed is not None and allow_graph and mixed.size_for(packed.num_tokens, n):
-            size, meta = mixed.stage(packed, in_flight_ids)
+        size = mixed.size_for(packed.num_tokens, n) if mixed is not None and allow_graph else None
+        if size:
+            meta = mixed.stage(packed, size, in_flight_ids)
             return StepInputs(
                 mixed.input_ids[: packed.num_tokens],
                 mixed.positions[: packed.num_tokens],
