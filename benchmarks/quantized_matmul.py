@@ -3,24 +3,28 @@
 Times what a layer runs (`QuantizedWeight.matmul`; `F.linear` for bf16) for x of M rows, over as
 many distinct weight copies as the model has layers, inside one CUDA graph (benchmarks/gemv.py's
 method): M = 1 is the one-token GEMV, larger M the format's GEMM (fp8: the row quantizer plus the
-scaled GEMM). Reports µs per call and the weight-read rate. `--sweep` also times the int8 and
-int4 GEMMs' (BLOCK_M, BLOCK_N) tiles at each M and reports the fastest, to check
-`backend.kernels.tuning.few_rows_tiles`.
+scaled GEMM). Reports µs per call and the weight-read rate. `--sweep` also times, at each M > 1,
+the W8A16 GEMM's launch configs for int8 and e4m3 weights (tiles, K tiles, K splits, stages)
+and the int4 GEMM's (BLOCK_M, BLOCK_N) tiles, and reports the fastest; `--write-tuning` keeps
+the W8A16 winners in `backend/kernels/tuning/w8a16_gemm.json` for this device: every int8 one,
+and an e4m3 one only where it beats quantizing the rows for the scaled GEMM (timed alone).
 
     python -m benchmarks.quantized_matmul --model llama-3.2-1b --rows 1 16 64 256 [--sweep] \
-        --json OUT
+        [--write-tuning] --json OUT
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 
 from backend.kernels.int4_matmul import int4_gemm
-from backend.kernels.int8_matmul import int8_gemm
+from backend.kernels import fp8_gemm, tuning
+from backend.kernels.w8a16_gemm import GemmConfig, config_key, rows_bucket, w8a16_gemm
 from backend.model_config import ModelConfig
 from backend.model_paths import resolve_model
 from backend.quantization import Fp8Weight, Int4Weight, Int8Weight
@@ -33,7 +37,8 @@ FORMATS = {
     "fp8": Fp8Weight.quantize,
     "int4_wo": Int4Weight.quantize,
 }
-TILES = dict(block_m=[16, 32, 64], block_n=[16, 32, 64, 128])
+TILES = dict(block_m=[16, 32, 64], block_n=[16, 32, 64, 128])  # int4
+W8A16_SPACE = dict(block_n=[32, 64, 128], block_k=[128, 256], split=[1, 2, 4], num_stages=[3, 4])
 
 
 def _weights(fmt: str, n: int, k: int, copies: int) -> list:
@@ -53,27 +58,49 @@ def _product(fmt: str):
     return lambda x, w: w.matmul(x)
 
 
-def _sweep(fmt: str, x: torch.Tensor, weights: list) -> dict:
-    """The fastest GEMM tiles for int8 / int4 at x's rows."""
+def _time(call, weights: list) -> float:
+    return graph_us_per_call([lambda w=w: call(w) for w in weights])
+
+
+def _sweep_int4(x: torch.Tensor, weights: list) -> dict:
     timings = []
     for block_m, block_n in itertools.product(*TILES.values()):
         if block_m > 16 and block_m // 2 >= x.shape[0]:
             continue
-        if fmt == "int8_wo":
 
-            def call(w, bm=block_m, bn=block_n):
-                return int8_gemm(x, w.qweight, w.scales, block_m=bm, block_n=bn)
-        else:
+        def call(w, bm=block_m, bn=block_n):
+            return int4_gemm(x, w.qweight, w.scales, w.zeros, w.group_size, block_m=bm, block_n=bn)
 
-            def call(w, bm=block_m, bn=block_n):
-                return int4_gemm(
-                    x, w.qweight, w.scales, w.zeros, w.group_size, block_m=bm, block_n=bn
-                )
-
-        us = graph_us_per_call([lambda w=w, c=call: c(w) for w in weights])
-        timings.append((us, block_m, block_n))
+        timings.append((_time(call, weights), block_m, block_n))
     us, block_m, block_n = min(timings)
     return {"best_us": round(us, 2), "block_m": block_m, "block_n": block_n}
+
+
+def _sweep_w8a16(fmt: str, x: torch.Tensor, weights: list) -> dict:
+    """The fastest W8A16 config at x's rows; for e4m3 also the scaled path's time."""
+    block_m = min(64, rows_bucket(x.shape[0]))
+    timings = []
+    for block_n, block_k, split, stages in itertools.product(*W8A16_SPACE.values()):
+        config = GemmConfig(block_m, block_n, block_k, split, 4 if block_n < 128 else 8, stages)
+
+        def call(w, c=config):
+            return w8a16_gemm(x, w.qweight, w.scales, None, c)
+
+        try:
+            timings.append((_time(call, weights), str(config), config))
+        except Exception as exc:  # e.g. more shared memory than the device has
+            print(f"skipped {config}: {type(exc).__name__}", flush=True)
+    us, _, config = min(timings)
+    result = {"best_us": round(us, 2), "config": asdict(config)}
+    if fmt == "fp8":
+
+        def scaled(w):
+            return fp8_gemm.fp8_linear(
+                *fp8_gemm.quantize_rows(x), w.qweight, w.scales, out_dtype=x.dtype
+            )
+
+        result["scaled_us"] = round(_time(scaled, weights), 2)
+    return result
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -84,11 +111,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--formats", nargs="+", default=["bf16", *FORMATS])
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--write-tuning", action="store_true", help="keep the W8A16 sweep's winners")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     config = ModelConfig.from_dir(resolve_model(args.model))
     copies = config.num_layers
-    rows = []
+    rows, tuned = [], {}
     for name, (n, k) in projection_shapes(config).items():
         if name == "lm_head":  # stays dense in every format but gguf
             continue
@@ -107,12 +135,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "us": round(us, 2),
                     "weight_gb_s": round(_nbytes(weights[0]) / us / 1e3, 1),
                 }
-                if args.sweep and fmt in ("int8_wo", "int4_wo") and m > 1:
-                    row["sweep"] = _sweep(fmt, x, weights)
+                if args.sweep and m > 1 and fmt in ("int8_wo", "fp8"):
+                    row["sweep"] = sweep = _sweep_w8a16(fmt, x, weights)
+                    if sweep["best_us"] < sweep.get("scaled_us", float("inf")):
+                        key = config_key(weights[0].qweight.dtype, n, k, m)
+                        tuned[key] = sweep["config"]
+                elif args.sweep and m > 1 and fmt == "int4_wo":
+                    row["sweep"] = _sweep_int4(x, weights)
                 print(row, flush=True)
                 rows.append(row)
             del weights
             torch.cuda.empty_cache()
+    if args.write_tuning and tuned:
+        device = torch.cuda.get_device_name()
+        source = f"python -m benchmarks.quantized_matmul --sweep, {args.model}, rows {args.rows}"
+        print("wrote", tuning.write("w8a16_gemm", device, tuned, source))
     result = [{**provenance(torch.device("cuda")), "model": args.model, **r} for r in rows]
     save_json(args.json, result)
     return result

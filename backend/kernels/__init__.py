@@ -8,7 +8,7 @@ reference and the CPU path).
 - `gemv.gemv`: one-token linear layers with RMSNorm / silu·mul prologues and a residual epilogue
   (the batch-1 decode path, `forward_one_token` of a model's decoder layer), over half-precision,
   int8, e4m3 or 4-bit weights (`gemv_weight`).
-- `int8_matmul`, `int4_matmul`, `fp8_gemm`: the quantized formats' products of several rows.
+- `w8a16_gemm`, `int4_matmul`, `fp8_gemm`: the quantized formats' products of several rows.
 - `qkv_rope.qkv_rope_gemv`: that path's qkv projection with rotary and the KV-cache write in its
   epilogue.
 - `embedding.embedding`: the token embedding lookup, launched with PDL.

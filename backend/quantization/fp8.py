@@ -6,7 +6,9 @@ compute: x's rows quantized, then de-quantized weights times de-quantized activa
 A step of one row on GPU (batch-1 decode) leaves its activations unquantized (W8A16): it streams
 the e4m3 weights through the one-token GEMV with its fusions (`backend.kernels.gemv`), where
 quantizing the row would cost a pass over it before the weights stream and buy nothing, the
-product being bound by reading the weights.
+product being bound by reading the weights. So do steps of a few rows where the device's tuning
+table says the W8A16 GEMM (`backend.kernels.w8a16_gemm`) beats quantizing the rows for the
+scaled GEMM.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from backend.kernels.gemv_weight import StreamedWeight
 from backend.quantization.base import QuantizedWeight
 
 try:  # CPU-only installs without Triton use the torch path
-    from backend.kernels import fp8_gemm
+    from backend.kernels import fp8_gemm, w8a16_gemm
 except ImportError:
-    fp8_gemm = None
+    fp8_gemm = w8a16_gemm = None
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -60,6 +62,9 @@ class Fp8Weight(QuantizedWeight):
             one_row = self.streamed_matmul(x, bias)  # W8A16, see the module docstring
             if one_row is not None:
                 return one_row
+            few_rows = w8a16_gemm.tuned_config(x, self.qweight)  # swept where W8A16 is faster
+            if few_rows is not None:
+                return w8a16_gemm.w8a16_gemm(x, self.qweight, self.scales, bias, few_rows)
             xq, x_scales = fp8_gemm.quantize_rows(x.contiguous())
             return fp8_gemm.fp8_linear(
                 xq, x_scales, self.qweight, self.scales, bias, out_dtype=x.dtype

@@ -9,9 +9,9 @@ from backend.kernels.gemv_weight import StreamedWeight
 from backend.quantization.base import QuantizedWeight
 
 try:  # CPU-only installs without Triton use the torch path
-    from backend.kernels import int8_matmul
+    from backend.kernels import w8a16_gemm
 except ImportError:
-    int8_matmul = None
+    w8a16_gemm = None
 
 
 class Int8Weight(QuantizedWeight):
@@ -40,9 +40,9 @@ class Int8Weight(QuantizedWeight):
         return StreamedWeight(self.qweight, self.scales)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.is_cuda and int8_matmul is not None:
+        if x.is_cuda and w8a16_gemm is not None:
             one_row = self.streamed_matmul(x, bias)
             if one_row is not None:
                 return one_row
-            return int8_matmul.int8_gemm(x, self.qweight, self.scales, bias)
+            return w8a16_gemm.w8a16_gemm(x, self.qweight, self.scales, bias)
         return super().matmul(x, bias)

@@ -1,7 +1,8 @@
 """The quantized linear kernels against the torch path (de-quantize, then matmul) within 1e-3
-relative, under the interpreter on CPU: the W8A16 (int8_wo) and W4A16 (int4) batched GEMMs and the
-FP8 W8A8 GEMM (of the per-token quantized activations) in float32; the one-token GEMV streaming
-int8, e4m3 and 4-bit weights with its fusions, in half precision; the FP8 row quantizer."""
+relative, under the interpreter on CPU: the W8A16 (int8 and e4m3 weights) and W4A16 (int4)
+batched GEMMs and the FP8 W8A8 GEMM (of the per-token quantized activations) in float32; the
+one-token GEMV streaming int8, e4m3 and 4-bit weights with its fusions, in half precision; the
+FP8 row quantizer."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from backend.kernels import fp8_gemm  # noqa: E402
 from backend.kernels.fp8_gemm import fp8_linear  # noqa: E402
 from backend.kernels.gemv import gemv, supports, takes_partials  # noqa: E402
 from backend.kernels.int4_matmul import int4_gemm  # noqa: E402
-from backend.kernels.int8_matmul import int8_gemm  # noqa: E402
+from backend.kernels.w8a16_gemm import GemmConfig, w8a16_gemm  # noqa: E402
 from backend.quantization import Fp8Weight, Int4Weight, Int8Weight  # noqa: E402
 from backend.quantization.fp8 import quantize_rows  # noqa: E402
 from backend.quantization.int4_packing import quantize_groups  # noqa: E402
@@ -47,13 +48,23 @@ def _int4(n: int, k: int, group: int, seed: int, symmetric: bool = False) -> Int
 
 
 @pytest.mark.parametrize("m,n,k", [(5, 40, 96), (33, 64, 64)])
-def test_int8_gemm_is_dequantize_then_matmul(m, n, k):
-    w = _int8(n, k, seed=m)
+@pytest.mark.parametrize("fmt", [Int8Weight, Fp8Weight])
+def test_w8a16_gemm_is_dequantize_then_matmul(m, n, k, fmt):
+    """int8 and e4m3 weights; default tiles, narrow tiles, and K split over 2 and 3 programs
+    (k_per_split 64 / 32: the last split shorter or empty of whole tiles, K masked)."""
+    torch.manual_seed(m)
+    w = fmt.quantize(torch.randn(n, k)).to(DEVICE)
     x = torch.randn(m, k, device=DEVICE)
     bias = torch.randn(n, device=DEVICE)
     expected = F.linear(x, w.dequantize(torch.float32), bias)
-    _relative_close(int8_gemm(x, w.qweight, w.scales, bias), expected)
-    _relative_close(int8_gemm(x, w.qweight, w.scales, bias, block_m=16, block_n=16), expected)
+    _relative_close(w8a16_gemm(x, w.qweight, w.scales, bias), expected)
+    for config in (
+        GemmConfig(block_m=16, block_n=16),
+        GemmConfig(block_m=16, block_n=32, block_k=32, split=2),
+        GemmConfig(block_m=32, block_n=16, block_k=32, split=3),
+    ):
+        _relative_close(w8a16_gemm(x, w.qweight, w.scales, bias, config), expected)
+    _relative_close(w8a16_gemm(x, w.qweight, w.scales, None, config), expected - bias)
 
 
 @pytest.mark.parametrize("group", [128, 64])
@@ -172,3 +183,23 @@ def test_fp8_row_quantizer_is_the_torch_path(m, k):
         return
     step = expected_values.float().abs() / 8  # e4m3 keeps 3 mantissa bits
     assert ((values.float() - expected_values.float()).abs() <= step + 2**-9).all()
+
+
+def test_every_tuned_w8a16_config_computes_the_product():
+    """The configs the sweeps wrote (`tuning/w8a16_gemm.json`), whatever device they are for,
+    give the de-quantized product here too: a table entry cannot name a broken launch."""
+    from backend.kernels.tuning import table
+
+    configs = {
+        tuple(sorted(entry.items()))
+        for device in table("w8a16_gemm").values()
+        for entry in device["configs"].values()
+    }
+    assert configs
+    w = Fp8Weight.quantize(torch.randn(40, 96)).to(DEVICE)
+    x = torch.randn(5, 96, device=DEVICE)
+    expected = F.linear(x, w.dequantize(torch.float32))
+    for entry in configs:
+        _relative_close(
+            w8a16_gemm(x, w.qweight, w.scales, None, GemmConfig(**dict(entry))), expected
+        )
