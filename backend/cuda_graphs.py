@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from backend.attention.metadata import AttentionMetadata
+from backend.graph_capture import capture_largest_first
 from backend.staging import RingedFields
 
 try:  # GPU only; the input buffers and staging also run on CPU tensors (tests)
@@ -201,22 +202,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Largest first, sharing one memory pool (smaller graphs reuse the larger one's memory)."""
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                self._forward(size)  # compile kernels outside the capture
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: a tensor-parallel group's NCCL watchdog thread may query its
-                # events while this thread captures the group's collectives.
-                with torch.cuda.graph(
-                    graph, pool=pool, stream=stream, capture_error_mode="thread_local"
-                ):
-                    logits = self._forward(size)
-                self.graphs[size] = (graph, logits)
-        torch.cuda.current_stream().wait_stream(stream)
+        """One graph per batch size (`capture_largest_first`)."""
+        self.graphs.update(capture_largest_first(self.sizes, self._forward))
         self.replays.zero_()  # the warm-up runs counted; the host has queued none
         self.sampled_ids.zero_()
         torch.cuda.synchronize()

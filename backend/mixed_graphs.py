@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from backend.attention.metadata import AttentionMetadata
+from backend.graph_capture import capture_largest_first
 from backend.staging import RingedFields
 from backend.step_packing import PackedStep
 
@@ -127,20 +128,10 @@ class MixedGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Largest first, sharing one memory pool; with nothing staged no token has a slot or a
-        request, so the capture writes no cache."""
+        """One graph per token count (`capture_largest_first`); with nothing staged no token has
+        a slot or a request, so the capture writes no cache."""
         began = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                self._forward(size)  # compile kernels outside the capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    hidden = self._forward(size)
-                self.graphs[size] = (graph, hidden)
-        torch.cuda.current_stream().wait_stream(stream)
+        self.graphs.update(capture_largest_first(self.sizes, self._forward))
         torch.cuda.synchronize()
         log.info(
             "captured CUDA graphs for steps with prompt tokens: %d sizes, 16 to %d tokens, "
