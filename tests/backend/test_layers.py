@@ -205,7 +205,7 @@ def test_self_attention_over_a_quantized_cache(backend, cache_dtype):
     context = torch.randn(1, 2, num_blocks, 8, 2, 32, generator=torch.Generator().manual_seed(6))
     values, scales = kv_dtype.quantize(context, cache_dtype)
     caches = [(values.clone().to(DEVICE), scales.clone().to(DEVICE)) for _ in range(3)]
-    residual = torch.randn(1, 128, device=DEVICE).to(HALF)
+    residual = torch.randn(1, 128, generator=torch.Generator().manual_seed(15)).to(DEVICE, HALF)
     positions = torch.tensor([99], device=DEVICE)
     torch_rotation = rotary.rotator(positions, HALF)
     fused_rotation = Rotation(positions, rotary.cos_sin, None, None)
@@ -219,16 +219,21 @@ def test_self_attention_over_a_quantized_cache(backend, cache_dtype):
         one_token = residual.clone()
         attention.add_one_token(one_token, norm, step(torch_rotation, caches[2]))
     slot = int(meta.slot_mapping[0])
-    written = [
-        kv_dtype.dequantize(v.flatten(2, 3)[..., slot, :, :], s.flatten(2, 3)[..., slot, :])
-        for v, s in caches
-    ]
+    stored = [(v.flatten(2, 3)[..., slot, :, :], s.flatten(2, 3)[..., slot, :]) for v, s in caches]
+    written = [kv_dtype.dequantize(v, s) for v, s in stored]
     assert not torch.equal(
         written[0], kv_dtype.dequantize(values, scales).flatten(2, 3)[..., slot, :, :].to(DEVICE)
     )
+    # The three paths compute K/V in half precision apart; a value on a rounding boundary of
+    # the cache dtype may land one step apart, never more.
+    codes, scale = stored[0][0].float(), stored[0][1].float()[..., None]
+    if cache_dtype.is_floating_point:  # e4m3: 3 mantissa bits, subnormal step 2^-9
+        step = torch.exp2(torch.floor(torch.log2(codes.abs().clamp(min=2**-6))) - 3)
+    else:
+        step = torch.ones_like(codes)
     for got, cache in ((fused, written[1]), (one_token, written[2])):
         torch.testing.assert_close(got, expected, atol=4e-3, rtol=4e-3)
-        torch.testing.assert_close(cache, written[0], atol=0.02, rtol=0.07)
+        assert ((cache - written[0]).abs() <= step * scale * 1.01 + 1e-3).all()
 
 
 def test_gated_mlp_one_token_form_equals_the_general_form():
