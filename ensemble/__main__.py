@@ -102,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         help="port of the OpenAI-compatible endpoint (/v1/completions, ...); 0 turns it off",
     )
     serve.add_argument(
+        "--health-timeout-s",
+        type=float,
+        default=60.0,
+        help="stop tritonserver, and exit 1 for a supervisor to restart it, when it has not "
+        "answered /v2/health/live for this long (a hung server); 0: never",
+    )
+    serve.add_argument(
         "--served-model-name",
         default=None,
         help="the `model` OpenAI clients pass (default: the model's file or directory name)",
@@ -132,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                     "openai_port": args.openai_port,
                 }
             )
+            if args.health_timeout_s < 0:
+                raise ValueError(f"health_timeout_s must be >= 0, got {args.health_timeout_s:g}")
             if not 0 <= args.openai_port <= 65535:
                 raise ValueError(f"openai_port must be in [0, 65535], got {args.openai_port}")
             if args.openai_port in (settings.http_port, settings.grpc_port, settings.metrics_port):
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                 settings.tokenizer_dir,
                 args.served_model_name,
             )
-        return serve_forever(server, front_end)
+        return serve_forever(server, front_end, args.health_timeout_s)
 
 
 if __name__ == "__main__":

@@ -266,12 +266,38 @@ class TritonServer:
         self.stop()
 
 
-def serve_forever(server: TritonServer, front_end=None) -> int:
+class LivenessWatch:
+    """Whether a running server has stopped answering /v2/health/live for `timeout_s`: hung,
+    e.g. in Triton 2.51's abort handler after a heap corruption, which can loop while the process
+    lives on. Probes at most every `period_s`, each waiting up to `period_s` for the answer."""
+
+    def __init__(self, http_port: int, timeout_s: float):
+        self.url = f"http://localhost:{http_port}/v2/health/live"
+        self.timeout_s = timeout_s
+        self.period_s = min(5.0, timeout_s / 3)
+        self.last_answer = self.last_probe = time.monotonic()
+
+    def hung(self) -> bool:
+        now = time.monotonic()
+        if self.timeout_s <= 0 or now - self.last_probe < self.period_s:
+            return False
+        self.last_probe = now
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.period_s) as response:
+                if response.status == 200:
+                    self.last_answer = time.monotonic()
+        except OSError:
+            pass
+        return time.monotonic() - self.last_answer > self.timeout_s
+
+
+def serve_forever(server: TritonServer, front_end=None, health_timeout_s: float = 0.0) -> int:
     """Start, wait until ready, print how to call it, and stop cleanly on Ctrl-C, SIGTERM or
     SIGHUP (a closed terminal). Returns tritonserver's exit code (128 + signal if killed), so a
     supervisor sees a server that died as a failure. `front_end` (an
     ensemble.openai_server.process.FrontEndProcess) starts once the server is ready; its death
-    stops the server too (exit code 1)."""
+    stops the server too (exit code 1), and so does a server that has not answered
+    /v2/health/live for `health_timeout_s` (0: never)."""
     for signum in (
         signal.SIGTERM,
         signal.SIGHUP,
@@ -289,6 +315,7 @@ def serve_forever(server: TritonServer, front_end=None) -> int:
             front_end.start()
             wait_listening(front_end.port, front_end.exit_code)
             print(f"OpenAI-compatible endpoint: {front_end.url}", flush=True)
+        liveness = LivenessWatch(server.http_port, health_timeout_s)
         while True:
             code = server.process.poll()
             if code is not None:
@@ -299,6 +326,14 @@ def serve_forever(server: TritonServer, front_end=None) -> int:
                 print(
                     f"the OpenAI front end exited with code {front_end.exit_code()}; "
                     "stopping tritonserver",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
+            if liveness.hung():
+                print(
+                    f"tritonserver has not answered /v2/health/live for {health_timeout_s:g} s; "
+                    "stopping it (exit code 1, for a supervisor to restart it)",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -1,6 +1,7 @@
 """Faults and lifecycle of a served repository, through `python -m ensemble serve` as users run it.
 
-A stub that dies fails its clients and stops the server (exit non-zero, for a supervisor); a
+A stub that dies fails its clients and stops the server (exit non-zero, for a supervisor), and so
+does a server that stops answering its liveness endpoint; a
 signal (SIGTERM, SIGHUP) ends the requests in flight with "shutting down" and stops the server
 fast and clean; a taken port or a bad model path is refused before anything starts; the LLM's
 processes do not grow under a stream of short requests.
@@ -166,6 +167,28 @@ def test_a_killed_stub_fails_its_clients_and_stops_the_server(launcher, model):
     assert code != 0, "the launcher must exit non-zero so that a supervisor restarts it"
     assert "died; stopping tritonserver" in served.log.read_text()
     assert not Path(f"/proc/{server_pid}").exists(), "tritonserver lives on"
+    assert not Path(f"/proc/{engine}").exists(), "the engine process lives on"
+    assert not set(SHM_DIR.glob(SHM_PATTERN)) - shm_before, "shared memory left behind"
+
+
+def test_a_hung_server_is_stopped_for_a_supervisor_to_restart(launcher):
+    """tritonserver stopped (SIGSTOP: every thread frozen, as a server caught in its abort
+    handler) no longer answers /v2/health/live: the launcher kills it and its processes and
+    exits 1."""
+    served = launcher("--health-timeout-s", "3")
+    served.wait_ready()
+    shm_before = set(SHM_DIR.glob(SHM_PATTERN))
+    server_pid = served.server_pid()
+    engine = engine_processes(server_pid)[0]
+    time.sleep(4)  # answered probes: a live server is left alone
+    assert served.process.poll() is None
+    os.kill(server_pid, signal.SIGSTOP)
+    assert served.process.wait(timeout=40) == 1
+    assert "has not answered /v2/health/live for 3 s" in served.log.read_text()
+    assert not Path(f"/proc/{server_pid}").exists(), "the hung tritonserver lives on"
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{engine}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not Path(f"/proc/{engine}").exists(), "the engine process lives on"
     assert not set(SHM_DIR.glob(SHM_PATTERN)) - shm_before, "shared memory left behind"
 
