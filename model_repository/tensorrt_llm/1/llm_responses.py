@@ -16,8 +16,9 @@ A request is polled for cancellation only while its FINAL response has not been 
 send releases the request's response factory in the server, and asking a released factory
 whether it was cancelled crashed tritonserver 2.51 (SIGSEGV in
 TRITONBACKEND_ResponseFactoryIsCancelled, seen once under 32 concurrent streams). The poll and the
-final send take the request's lock, so they never overlap. Each poll is a round trip too: at
-most CANCEL_CHECKS_PER_S of them a second, in turn over the live requests.
+final send take the request's lock, so they never overlap; a request refused at submit is closed
+before its caller sends the error. Each poll is a round trip too: at most CANCEL_CHECKS_PER_S of
+them a second, in turn over the live requests.
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ class ResponseDispatcher:
                 if not submitted:
                     self._requests.pop(id(live), None)
             if not submitted:
+                with live.lock:  # the caller sends the FINAL error: no poll may follow it
+                    live.closed = True
                 raise
             # Some rows run already: report the error now, their ends carry the FINAL flag.
             if self._decoupled:
