@@ -67,9 +67,9 @@ def write(kernel: str, device: str, configs: dict[str, dict], source: str) -> Pa
 
 
 def few_rows_tiles(m: int, n: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for a quantized GEMM of m rows by n outputs (`w8a16_gemm`'s default,
-    `int4_matmul`): narrow tiles for the hidden-wide projections, so that their few columns still
-    spread over a few hundred programs; wider ones for the intermediate-wide projections, whose
+    """(BLOCK_M, BLOCK_N) for the int4 GEMM of m rows by n outputs (`int4_matmul`): narrow tiles
+    for the hidden-wide projections, so that their few columns still spread over a few hundred
+    programs; wider ones for the intermediate-wide projections, whose
     weight tiles are then de-quantized for fewer row tiles. From a sweep at 64 rows on the
     Llama-3.2-1B shapes (benchmarks/README.md, "Weight formats")."""
     if n <= 4096:
