@@ -14,6 +14,7 @@ order is fixed). Launch configs per device and shape: `tuning/w8a16_gemm.json`, 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -120,7 +121,12 @@ def config_key(weight_dtype: torch.dtype, n: int, k: int, m: int) -> str:
 def tuned_config(x: torch.Tensor, qweight: torch.Tensor) -> GemmConfig | None:
     """The device's swept config for this product, or None where the table has none."""
     (n, k), m = qweight.shape, x.shape[0]
-    entry = lookup("w8a16_gemm", config_key(qweight.dtype, n, k, m), device_name(x.device))
+    return _tuned(device_name(x.device), qweight.dtype, n, k, rows_bucket(m))
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(device: str | None, weight_dtype: torch.dtype, n: int, k: int, rows: int):
+    entry = lookup("w8a16_gemm", config_key(weight_dtype, n, k, rows), device)
     return GemmConfig(**entry) if entry is not None else None
 
 
