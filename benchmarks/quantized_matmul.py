@@ -87,10 +87,10 @@ def _sweep_w8a16(fmt: str, x: torch.Tensor, weights: list) -> dict:
             return w8a16_gemm(x, w.qweight, w.scales, None, c)
 
         try:
-            timings.append((_time(call, weights), str(config), config))
+            timings.append((_time(call, weights), config))
         except Exception as exc:  # e.g. more shared memory than the device has
             print(f"skipped {config}: {type(exc).__name__}", flush=True)
-    us, _, config = min(timings)
+    us, config = min(timings, key=lambda timing: timing[0])
     result = {"best_us": round(us, 2), "config": asdict(config)}
     if fmt == "fp8":
 
