@@ -47,6 +47,9 @@ class EngineConfig:
     # Comma-separated fragments of module names ("layers.0.,layers.29.", "down_proj") whose
     # projections stay in the model dtype when float weights are quantized at load.
     quantization_exclude: str | None = None
+    # Quantize the lm_head too (into the format's at-load form; a tied one gets its own copy, the
+    # embedding stays dense): off by default, as TensorRT-LLM's and vLLM's recipes leave it.
+    quantize_lm_head: bool = False
     seed: int = 0  # engine-wide generator for unseeded sampling
     # Ranks the model is split across (backend/tensor_parallel.py): processes on this host, gloo
     # on CPU, NCCL on CUDA; `gpu_device_ids` ("0,1") picks each rank's GPU (else rank i: GPU i).
@@ -79,6 +82,12 @@ class EngineConfig:
             )
         self.attention_windows()
         self.excluded_modules()
+        if self.quantize_lm_head and self.quantization in ("none", "gguf"):
+            raise ValueError(
+                "quantize_lm_head needs a weight format quantized at load or from a checkpoint "
+                f"(int8_wo, int4_wo, int4_awq, int4_gptq, fp8, auto), got quantization "
+                f"{self.quantization!r}"
+            )
         if self.gpu_device_ids is not None:
             ids = self.gpu_device_ids.split(",")
             if not all(i.strip().isdigit() for i in ids) or len(ids) != self.tensor_parallel_size:

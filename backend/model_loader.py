@@ -26,6 +26,7 @@ from backend.quantization.checkpoint import (
     load_quantized_weights,
     prepare_quantized,
     quantize_at_load,
+    quantize_lm_head,
 )
 from backend.weight_formats import pick_quantization, quantization_config
 from backend.tensor_parallel import TensorParallel
@@ -109,10 +110,12 @@ def load_model(
     quantization: str = "none",
     tp: TensorParallel | None = None,
     exclude: tuple[str, ...] = (),
+    lm_head: bool = False,
 ) -> torch.nn.Module:
     """Build the model for `model_dir` and fill it: safetensors weights, random ones for a preset,
     or, given `gguf_file`, that file's blocks kept quantized (the directory gives the config).
-    `quantization` (the engine parameter, not "gguf"): see `pick_quantization`.
+    `quantization` (the engine parameter, not "gguf"): see `pick_quantization`; `lm_head`
+    (`quantize_lm_head`): the lm_head is quantized too.
     With `tp`, this rank's shard: each full tensor is cut as it is read (a preset's random
     weights are drawn per shard, so they differ from one rank's); float weights only."""
     config = config or ModelConfig.from_dir(model_dir)
@@ -120,6 +123,7 @@ def load_model(
         return NullModel(config)
     if gguf_file is not None:
         _refuse_exclude(exclude, "kept GGUF blocks")
+        _refuse_lm_head(lm_head, "gguf")
         if tp is not None and tp.enabled:
             # Row-parallel layers would cut GGUF blocks across their columns.
             raise ValueError(
@@ -136,11 +140,15 @@ def load_model(
         )
     if quantization in FORMATS and quantization_config(model_dir) is not None:
         _refuse_exclude(exclude, "quantized in the checkpoint")
-        return _load_quantized(
+        model = _load_quantized(
             model_dir, quantization, config, device, dtype, attention, max_positions
         )
+        if lm_head:
+            _quantize_lm_head(model, quantization)
+        return model
     if quantization == "none":
         _refuse_exclude(exclude, "not quantized (quantization 'none')")
+        _refuse_lm_head(lm_head, "none")
     model = build_model(config, device, dtype, attention, max_positions, tp=tp)
     spec = random_weights_spec(model_dir)
     with torch.no_grad():
@@ -149,6 +157,8 @@ def load_model(
         else:
             model.load_weights(iter_safetensors(model_dir))
         quantized = quantize_at_load(model, quantization, exclude) if quantization != "none" else 0
+        if lm_head:
+            _quantize_lm_head(model, quantization)
     log.info(
         "weights: %s (%s%s)",
         _megabytes(weight_bytes(model)),
@@ -164,6 +174,20 @@ def _refuse_exclude(exclude: tuple[str, ...], weights: str) -> None:
             "quantization_exclude applies to float weights quantized at load (quantization "
             f"int8_wo, int4_wo or fp8 on a float checkpoint); these weights are {weights}"
         )
+
+
+def _refuse_lm_head(lm_head: bool, quantization: str) -> None:
+    if lm_head:
+        raise ValueError(
+            "quantize_lm_head needs a weight format quantized at load or from a checkpoint "
+            f"(int8_wo, int4_wo, int4_awq, int4_gptq, fp8); these weights are {quantization!r}"
+        )
+
+
+def _quantize_lm_head(model: torch.nn.Module, quantization: str) -> None:
+    with torch.no_grad():
+        quantize_lm_head(model, quantization)
+    log.info("lm_head: %s (quantize_lm_head)", model.lm_head.quantized)
 
 
 def _load_quantized(model_dir, quantization, config, device, dtype, attention, max_positions):

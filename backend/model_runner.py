@@ -175,6 +175,7 @@ class ModelRunner:
             config.quantization,
             self.tp,
             config.excluded_modules(),
+            config.quantize_lm_head,
         )
         self.weight_bytes = weight_bytes(self.model)  # resident parameters and buffers
         self.kv_layout = KVCacheLayout(

@@ -12,7 +12,8 @@ N2 - N1 decode steps take (wall2 - wall1), so prefill and start-up cancel out.
     python -m benchmarks.decode_floor --model llama-3.2-1b --batch 1 --isl 128 --json OUT
 
 `--quantization` reads the weights in that format (a preset's random weights: a format quantized at
-load, int8_wo, int4_wo or fp8); the floor then counts the bytes the format stores. With
+load, int8_wo, int4_wo or fp8; `--quantize-lm-head`: the lm_head too); the floor then counts the
+bytes the format stores, and of an embedding table the lm_head does not share only the rows. With
 `--max-attention-window W` each sequence's KV read is its last W tokens; `--kv-cache-dtype fp8|int8`
 reads a quantized cache (values and scales counted). `--tensor-parallel-size N` splits the model
 over N GPUs; the floor is then one rank's: its shard of the weights and of the KV heads, read by
@@ -31,6 +32,7 @@ import torch
 from backend.config import EngineConfig
 from backend.executor import Executor
 from backend.sampling_params import SamplingParams
+from backend.layers.embedding import Embedding
 from backend.quantization import QuantizedWeight
 from benchmarks.provenance import provenance, save_json
 
@@ -55,8 +57,16 @@ def _sync(device: torch.device) -> None:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Every parameter and quantized weight once (a tied embedding/lm_head matrix is read once)."""
-    seen, total = set(), 0
+    """Every weight a decode step reads, once: the parameters and quantized weights (a tied
+    embedding/lm_head matrix once), less an embedding table the lm_head does not read (a lookup
+    reads only the step's rows: an untied model's, or a tied one whose head is quantized)."""
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    lookups = {
+        m.weight.data_ptr()
+        for m in model.modules()
+        if isinstance(m, Embedding) and m.weight is not None and m.weight is not head
+    }
+    seen, total = set(lookups), 0
     quantized = [b for m in model.modules() if isinstance(m, QuantizedWeight) for b in m.buffers()]
     for p in [*model.parameters(), *quantized]:
         if p.numel() and p.data_ptr() not in seen:
@@ -121,6 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="none")
+    p.add_argument("--quantize-lm-head", action="store_true", help="the lm_head quantized too")
     p.add_argument("--max-attention-window", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -137,6 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = EngineConfig(
         model_path=args.model,
         quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
         kv_cache_dtype=args.kv_cache_dtype,
         max_attention_window_size=(
             None if args.max_attention_window is None else str(args.max_attention_window)
@@ -167,6 +179,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "model": args.model,
                 "dtype": str(executor.runner.dtype).replace("torch.", ""),
                 "quantization": args.quantization,
+                "quantize_lm_head": args.quantize_lm_head,
                 "kv_cache_dtype": args.kv_cache_dtype,
                 "tensor_parallel_size": args.tensor_parallel_size,
                 "kv_blocks": executor.runner.num_kv_blocks,

@@ -11,7 +11,10 @@ stages per shape and reports the fastest.
 gate_up (+RMSNorm), down (+silu·mul, +residual), then lm_head, all in one CUDA graph, where a
 kernel's start overlaps its predecessor's end (prefetch, early launch). With `--sweep` it improves
 the per-projection configs one projection at a time (one pass of coordinate descent) from
-`launch_config`'s (this GPU's table entries, else the default rule). With `--wait-cost` it also
+`launch_config`'s (this GPU's table entries, else the default rule); `--weight int8|e4m3` stores
+the decoder projections so (one byte a value and a scale per row, as `int8_wo` / `fp8` layers
+stream them), `--lm-head-weight` the lm_head (`quantize_lm_head`; then it is swept too). With
+`--wait-cost` it also
 times the chain with the kernels' waits for their predecessor skipped (a diagnostic: the results
 are wrong, the weights stream exactly as before), for every projection and for each kind alone: the
 difference is what waiting for the previous kernel costs. `--chain --sweep --write-tuning` also
@@ -19,7 +22,7 @@ writes the configs it kept into `backend/kernels/tuning/gemv.json` under this GP
 the diff before committing: a one-pass sweep's gains may be noise, see the README).
 
     python -m benchmarks.gemv --model llama-3.2-1b [--chain [--wait-cost]] \
-        [--sweep [--write-tuning]] --json OUT
+        [--weight e4m3 --lm-head-weight e4m3] [--sweep [--write-tuning]] --json OUT
 """
 
 from __future__ import annotations
@@ -33,12 +36,16 @@ import torch.nn.functional as F
 
 from backend.kernels import tuning
 from backend.kernels.gemv import gemv, launch_config, tuning_key
+from backend.kernels.gemv_weight import StreamedWeight
 from backend.model_config import ModelConfig
 from backend.model_paths import resolve_model
+from backend.quantization import Fp8Weight, Int8Weight
 from benchmarks.decode_floor import copy_rate_bytes_per_s
 from benchmarks.graph_timing import graph_us_per_call
 from benchmarks.provenance import provenance, save_json
 
+QUANTIZERS = {"int8": Int8Weight.quantize, "e4m3": Fp8Weight.quantize}
+FORMAT_NAMES = {"int8": "int8", "e4m3": "float8_e4m3fn"}  # `StreamedWeight.format`
 SWEEP = dict(BLOCK_N=[4, 8, 16, 32], BLOCK_K=[256, 512], num_warps=[4, 8], num_stages=[2, 4])
 
 
@@ -103,38 +110,66 @@ def measure(name: str, n: int, k: int, copies: int, sweep: bool, copy_rate: floa
 
 
 CHAIN_GRID = dict(BLOCK_N=[4, 8], num_warps=[4, 8], num_stages=[2, 4], EARLY_LAUNCH=[False, True])
+# One-byte rows hold twice the values in the same bytes: wider K tiles and row blocks too.
+ONE_BYTE_GRID = dict(CHAIN_GRID, BLOCK_N=[4, 8, 16], EARLY_LAUNCH=[True])
+LM_HEAD_GRID = dict(BLOCK_N=[8, 16, 32], num_warps=[4, 8], num_stages=[2, 4], EARLY_LAUNCH=[True])
 
 
-def chain_candidates(n: int, k: int):
+def chain_candidates(n: int, k: int, one_byte: bool = False, lm_head: bool = False):
     """Configs for one projection of the chain: the grid, prefetching 0, 2048 or all of K (at
-    most 256 values a thread held)."""
-    for values in itertools.product(*CHAIN_GRID.values()):
-        config = dict(zip(CHAIN_GRID, values), BLOCK_K=512 if k % 512 == 0 else 64)
-        for prefetch in sorted({0, min(2048, k), k}):
-            fits = config["BLOCK_N"] * prefetch <= 256 * 32 * config["num_warps"]
-            if fits and prefetch % config["BLOCK_K"] == 0 and prefetch & (prefetch - 1) == 0:
-                yield {**config, "PREFETCH_K": prefetch}
+    most 256 values a thread held); one-byte rows try 512- and 1024-wide K tiles, launched
+    early (every bf16 sweep kept early launches)."""
+    grid = LM_HEAD_GRID if lm_head else ONE_BYTE_GRID if one_byte else CHAIN_GRID
+    widths = [w for w in ((512, 1024) if one_byte else (512,)) if k % w == 0] or [64]
+    for values in itertools.product(*grid.values()):
+        for block_k in widths:
+            config = dict(zip(grid, values), BLOCK_K=block_k)
+            for prefetch in sorted({0, min(2048, k), k}):
+                fits = config["BLOCK_N"] * prefetch <= 256 * 32 * config["num_warps"]
+                if fits and prefetch % block_k == 0 and prefetch & (prefetch - 1) == 0:
+                    yield {**config, "PREFETCH_K": prefetch}
+
+
+def stored(weight: torch.Tensor, fmt: str) -> torch.Tensor | StreamedWeight:
+    """A bf16 weight as the format `fmt` (bf16, int8, e4m3) streams it."""
+    if fmt == "bf16":
+        return weight
+    return QUANTIZERS[fmt](weight).streamed()
+
+
+def _nbytes(weight: torch.Tensor | StreamedWeight) -> int:
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return sum(t.numel() * t.element_size() for t in (weight.values, weight.scales))
 
 
 def measure_chain(
-    config: ModelConfig, sweep: bool, copy_rate: float, wait_cost: bool = False
+    config: ModelConfig,
+    sweep: bool,
+    copy_rate: float,
+    wait_cost: bool = False,
+    weight: str = "bf16",
+    lm_head_weight: str = "bf16",
 ) -> dict:
-    """The one-token projection chain of a decode step over every layer's own weights."""
+    """The one-token projection chain of a decode step over every layer's own weights, stored
+    as `weight` (the lm_head as `lm_head_weight`)."""
     shapes = projection_shapes(config)
     hidden, q_size = config.hidden_size, config.num_heads * config.head_dim
+
+    def random(name, fmt):
+        dense = torch.randn(*shapes[name], device="cuda", dtype=torch.bfloat16)
+        return stored(dense / shapes[name][1] ** 0.5, fmt)
+
     layers = [
-        {
-            name: torch.randn(*shapes[name], device="cuda", dtype=torch.bfloat16)
-            / shapes[name][1] ** 0.5
-            for name in ("qkv", "o", "gate_up", "down")
-        }
+        {name: random(name, weight) for name in ("qkv", "o", "gate_up", "down")}
         for _ in range(config.num_layers)
     ]
-    lm_head = torch.randn(*shapes["lm_head"], device="cuda", dtype=torch.bfloat16) / hidden**0.5
+    lm_head = random("lm_head", lm_head_weight)
     norm = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
     stream = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
-    nbytes = sum(w.numel() * w.element_size() for layer in layers for w in layer.values())
-    nbytes += lm_head.numel() * lm_head.element_size()
+    nbytes = sum(_nbytes(w) for layer in layers for w in layer.values()) + _nbytes(lm_head)
+    formats = {name: None if weight == "bf16" else FORMAT_NAMES[weight] for name in shapes}
+    formats["lm_head"] = None if lm_head_weight == "bf16" else FORMAT_NAMES[lm_head_weight]
 
     def step(configs):
         def run(x, _):
@@ -152,11 +187,17 @@ def measure_chain(
         return time_us(run, stream, [None])
 
     device_name = tuning.device_name(stream.device)
-    defaults = {name: launch_config(*shapes[name], device_name=device_name) for name in shapes}
+    defaults = {
+        name: launch_config(*shapes[name], device_name=device_name, weight_format=formats[name])
+        for name in shapes
+    }
     best = defaults
     floor_us = nbytes / copy_rate * 1e6
     row = {
         "projections": "qkv, o, gate_up, down per layer; lm_head",
+        "weight": weight,
+        "lm_head_weight": lm_head_weight,
+        "formats": formats,
         "weight_mb": round(nbytes / 1e6, 1),
         "floor_us": round(floor_us, 1),
         "default_us": round(step(defaults), 1),
@@ -164,8 +205,10 @@ def measure_chain(
     }
     if sweep:
         best_us, tried = row["default_us"], 0
-        for name in ("down", "gate_up", "qkv", "o"):
-            for candidate in chain_candidates(*shapes[name]):
+        swept = ("down", "gate_up", "qkv", "o") + (("lm_head",) if lm_head_weight != "bf16" else ())
+        for name in swept:
+            one_byte = formats[name] is not None
+            for candidate in chain_candidates(*shapes[name], one_byte, name == "lm_head"):
                 trial = {**best, name: candidate}
                 try:
                     us = step(trial)
@@ -204,8 +247,11 @@ def wait_cost_us(step, configs: dict, first_default_us: float) -> dict:
 
 def write_tuning(config: ModelConfig, row: dict, result_path: str | None) -> None:
     """The chain sweep's kept config per projection, keyed by its weight's shape, into the table."""
-    shapes = projection_shapes(config)
-    configs = {tuning_key(*shapes[name]): dict(best) for name, best in row["best_configs"].items()}
+    shapes, formats = projection_shapes(config), row["formats"]
+    configs = {
+        tuning_key(*shapes[name], weight_format=formats[name]): dict(best)
+        for name, best in row["best_configs"].items()
+    }
     source = f"benchmarks.gemv --chain --sweep at {row['commit']}, {row['date']}" + (
         f" ({result_path})" if result_path else ""
     )
@@ -231,6 +277,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         action="store_true",
         help="with --chain --sweep: write the kept configs into this GPU's tuning table",
     )
+    p.add_argument(
+        "--weight",
+        choices=["bf16", *QUANTIZERS],
+        default="bf16",
+        help="with --chain: how the decoder projections are stored",
+    )
+    p.add_argument(
+        "--lm-head-weight",
+        choices=["bf16", *QUANTIZERS],
+        default="bf16",
+        help="with --chain: how the lm_head is stored (quantize_lm_head)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.write_tuning and not (args.chain and args.sweep):
@@ -244,7 +302,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             **provenance(device),
             "model": args.model,
             "copy_rate_tb_s": round(copy_rate / 1e12, 3),
-            **measure_chain(config, args.sweep, copy_rate, args.wait_cost),
+            **measure_chain(
+                config, args.sweep, copy_rate, args.wait_cost, args.weight, args.lm_head_weight
+            ),
         }
         print(json.dumps(row), flush=True)
         save_json(args.json, row)

@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
         default="none",
         help="weight format (README, Weight formats)",
     )
+    p.add_argument("--quantize-lm-head", action="store_true", help="the lm_head quantized too")
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -228,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = EngineConfig(
         model_path=args.model,
         quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         dtype=args.dtype,
@@ -254,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "dtype": str(executor.runner.dtype).replace("torch.", ""),
         "quantization": args.quantization,
+        "quantize_lm_head": args.quantize_lm_head,
         "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         "weight_bytes": executor.runner.weight_bytes,

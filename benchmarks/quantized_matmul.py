@@ -10,7 +10,7 @@ the W8A16 winners in `backend/kernels/tuning/w8a16_gemm.json` for this device: e
 and an e4m3 one only where it beats quantizing the rows for the scaled GEMM (timed alone).
 
     python -m benchmarks.quantized_matmul --model llama-3.2-1b --rows 1 16 64 256 [--sweep] \
-        [--write-tuning] --json OUT
+        [--write-tuning] [--projections qkv o gate_up down lm_head] --json OUT
 """
 
 from __future__ import annotations
@@ -110,16 +110,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--formats", nargs="+", default=["bf16", *FORMATS])
+    p.add_argument(
+        "--projections",
+        nargs="+",
+        default=["qkv", "o", "gate_up", "down"],
+        help="of qkv, o, gate_up, down, lm_head (quantized with quantize_lm_head)",
+    )
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--write-tuning", action="store_true", help="keep the W8A16 sweep's winners")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     config = ModelConfig.from_dir(resolve_model(args.model))
-    copies = config.num_layers
     rows, tuned = [], {}
-    for name, (n, k) in projection_shapes(config).items():
-        if name == "lm_head":  # stays dense in every format but gguf
-            continue
+    for name in args.projections:
+        n, k = projection_shapes(config)[name]
+        copies = 2 if name == "lm_head" else config.num_layers  # 2 lm_heads overflow L2 already
         for fmt in args.formats:
             weights = _weights(fmt, n, k, copies)
             product = _product(fmt)

@@ -57,6 +57,27 @@ def quantize_at_load(model: nn.Module, quantization: str, exclude: tuple[str, ..
     return count
 
 
+# The lm_head's quantizer per format (`quantize_lm_head`): checkpoints leave it float, so their
+# formats round it at load too (4-bit: to nearest, groups of 128).
+LM_HEAD_QUANTIZERS = {
+    **QUANTIZERS,
+    "int4_awq": Int4Weight.quantize,
+    "int4_gptq": Int4Weight.quantize,
+}
+
+
+def quantize_lm_head(model: nn.Module, quantization: str) -> None:
+    """Hold the lm_head in `quantization`'s form; a head tied to the embedding gets its own
+    quantized copy and the embedding keeps the float table it looks rows up in."""
+    if quantization not in LM_HEAD_QUANTIZERS:
+        raise ValueError(
+            f"quantize_lm_head needs one of {sorted(LM_HEAD_QUANTIZERS)}, got quantization "
+            f"{quantization!r}"
+        )
+    head = model.lm_head
+    head.set_quantized(LM_HEAD_QUANTIZERS[quantization](head.dense_weight(head.weight.dtype)))
+
+
 @dataclass(frozen=True)
 class CheckpointFormat:
     marker: str  # the tensor suffix that marks a quantized projection

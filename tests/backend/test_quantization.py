@@ -311,3 +311,46 @@ def test_quantization_exclude_refusals_name_the_rule(tiny_hf_model, exclude, qua
     _, directory = tiny_hf_model("llama", **WIDE)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         serve(directory, PROMPTS[:1], 2, quantization=quantization, quantization_exclude=exclude)
+
+
+@pytest.mark.parametrize("quantization, kind", [("int8_wo", Int8Weight), ("fp8", Fp8Weight)])
+def test_quantize_lm_head_gives_a_tied_head_its_own_copy(tiny_hf_model, quantization, kind):
+    _, directory = tiny_hf_model("llama", tie_word_embeddings=True, **WIDE)
+    dense = _load(directory)
+    attention = get_attention_backend("torch", CPU)
+    kept = load_model(
+        str(directory), CPU, torch.float32, attention, 256, None, None, quantization, lm_head=True
+    )
+    head = kept.lm_head.quantized
+    assert isinstance(head, kind) and kept.lm_head.weight is None
+    assert torch.equal(head.qweight, kind.quantize(dense.lm_head.weight).qweight)
+    # The embedding looks rows up in its float table, untouched.
+    assert torch.equal(kept.model.embed_tokens.weight, dense.model.embed_tokens.weight)
+    hidden = torch.randn(3, WIDE["hidden_size"])
+    expected = head.matmul(dense.model.norm(hidden))
+    assert torch.equal(kept.compute_logits(hidden), expected.float())
+
+
+def test_int8_wo_with_quantized_lm_head_equals_the_dequantized_model(tiny_hf_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, directory = tiny_hf_model("llama", **WIDE)
+    dequantize = lambda w: Int8Weight.quantize(w).dequantize(w.dtype)  # noqa: E731
+    plain = rewritten_checkpoint(directory, tmp_path / "int8-dequantized", dequantize)
+    tensors = load_file(f"{plain}/model.safetensors")
+    tensors["lm_head.weight"] = dequantize(tensors["lm_head.weight"])
+    save_file(tensors, f"{plain}/model.safetensors", metadata={"format": "pt"})
+    results, _ = serve(
+        directory, PROMPTS, 16, ignore_end_id=True, quantization="int8_wo", quantize_lm_head=True
+    )
+    quantized = [r["token_ids"] for r in results]
+    assert quantized == _tokens(plain)
+    assert quantized != _tokens(directory, "int8_wo")  # the head's rounding shows
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_quantize_lm_head_is_refused_without_a_quantized_format(quantization):
+    with pytest.raises(
+        ValueError, match=f"quantize_lm_head needs .* got quantization '{quantization}'"
+    ):
+        EngineConfig(quantization=quantization, quantize_lm_head=True)

@@ -22,6 +22,8 @@ def other_value(name: str):
     """A valid value of an engine field that differs from its default."""
     kind, _ = field_types(EngineConfig)[name]
     default = getattr(EngineConfig(), name)
+    if name == "quantization":  # a format quantize_lm_head's other value (true) accepts
+        return "fp8"
     if name in CHOICES:
         return next(c for c in CHOICES[name] if c != default)
     if kind is bool:
