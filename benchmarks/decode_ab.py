@@ -12,6 +12,9 @@ Variants (the changes apply while the variant's graphs are captured; decode step
   default           the engine as it is
   splits=N          at most N decode-attention splits per (request, kv head)
   qkv:KEY=V,...     the qkv+rotary kernel's launch config (e.g. qkv:BLOCK_N=8,num_stages=2)
+  merge:KEY=V,...   the launch config of GEMVs that merge attention splits (batch 1: the o
+                    projection)
+  attention:KEY=V   the decode-attention kernel's launch config (e.g. attention:num_warps=4)
   attention_merges  batch 1: decode attention merges its splits itself (an arrival counter, the
                     last split merges), instead of the o projection merging them as it reads them
   torch_embedding   torch's embedding lookup instead of the PDL kernel
@@ -61,6 +64,24 @@ def _changes(variant: str) -> list:
                 lambda n, k, config, **kw: base(n, k, {**(config or {}), **override}, **kw),
             )
         ]
+    if variant.startswith("merge:"):
+        pairs = (item.split("=") for item in variant[6:].split(","))
+        override = {key: int(value) for key, value in pairs}
+        base = gemv.checked_config
+
+        def merge_config(n, k, config, merge=False, **kw):
+            return base(n, k, {**(config or {}), **override} if merge else config, merge, **kw)
+
+        return [mock.patch.object(gemv, "checked_config", merge_config)]
+    if variant.startswith("attention:"):
+        pairs = (item.split("=") for item in variant[10:].split(","))
+        override = {key: int(value) for key, value in pairs}
+        base_attention = decode.launch_config
+        return [
+            mock.patch.object(
+                decode, "launch_config", lambda *a, **kw: {**base_attention(*a, **kw), **override}
+            )
+        ]
     if variant == "attention_merges":
         return [mock.patch.object(gemv, "takes_partials", lambda weight, head_dim: False)]
     if variant == "no_attention":
@@ -77,10 +98,14 @@ def _changes(variant: str) -> list:
     raise ValueError(f"unknown variant {variant!r} (see python -m benchmarks.decode_ab --help)")
 
 
-def build(variant: str, model: str, batch: int, isl: int, n2: int) -> Executor:
+def build(
+    variant: str, model: str, batch: int, isl: int, n2: int, quantization: str, lm_head: bool
+) -> Executor:
     seq = isl + n2 + 1
     config = EngineConfig(
         model_path=model,
+        quantization=quantization,
+        quantize_lm_head=lm_head,
         max_batch_size=batch,
         max_num_tokens=max(2048, batch * isl),
         max_seq_len=seq,
@@ -107,6 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--n1", type=int, default=16)
     p.add_argument("--n2", type=int, default=144)
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--quantization", default="none", help="weight format of every variant")
+    p.add_argument("--quantize-lm-head", action="store_true", help="the lm_head quantized too")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     for variant in args.variants:  # unknown names fail before anything is built
@@ -116,14 +143,19 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(str(e))
     if not torch.cuda.is_available():
         p.error("needs a GPU: the variants differ in their decode CUDA graphs")
-    executors = {v: build(v, args.model, args.batch, args.isl, args.n2) for v in args.variants}
+    executors = {
+        v: build(
+            v, args.model, args.batch, args.isl, args.n2, args.quantization, args.quantize_lm_head
+        )
+        for v in args.variants
+    }
     device = torch.device("cuda")
     rate = copy_rate_bytes_per_s(device)
     steps: dict[str, list[float]] = {v: [] for v in executors}
     floor_ms = 0.0
     for round_ in range(args.rounds):
         for variant, executor in executors.items():
-            r = measure(executor, args.batch, args.isl, args.n1, args.n2, repeats=3)
+            r = measure(executor, args.batch, args.isl, args.n1, args.n2, repeats=3, window=None)
             steps[variant].append(r["step_ms"])
             floor_ms = r["bytes_per_step"] / rate * 1e3
         print(
@@ -136,6 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "batch": args.batch,
         "isl": args.isl,
+        "quantization": args.quantization,
+        "quantize_lm_head": args.quantize_lm_head,
         "rounds": args.rounds,
         "floor_ms": round(floor_ms, 4),
         "copy_rate_tb_s": round(rate / 1e12, 3),

@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--isl", type=int, default=128)
     p.add_argument("--quantization", default="none", help="weight format (runner profile)")
+    p.add_argument("--quantize-lm-head", action="store_true", help="the lm_head quantized too")
     p.add_argument("--json", default=None)
     p.add_argument(
         "--engine", action="store_true", help="profile the whole engine instead of the runner"
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             max_seq_len=seq,
             max_tokens_in_paged_kv_cache=max_batch * seq,
             quantization=args.quantization,
+            quantize_lm_head=args.quantize_lm_head,
         )
     )
     rng = random.Random(0)
@@ -200,6 +202,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "model": args.model,
             "batch": batch,
             "isl": args.isl,
+            "quantization": args.quantization,
+            "quantize_lm_head": args.quantize_lm_head,
         }
         if graphs is not None:  # staged each time: a replay reads the slot staged for it
             row["graph_replay_gpu_ms"] = round(

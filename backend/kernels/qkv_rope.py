@@ -13,8 +13,9 @@ write needs whole head vectors: `backend.attention.kernels.kv_write` then stores
 Rounding is the unfused path's: the product (plus bias) is rounded to the activation dtype, then
 rotated in float32 and rounded again.
 
-Tiles are the GEMV's for the shape and device (`gemv.checked_config`) except for 8 features a
-program (`QKV_BLOCK_N`, where the head size allows), faster than 4 (benchmarks/README.md).
+Tiles are the GEMV's for the shape and device (`gemv.checked_config`), with at least 8 features
+a program (`QKV_BLOCK_N`, where the head size allows): faster than 4 for bf16 rows, and e4m3 rows
+keep their table's 16 (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -173,7 +174,10 @@ def qkv_rope_gemv(
     if write_kv:
         assert k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
         assert k_cache.shape[2:] == (num_kv_heads, head_dim) and k_cache.stride(-1) == 1
-    tile = {"BLOCK_N": QKV_BLOCK_N} if (head_dim // 2) % (QKV_BLOCK_N // 2) == 0 else {}
+    tuned = checked_config(n, k, None, device=values.device, weight_format=weight.format)
+    # At least QKV_BLOCK_N features a program, in whole rotary pairs of one head.
+    widths = (max(QKV_BLOCK_N, tuned["BLOCK_N"]), QKV_BLOCK_N)
+    tile = next(({"BLOCK_N": w} for w in widths if (head_dim // 2) % (w // 2) == 0), {})
     config = checked_config(
         n, k, {**tile, **(config or {})}, device=values.device, weight_format=weight.format
     )
