@@ -12,6 +12,8 @@ scaling search); `int4_gptq` loads a GPTQ checkpoint calibrated by `backend.quan
 on other pages of the same documentation (`quality_corpus.CALIBRATION`), and `fp8_gptq`
 (`fp8_gptq_ends`: the end layers kept float) an FP8 checkpoint calibrated the same way.
 SmolLM2's hidden size 576 is not a multiple of 128, so the int4 group is 64.
+`int8_wo_lm_head` and `fp8_gptq_lm_head` are those rows with the lm_head (tied to the embedding)
+quantized too (`quantize_lm_head`: an e4m3 or int8 copy, a scale per vocabulary row).
 `kv_fp8` and `kv_int8` keep the baseline's weights and store the KV cache as fp8 / int8 with a
 dynamic scale per token and kv head (`kv_cache_dtype`, backend/attention/kv_dtype.py).
 
@@ -52,10 +54,13 @@ ROWS = {
     "fp8_gptq_ends": ("fp8", "auto"),  # the same with the END_LAYERS kept float
     "fp8": ("fp8", "auto"),
     "fp8_ends": ("fp8", "auto"),  # the first and last END_LAYERS decoder layers kept float
+    "int8_wo_lm_head": ("int8_wo", "auto"),  # int8_wo with the lm_head quantized too
+    "fp8_gptq_lm_head": ("fp8", "auto"),  # fp8_gptq with the lm_head quantized (at load) too
     "kv_fp8": ("none", "fp8"),
     "kv_int8": ("none", "int8"),
 }
 END_LAYERS = 2
+HEAD_QUANTIZED = ("int8_wo_lm_head", "fp8_gptq_lm_head")  # quantize_lm_head
 GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS = 64, 512  # calibration: 64 windows of 512 tokens
 FORMATS = tuple(ROWS)
 PROMPTS = [
@@ -181,8 +186,8 @@ def run(args) -> dict:
     models["int4_awq"] = awq_checkpoint(float_dir, args.group_size)
     if "int4_gptq" in args.formats:
         models["int4_gptq"] = gptq_checkpoint(args.group_size)
-    if "fp8_gptq" in args.formats:
-        models["fp8_gptq"] = gptq_checkpoint(args.group_size, "fp8")
+    if "fp8_gptq" in args.formats or "fp8_gptq_lm_head" in args.formats:
+        models["fp8_gptq"] = models["fp8_gptq_lm_head"] = gptq_checkpoint(args.group_size, "fp8")
     if "fp8_gptq_ends" in args.formats:
         ends = end_layers(float_dir, END_LAYERS)
         models["fp8_gptq_ends"] = gptq_checkpoint(args.group_size, "fp8", ends)
@@ -195,6 +200,7 @@ def run(args) -> dict:
             device=args.device,
             quantization=quantization,
             quantization_exclude=exclude,
+            quantize_lm_head=fmt in HEAD_QUANTIZED,
             kv_cache_dtype=kv_cache_dtype,
             max_batch_size=args.max_batch_size,
             max_num_tokens=args.max_num_tokens,
@@ -213,6 +219,7 @@ def run(args) -> dict:
             **scores,
             "quantization": quantization,
             "quantization_exclude": exclude,
+            "quantize_lm_head": fmt in HEAD_QUANTIZED,
             "kv_cache_dtype": kv_cache_dtype,
             "weight_bytes": weights,
             "kv_bytes_per_token": kv_token_bytes,
