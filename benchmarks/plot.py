@@ -52,7 +52,7 @@ def plot_decode_floor(path: str) -> str:
 
 def variant_label(r: dict) -> str:
     """A decode-floor row's weight format, KV dtype and window, where not the default."""
-    parts = [r.get("quantization", "none")]
+    parts = [r.get("quantization", "none") + (" + lm_head" if r.get("quantize_lm_head") else "")]
     if r.get("kv_cache_dtype", "auto") != "auto":
         parts.append(f"kv {r['kv_cache_dtype']}")
     if r.get("max_attention_window_size"):
@@ -92,6 +92,8 @@ def save_beside(fig, rows: list[dict], path: str) -> str:
 def model_label(r: dict) -> str:
     """The model, and its weight format where it is kept quantized."""
     quantization = r.get("quantization", "none")
+    if r.get("quantize_lm_head"):
+        quantization += " + lm_head"
     label = r["model"] if quantization == "none" else f"{r['model']} ({quantization})"
     tp = r.get("tensor_parallel_size", 1)
     return label if tp == 1 else f"{label}, TP {tp}"
