@@ -59,6 +59,8 @@ def variant_label(r: dict) -> str:
         parts.append(f"window {r['max_attention_window_size']}")
     if r.get("tensor_parallel_size", 1) > 1:
         parts.append(f"TP {r['tensor_parallel_size']}")
+    if r.get("label_note"):
+        parts.append(r["label_note"])
     return ", ".join(parts) + f"\ncontext {r['isl']}" * ("max_attention_window_size" in r)
 
 
