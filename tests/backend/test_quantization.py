@@ -1,8 +1,9 @@
 """Weight formats (engine parameter `quantization`): int8_wo and fp8 quantized at load, AWQ, GPTQ
 and FP8 checkpoints loaded as they are stored (built here from tiny random Llamas by
 tests/quantized_checkpoints.py). Each layer holds exactly what its checkpoint or quantizer gives,
-the lm_head stays float, and the engine's greedy tokens equal those of a plain model holding the
-de-quantized weights (for fp8: of the same weights quantized at load)."""
+the lm_head stays float unless `quantize_lm_head` (then a tied head gets its own quantized copy),
+and the engine's greedy tokens equal those of a plain model holding the de-quantized weights (for
+fp8: of the same weights quantized at load)."""
 
 from __future__ import annotations
 
