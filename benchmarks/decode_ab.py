@@ -39,6 +39,12 @@ from benchmarks.decode_floor import copy_rate_bytes_per_s, measure
 from benchmarks.provenance import provenance, save_json
 
 
+def _launch_overrides(variant: str) -> dict[str, int]:
+    """ "kernel:KEY=V,KEY=V" -> {KEY: V}."""
+    pairs = (item.split("=") for item in variant.split(":", 1)[1].split(","))
+    return {key: int(value) for key, value in pairs}
+
+
 def _changes(variant: str) -> list:
     """The patches that make `variant`, as context managers."""
     import backend.attention.kernels.decode as decode
@@ -54,8 +60,7 @@ def _changes(variant: str) -> list:
         most, choose = int(variant.split("=", 1)[1]), decode.choose_num_splits
         return [mock.patch.object(decode, "choose_num_splits", lambda *a: min(most, choose(*a)))]
     if variant.startswith("qkv:"):
-        pairs = (item.split("=") for item in variant[4:].split(","))
-        override = {key: int(value) for key, value in pairs}
+        override = _launch_overrides(variant)
         base = qkv_rope.checked_config
         return [
             mock.patch.object(
@@ -65,8 +70,7 @@ def _changes(variant: str) -> list:
             )
         ]
     if variant.startswith("merge:"):
-        pairs = (item.split("=") for item in variant[6:].split(","))
-        override = {key: int(value) for key, value in pairs}
+        override = _launch_overrides(variant)
         base = gemv.checked_config
 
         def merge_config(n, k, config, merge=False, **kw):
@@ -74,8 +78,7 @@ def _changes(variant: str) -> list:
 
         return [mock.patch.object(gemv, "checked_config", merge_config)]
     if variant.startswith("attention:"):
-        pairs = (item.split("=") for item in variant[10:].split(","))
-        override = {key: int(value) for key, value in pairs}
+        override = _launch_overrides(variant)
         base_attention = decode.launch_config
         return [
             mock.patch.object(
