@@ -13,10 +13,10 @@ kernel's start overlaps its predecessor's end (prefetch, early launch). With `--
 the per-projection configs one projection at a time (one pass of coordinate descent) from
 `launch_config`'s (this GPU's table entries, else the default rule); `--weight int8|e4m3` stores
 the decoder projections so (one byte a value and a scale per row, as `int8_wo` / `fp8` layers
-stream them), `--lm-head-weight` the lm_head (`quantize_lm_head`; then it is swept too). With
-`--wait-cost` it also
-times the chain with the kernels' waits for their predecessor skipped (a diagnostic: the results
-are wrong, the weights stream exactly as before), for every projection and for each kind alone: the
+stream them; `--weight int4`: 4-bit rows in groups of 128, as `int4_wo`), `--lm-head-weight`
+the lm_head (`quantize_lm_head`; then it is swept too). With `--wait-cost` it also times the
+chain with the kernels' waits for their predecessor skipped (a diagnostic: the results are
+wrong, the weights stream exactly as before), for every projection and for each kind alone: the
 difference is what waiting for the previous kernel costs. `--chain --sweep --write-tuning` also
 writes the configs it kept into `backend/kernels/tuning/gemv.json` under this GPU's name (review
 the diff before committing: a one-pass sweep's gains may be noise, see the README).
@@ -39,13 +39,13 @@ from backend.kernels.gemv import gemv, launch_config, tuning_key
 from backend.kernels.gemv_weight import StreamedWeight
 from backend.model_config import ModelConfig
 from backend.model_paths import resolve_model
-from backend.quantization import Fp8Weight, Int8Weight
+from backend.quantization import Fp8Weight, Int4Weight, Int8Weight
 from benchmarks.decode_floor import copy_rate_bytes_per_s
 from benchmarks.graph_timing import graph_us_per_call
 from benchmarks.provenance import provenance, save_json
 
-QUANTIZERS = {"int8": Int8Weight.quantize, "e4m3": Fp8Weight.quantize}
-FORMAT_NAMES = {"int8": "int8", "e4m3": "float8_e4m3fn"}  # `StreamedWeight.format`
+QUANTIZERS = {"int8": Int8Weight.quantize, "e4m3": Fp8Weight.quantize, "int4": Int4Weight.quantize}
+FORMAT_NAMES = {"int8": "int8", "e4m3": "float8_e4m3fn", "int4": "int4g128"}  # its .format
 SWEEP = dict(BLOCK_N=[4, 8, 16, 32], BLOCK_K=[256, 512], num_warps=[4, 8], num_stages=[2, 4])
 
 
@@ -112,14 +112,18 @@ def measure(name: str, n: int, k: int, copies: int, sweep: bool, copy_rate: floa
 CHAIN_GRID = dict(BLOCK_N=[4, 8], num_warps=[4, 8], num_stages=[2, 4], EARLY_LAUNCH=[False, True])
 # One-byte rows hold twice the values in the same bytes: wider K tiles and row blocks too.
 ONE_BYTE_GRID = dict(CHAIN_GRID, BLOCK_N=[4, 8, 16], EARLY_LAUNCH=[True])
+FOUR_BIT_GRID = dict(ONE_BYTE_GRID, EARLY_LAUNCH=[False, True])
 LM_HEAD_GRID = dict(BLOCK_N=[8, 16, 32], num_warps=[4, 8], num_stages=[2, 4], EARLY_LAUNCH=[True])
 
 
-def chain_candidates(n: int, k: int, one_byte: bool = False, lm_head: bool = False):
+def chain_candidates(
+    n: int, k: int, one_byte: bool = False, lm_head: bool = False, four_bit: bool = False
+):
     """Configs for one projection of the chain: the grid, prefetching 0, 2048 or all of K (at
     most 256 values a thread held); one-byte rows try 512- and 1024-wide K tiles, launched
     early (every bf16 sweep kept early launches)."""
-    grid = LM_HEAD_GRID if lm_head else ONE_BYTE_GRID if one_byte else CHAIN_GRID
+    grid = LM_HEAD_GRID if lm_head else FOUR_BIT_GRID if four_bit else ONE_BYTE_GRID
+    grid = grid if one_byte or lm_head else CHAIN_GRID
     widths = [w for w in ((512, 1024) if one_byte else (512,)) if k % w == 0] or [64]
     for values in itertools.product(*grid.values()):
         for block_k in widths:
@@ -131,7 +135,7 @@ def chain_candidates(n: int, k: int, one_byte: bool = False, lm_head: bool = Fal
 
 
 def stored(weight: torch.Tensor, fmt: str) -> torch.Tensor | StreamedWeight:
-    """A bf16 weight as the format `fmt` (bf16, int8, e4m3) streams it."""
+    """A bf16 weight as the format `fmt` (bf16, int8, e4m3, int4 in groups of 128) streams it."""
     if fmt == "bf16":
         return weight
     return QUANTIZERS[fmt](weight).streamed()
@@ -140,7 +144,8 @@ def stored(weight: torch.Tensor, fmt: str) -> torch.Tensor | StreamedWeight:
 def _nbytes(weight: torch.Tensor | StreamedWeight) -> int:
     if isinstance(weight, torch.Tensor):
         return weight.numel() * weight.element_size()
-    return sum(t.numel() * t.element_size() for t in (weight.values, weight.scales))
+    parts = (weight.values, weight.scales, weight.zeros)
+    return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 def measure_chain(
@@ -207,8 +212,13 @@ def measure_chain(
         best_us, tried = row["default_us"], 0
         swept = ("down", "gate_up", "qkv", "o") + (("lm_head",) if lm_head_weight != "bf16" else ())
         for name in swept:
-            one_byte = formats[name] is not None
-            for candidate in chain_candidates(*shapes[name], one_byte, name == "lm_head"):
+            stored_format = formats[name] or ""
+            for candidate in chain_candidates(
+                *shapes[name],
+                one_byte=bool(stored_format),
+                lm_head=name == "lm_head",
+                four_bit=stored_format.startswith("int4"),
+            ):
                 trial = {**best, name: candidate}
                 try:
                     us = step(trial)
