@@ -122,8 +122,12 @@ def chain_candidates(
     """Configs for one projection of the chain: the grid, prefetching 0, 2048 or all of K (at
     most 256 values a thread held); one-byte rows try 512- and 1024-wide K tiles, launched
     early (every bf16 sweep kept early launches)."""
-    grid = LM_HEAD_GRID if lm_head else FOUR_BIT_GRID if four_bit else ONE_BYTE_GRID
-    grid = grid if one_byte or lm_head else CHAIN_GRID
+    if lm_head:
+        grid = LM_HEAD_GRID
+    elif four_bit:
+        grid = FOUR_BIT_GRID
+    else:
+        grid = ONE_BYTE_GRID if one_byte else CHAIN_GRID
     widths = [w for w in ((512, 1024) if one_byte else (512,)) if k % w == 0] or [64]
     for values in itertools.product(*grid.values()):
         for block_k in widths:

@@ -67,15 +67,11 @@ LM_HEAD_QUANTIZERS = {
 
 
 def quantize_lm_head(model: nn.Module, quantization: str) -> None:
-    """Hold the lm_head in `quantization`'s form; a head tied to the embedding gets its own
-    quantized copy and the embedding keeps the float table it looks rows up in."""
-    if quantization not in LM_HEAD_QUANTIZERS:
-        raise ValueError(
-            f"quantize_lm_head needs one of {sorted(LM_HEAD_QUANTIZERS)}, got quantization "
-            f"{quantization!r}"
-        )
+    """Hold the lm_head in `quantization`'s form (one of LM_HEAD_QUANTIZERS: the loader refuses
+    the others by name); a head tied to the embedding gets its own quantized copy and the
+    embedding keeps the float table it looks rows up in."""
     head = model.lm_head
-    head.set_quantized(LM_HEAD_QUANTIZERS[quantization](head.dense_weight(head.weight.dtype)))
+    head.set_quantized(LM_HEAD_QUANTIZERS[quantization](head.weight))
 
 
 @dataclass(frozen=True)
