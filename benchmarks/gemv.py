@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from backend.kernels import tuning
-from backend.kernels.gemv import gemv, launch_config, tuning_key
+from backend.kernels.gemv import gemv
+from backend.kernels.gemv_config import launch_config, tuning_key
 from backend.kernels.gemv_weight import StreamedWeight
 from backend.model_config import ModelConfig
 from backend.model_paths import resolve_model

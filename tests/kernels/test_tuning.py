@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from backend.attention.split_partials import SplitPartials  # noqa: E402
 from backend.attention.kernels import decode, prefill  # noqa: E402
-from backend.kernels import gemv, tuning  # noqa: E402
+from backend.kernels import gemv, gemv_config, tuning  # noqa: E402
 from tests.kernels.test_attention_kernels import (  # noqa: E402
     assert_matches_reference,
     make_batch,
@@ -31,10 +31,12 @@ UNKNOWN = "NVIDIA A100-SXM4-80GB"
 # kernel -> (its launch config for a key's fields on a named device, its default rule)
 KERNELS = {
     "gemv": (
-        lambda f, device: gemv.launch_config(
+        lambda f, device: gemv_config.launch_config(
             f["n"], f["k"], bool(f["merge"]), device, f.get("weight")
         ),
-        lambda f: gemv.default_launch_config(f["n"], f["k"], bool(f["merge"]), f.get("weight")),
+        lambda f: gemv_config.default_launch_config(
+            f["n"], f["k"], bool(f["merge"]), f.get("weight")
+        ),
     ),
     "decode_attention": (
         lambda f, device: decode.launch_config(f["head_dim"], bool(f["few_programs"]), device),
@@ -91,16 +93,16 @@ def test_unknown_device_and_cpu_get_the_default_rule(kernel):
 
 
 def test_a_shape_missing_from_the_table_gets_the_default_rule():
-    assert gemv.tuning_key(576, 576) not in entries("gemv", MEASURED[0])
-    assert gemv.launch_config(576, 576, device_name=MEASURED[0]) == gemv.default_launch_config(
-        576, 576
-    )
+    assert gemv_config.tuning_key(576, 576) not in entries("gemv", MEASURED[0])
+    assert gemv_config.launch_config(
+        576, 576, device_name=MEASURED[0]
+    ) == gemv_config.default_launch_config(576, 576)
 
 
 def test_the_kernel_call_reuses_one_cached_config_per_shape(on_device):
     on_device(MEASURED[0])
-    first = gemv.checked_config(2048, 2048, None, device=torch.device(DEVICE))
-    assert gemv.checked_config(2048, 2048, None, device=torch.device(DEVICE)) is first
+    first = gemv_config.checked_config(2048, 2048, None, device=torch.device(DEVICE))
+    assert gemv_config.checked_config(2048, 2048, None, device=torch.device(DEVICE)) is first
     assert dict(first) == entries("gemv", MEASURED[0])["n=2048,k=2048,merge=0"]
     with pytest.raises(TypeError):
         first["BLOCK_N"] = 1  # shared by every call: read-only
@@ -242,7 +244,7 @@ def test_an_entry_unlike_the_rule_is_what_the_kernels_run(tmp_path, monkeypatch,
     """The measured devices' entries equal today's rule; here a table for another device holds
     other tiles, and the kernels launch with them (and stay correct)."""
     monkeypatch.setattr(tuning, "TABLES", tmp_path)
-    caches = (tuning.table, gemv._tuned_config, decode.launch_config, prefill.launch_config)
+    caches = (tuning.table, gemv_config._tuned_config, decode.launch_config, prefill.launch_config)
     for cache in caches:
         cache.cache_clear()
     gemv_tiles = dict(
@@ -250,7 +252,7 @@ def test_an_entry_unlike_the_rule_is_what_the_kernels_run(tmp_path, monkeypatch,
     )
     decode_tiles = dict(BLOCK_N=32, num_warps=2, num_stages=1)
     prefill_tiles = dict(BLOCK_M=16, BLOCK_N=32, num_warps=2, num_stages=1)
-    tuning.write("gemv", "Test GPU", {gemv.tuning_key(40, 192): gemv_tiles}, "test")
+    tuning.write("gemv", "Test GPU", {gemv_config.tuning_key(40, 192): gemv_tiles}, "test")
     tuning.write(
         "decode_attention", "Test GPU", {decode.tuning_key(32, True): decode_tiles}, "test"
     )
@@ -265,8 +267,11 @@ def test_an_entry_unlike_the_rule_is_what_the_kernels_run(tmp_path, monkeypatch,
             module, "launch_config", lambda *a, lookup=lookup: used.append(lookup(*a)) or used[-1]
         )
     try:
-        assert gemv_tiles != gemv.default_launch_config(40, 192)
-        assert dict(gemv.checked_config(40, 192, None, device=torch.device(DEVICE))) == gemv_tiles
+        assert gemv_tiles != gemv_config.default_launch_config(40, 192)
+        assert (
+            dict(gemv_config.checked_config(40, 192, None, device=torch.device(DEVICE)))
+            == gemv_tiles
+        )
         x = torch.randn(1, 192, device=DEVICE).half()
         weight = (torch.randn(40, 192, device=DEVICE) / 14).half()
         torch.testing.assert_close(
