@@ -7,7 +7,7 @@ of its scores (-inf: the split had no keys). The head's output is
 
 and zero when no split had keys. A split of weight zero adds nothing even when its output was
 never written (a fresh buffer may hold NaN there). Used by the decode kernel's last split
-(`backend.attention.kernels.decode`) and by the o projection's merge prologue
+(`backend.attention.kernels.decode_partials`) and by the o projection's merge prologue
 (`backend.kernels.gemv`).
 """
 

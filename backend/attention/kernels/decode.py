@@ -52,6 +52,11 @@ import triton
 import triton.language as tl
 
 from backend.attention.kernels.kv_write import check_scales
+from backend.attention.kernels.decode_partials import (
+    merge_group_splits,
+    merge_splits_by_head,
+    store_partial,
+)
 from backend.attention.kernels.prefill import window_bounds
 from backend.attention.kernels.tile import (
     attend_key_tile,
@@ -63,7 +68,6 @@ from backend.attention.kernels.tile import (
 from backend.attention.kv_dtype import is_scaled
 from backend.kernels import tuning
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
-from backend.kernels.split_merge import merge_splits
 
 MIN_TOKENS_PER_SPLIT = 64
 MIN_TILES_PER_SPLIT = 1
@@ -343,7 +347,7 @@ def _decode_kernel(
         o_rows = out_ptr + row * stride_o_t + heads[:, None] * stride_o_h + dims[None, :]
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         if PARTIALS:
-            _store_partial(
+            store_partial(
                 part_out_ptr,
                 part_lse_ptr,
                 out,
@@ -361,7 +365,7 @@ def _decode_kernel(
         elif used == 1:
             tl.store(o_rows, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
         else:
-            _store_partial(
+            store_partial(
                 part_out_ptr,
                 part_lse_ptr,
                 out,
@@ -382,7 +386,7 @@ def _decode_kernel(
             if arrived == used - 1:
                 tl.store(counter, 0)  # ready for the next launch
                 if MERGE_AT_ONCE:
-                    _merge_group_splits(
+                    merge_group_splits(
                         out_ptr,
                         part_out_ptr,
                         part_lse_ptr,
@@ -400,7 +404,7 @@ def _decode_kernel(
                         SPLITS_PAD,
                     )
                 else:
-                    _merge_splits(
+                    merge_splits_by_head(
                         out_ptr,
                         part_out_ptr,
                         part_lse_ptr,
@@ -428,118 +432,6 @@ def _decode_kernel(
             part_lse_ptr + part,
             tl.full([GROUP_PAD], float("-inf"), tl.float32),
             mask=tl.arange(0, GROUP_PAD) < GROUP,
-        )
-
-
-@triton.jit
-def _store_partial(
-    part_out_ptr,
-    part_lse_ptr,
-    out,
-    lse,
-    seq,
-    heads,
-    head_ok,
-    split,
-    num_splits,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """One split's normalised output [GROUP_PAD, HEAD_DIM] and log-sum-exp (base 2) per head."""
-    part = (seq * NUM_HEADS + heads) * num_splits + split  # [GROUP_PAD]
-    dims = tl.arange(0, HEAD_DIM)
-    tl.store(
-        part_out_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :],
-        out,
-        mask=head_ok[:, None],
-    )
-    tl.store(part_lse_ptr + part, lse, mask=head_ok)
-
-
-@triton.jit
-def _merge_group_splits(
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    row,
-    seq,
-    kv_head,
-    used,
-    num_splits,
-    stride_o_h,
-    stride_o_t,
-    NUM_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_POW2: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    """`_merge_splits` for the whole group at once: every head's partials are loaded together
-    before anything is stored, one round trip instead of one per head (the per-head loop cannot
-    hoist a head's loads above the previous head's store). For small groups x splits."""
-    g = tl.arange(0, GROUP_POW2)
-    heads = kv_head * GROUP + g
-    head_ok = g < GROUP
-    splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, HEAD_DIM)
-    ok = head_ok[:, None] & (splits < used)[None, :]  # [G, S]
-    part = (seq * NUM_HEADS + heads).to(tl.int64)[:, None] * num_splits + splits[None, :]
-    lse = tl.load(part_lse_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    parts = tl.load(
-        part_out_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :],
-        mask=ok[:, :, None],
-        other=0.0,
-        cache_modifier=".cg",
-    )  # [G, S, D]
-    out = merge_splits(parts, lse)
-    tl.store(
-        out_ptr + row * stride_o_t + heads[:, None] * stride_o_h + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=head_ok[:, None],
-    )
-
-
-@triton.jit
-def _merge_splits(
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    row,
-    seq,
-    kv_head,
-    used,
-    num_splits,
-    stride_o_h,
-    stride_o_t,
-    NUM_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    """`backend.kernels.split_merge`'s formula, head by head, for groups x splits too many to
-    hold at once. Loads bypass L1 (.cg): the partials were written by other programs."""
-    splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < used
-    dims = tl.arange(0, HEAD_DIM)
-    for g in tl.static_range(GROUP):
-        head = kv_head * GROUP + g
-        base = (seq * NUM_HEADS + head).to(tl.int64) * num_splits
-        lse = tl.load(
-            part_lse_ptr + base + splits, mask=split_ok, other=float("-inf"), cache_modifier=".cg"
-        )
-        lse_max = tl.max(lse, 0)
-        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        weight = tl.exp2(lse - lse_max)
-        total = tl.sum(weight, 0)
-        parts = tl.load(
-            part_out_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-            mask=split_ok[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-        tl.store(
-            out_ptr + row * stride_o_t + head * stride_o_h + dims, out.to(out_ptr.dtype.element_ty)
         )
 
 
