@@ -128,6 +128,7 @@ class DecodeGraphs:
         self.slot = torch.zeros(1, dtype=torch.int64, device=device)  # this replay's slot
         self._replayed = 0  # queued so far (host)
         self._ids_out: list[ReplayIds | None] = [None, None]  # per slot, the last replay's
+        self.logits: torch.Tensor | None = None  # the graphs' shared output, from `capture`
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
@@ -191,7 +192,8 @@ class DecodeGraphs:
             self._meta(size),
             **self.kv_scales,
         )
-        logits = self.model.compute_logits(hidden)
+        out = None if self.logits is None else self.logits[:size]
+        logits = self.model.compute_logits(hidden, out=out)
         argmax_rows(
             logits,
             out=self.sampled_ids[:size],
@@ -202,7 +204,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """One graph per batch size (`capture_largest_first`)."""
+        """One graph per batch size (`capture_largest_first`). Every graph writes its logits
+        into the rows of one buffer, the largest size's: graphs that kept their own outputs
+        would hold a [size, vocab] float32 array for each captured size, in memory the KV cache
+        sizing never counted."""
+        self.logits = self._forward(self.sizes[-1])
         self.graphs.update(capture_largest_first(self.sizes, self._forward))
         self.replays.zero_()  # the warm-up runs counted; the host has queued none
         self.sampled_ids.zero_()

@@ -90,6 +90,7 @@ class MixedGraphs:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._staged = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.hidden: torch.Tensor | None = None  # the graphs' shared output, from `capture`
 
     def size_for(self, num_tokens: int, num_requests: int) -> int | None:
         """The padded token count whose graph runs such a step, None if none fits."""
@@ -118,19 +119,23 @@ class MixedGraphs:
         return metas[0]
 
     def _forward(self, size: int) -> torch.Tensor:
-        return self.model(
+        hidden = self.model(
             self.input_ids[:size],
             self.positions[:size],
             self.kv_cache,
             self.metas[size],
             **self.kv_scales,
         )
+        return hidden if self.hidden is None else self.hidden[:size].copy_(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """One graph per token count (`capture_largest_first`); with nothing staged no token has
         a slot or a request, so the capture writes no cache."""
         began = time.perf_counter()
+        # Every graph copies its output into the rows of one buffer (a few µs): graphs that kept
+        # their own would hold a [size, hidden] array for each captured size.
+        self.hidden = self._forward(self.max_tokens)
         self.graphs.update(capture_largest_first(self.sizes, self._forward))
         torch.cuda.synchronize()
         log.info(

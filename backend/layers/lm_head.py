@@ -24,17 +24,25 @@ class LMHead(Linear):
         super().__init__(hidden_size, rows, bias=False)
         self.tp, self.vocab_size, self.first_id = tp, vocab_size, first_id
 
-    def forward(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """hidden [N, hidden_size] (the residual after the last layer) -> logits [N, vocab_size]."""
+    def forward(
+        self, hidden: torch.Tensor, norm: RMSNorm, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden [N, hidden_size] (the residual after the last layer) -> logits [N, vocab_size]
+        in float32, written into `out` when given."""
         if self.tp.enabled:
-            return self.tp.gather_columns(self._local(hidden, norm), self.vocab_size)
-        return self._local(hidden, norm)
+            logits = self.tp.gather_columns(self._local(hidden, norm), self.vocab_size)
+            return logits if out is None else out.copy_(logits)
+        return self._local(hidden, norm, out)
 
     def shard_of(self, projection, kind: str, full: torch.Tensor) -> torch.Tensor:
         return vocab_rows(full, self.first_id, self.out_features)
 
-    def _local(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    def _local(
+        self, hidden: torch.Tensor, norm: RMSNorm, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.takes_one_token(hidden) and not norm.unit_offset:
-            logits = torch.empty((1, self.out_features), dtype=torch.float32, device=hidden.device)
-            return self.one_token(hidden, norm=norm, out=logits)
-        return super().forward(norm(hidden)).float()
+            if out is None:
+                out = torch.empty((1, self.out_features), dtype=torch.float32, device=hidden.device)
+            return self.one_token(hidden, norm=norm, out=out)
+        logits = super().forward(norm(hidden))
+        return logits.float() if out is None else out.copy_(logits)

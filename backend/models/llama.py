@@ -7,7 +7,8 @@ All scheduled tokens of a step are packed along one axis (T tokens, no batch dim
 Engine interface: the runner uses only these three methods, so another engine (e.g. a TensorRT
 engine, where TensorRT is available) can stand in for this class:
     forward(input_ids [T], positions [T], kv_cache, attn_meta[, kv_scales]) -> hidden [T, hidden]
-    compute_logits(hidden [N, hidden_size]) -> float32 logits [N, vocab_size]
+    compute_logits(hidden [N, hidden_size], out=None) -> float32 logits [N, vocab_size]
+        (written into `out` when given: the decode CUDA graphs share one logits buffer)
     load_weights(weights: iterable of (Hugging Face tensor name, tensor))
 `hidden` is the residual after the last layer: compute_logits applies the final norm, to the rows
 that need logits only.
@@ -177,10 +178,10 @@ class LlamaForCausalLM(nn.Module):
         """`kv_scales`: a quantized cache's scales (`backend.attention.kv_dtype`), else None."""
         return self.model(input_ids, positions, kv_cache, attn_meta, kv_scales)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden, self.model.norm)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.lm_head(hidden, self.model.norm, out=out)
         cap = self.config.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = ("lm_head.weight",) if self.config.tie_word_embeddings else ()

@@ -45,12 +45,15 @@ class NullModel(nn.Module):
         """The "hidden state" of a token is its position."""
         return positions
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """One-hot logits [N, first + span]: the token after position p."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One-hot logits [N, first + span]: the token after position p (into `out` if given)."""
         rows = hidden.shape[0]
-        logits = torch.zeros(
-            rows, self.first + self.span, dtype=torch.float32, device=hidden.device
-        )
+        if out is None:
+            logits = torch.zeros(
+                rows, self.first + self.span, dtype=torch.float32, device=hidden.device
+            )
+        else:
+            logits = out.zero_()
         next_ids = self.first + (hidden + 1) * _STRIDE % self.span
         logits.scatter_(1, next_ids.view(rows, 1), 1.0)
         return logits

@@ -91,6 +91,22 @@ def test_chunked_prefill_then_decode_matches_transformers(model_pair):
         torch.testing.assert_close(logits[0], expected[end - 1], atol=1e-4, rtol=1e-4)
 
 
+def test_logits_written_into_a_given_buffer_equal_fresh_ones(model_pair):
+    """compute_logits(hidden, out=buffer) (what the decode CUDA graphs do, all sizes sharing one
+    buffer) writes the same logits into the buffer's rows, soft-capped ones included."""
+    _, runner = model_pair
+    hidden = torch.randn(
+        3, runner.model_config.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
+    with torch.inference_mode():
+        fresh = runner.model.compute_logits(hidden)
+        buffer = torch.full((5, fresh.shape[1]), float("nan"))
+        written = runner.model.compute_logits(hidden, out=buffer[:3])
+    assert written.data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:3], fresh)
+    assert buffer[3:].isnan().all()
+
+
 def test_packed_batch_equals_sequences_alone(tiny_hf_model):
     hf, path = tiny_hf_model("qwen2")
     runner = make_runner(path)

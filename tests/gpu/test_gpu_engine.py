@@ -216,7 +216,7 @@ def test_random_weight_model_fp32_matches_transformers(kind, tmp_path):
 def test_steps_with_prompt_tokens_in_mixed_graphs_match_transformers(tmp_path):
     """fp32, prompts of up to 150 tokens chunked at 128 beside decodes: the steps of up to 64
     tokens replay the captured mixed-step graphs (padded), longer ones run eagerly, and the
-    tokens are transformers' greedy ones."""
+    tokens are transformers' greedy ones. The graphs of every size share one output buffer."""
     hf = make_tiny_model("llama", tmp_path).cuda()
     prompts = random_prompts(16, TINY["vocab_size"], seed=2, low=1, high=150)
     config = EngineConfig(
@@ -232,6 +232,10 @@ def test_steps_with_prompt_tokens_in_mixed_graphs_match_transformers(tmp_path):
     try:
         graphs = executor.runner.mixed_graphs
         assert graphs is not None and sorted(graphs.graphs) == [16, 32, 64]
+        # Every captured size writes into one output buffer, not an array of its own.
+        decode = executor.runner.decode_graphs
+        for shared, outputs in ((graphs.hidden, graphs.graphs), (decode.logits, decode.graphs)):
+            assert {out.data_ptr() for _, out in outputs.values()} == {shared.data_ptr()}
         results = executor.generate(prompts, SamplingParams(max_tokens=24, ignore_end_id=True))
         assert graphs._staged > 0
     finally:
