@@ -27,12 +27,13 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from backend.attention import kv_dtype as kv_dtype_rules
 from backend.attention import reference
 from backend.attention.kernels import decode, kv_write, prefill
 from backend.attention.metadata import AttentionMetadata
 from backend.kernels import tuning
 from benchmarks.graph_timing import graph_us_per_call
-from benchmarks.provenance import provenance
+from benchmarks.provenance import provenance, save_json
 
 TOKENS_PER_BLOCK = 32
 CACHE_TOKENS = 1 << 20
@@ -79,17 +80,30 @@ def run_kernel(query, k_cache, v_cache, meta, scale, **kw):
 
 
 class Setup:
-    def __init__(self, heads, kv_heads, head_dim):
+    def __init__(self, heads, kv_heads, head_dim, kv_dtype: str = "bf16"):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.num_blocks = CACHE_TOKENS // TOKENS_PER_BLOCK
         shape = (self.num_blocks, TOKENS_PER_BLOCK, kv_heads, head_dim)
+        self.kv_dtype = kv_dtype
         self.k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         self.v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        self.scales = {}
+        if kv_dtype == "fp8":  # values and a scale per token and kv head, as the cache stores them
+            self.k_cache, k_scales = kv_dtype_rules.quantize(self.k_cache, torch.float8_e4m3fn)
+            self.v_cache, v_scales = kv_dtype_rules.quantize(self.v_cache, torch.float8_e4m3fn)
+            self.scales = dict(k_scales=k_scales, v_scales=v_scales)
         self.gen = torch.Generator().manual_seed(0)
 
     def name(self):
-        return f"H={self.heads} KV={self.kv_heads} D={self.head_dim} bf16 block {TOKENS_PER_BLOCK}"
+        return (
+            f"H={self.heads} KV={self.kv_heads} D={self.head_dim} {self.kv_dtype} "
+            f"block {TOKENS_PER_BLOCK}"
+        )
+
+    def vector_bytes(self) -> int:
+        """Bytes of one token's key (or value) of one kv head, its scale included."""
+        return kv_dtype_rules.vector_bytes(self.head_dim, self.k_cache.dtype)
 
     def meta(self, q_lens, s_lens):
         return make_meta(q_lens, s_lens, self.num_blocks, "cuda", self.gen)
@@ -146,10 +160,17 @@ def bench_decode(s: Setup, shapes, sweep) -> dict[str, dict[str, dict]]:
                 (128, 4, 3),
                 (64, 8, 3),
                 (128, 8, 3),
+                (32, 2, 1),
+                (32, 4, 1),
+                (64, 4, 1),
+                (64, 2, 1),
+                (128, 4, 1),
+                (32, 2, 2),
+                (64, 2, 2),
             ]
         ]
     for bs, ctx in shapes:
-        nbytes = bs * ctx * s.kv_heads * s.head_dim * 2 * 2
+        nbytes = bs * ctx * s.kv_heads * s.vector_bytes() * 2
         sets = max(2, min(32, math.ceil(512e6 / nbytes)))
         metas = [s.meta([1] * bs, [ctx] * bs) for _ in range(sets)]
         query = s.query(bs)
@@ -162,22 +183,27 @@ def bench_decode(s: Setup, shapes, sweep) -> dict[str, dict[str, dict]]:
             runs += [(cfg, chosen) for cfg in configs[1:]]
         for cfg, splits in runs:
             decode.launch_config = (lambda hd, few, dev, c=cfg: c) if cfg else default
-            us = graph_us_per_call(
-                [
-                    lambda m=m, n=splits: decode.decode_attention(
-                        query,
-                        s.k_cache,
-                        s.v_cache,
-                        m.block_tables,
-                        m.seq_lens,
-                        m.query_start_loc,
-                        m.max_seq_len,
-                        s.scale,
-                        num_splits=n,
-                    )
-                    for m in metas
-                ]
-            )
+            try:
+                us = graph_us_per_call(
+                    [
+                        lambda m=m, n=splits: decode.decode_attention(
+                            query,
+                            s.k_cache,
+                            s.v_cache,
+                            m.block_tables,
+                            m.seq_lens,
+                            m.query_start_loc,
+                            m.max_seq_len,
+                            s.scale,
+                            num_splits=n,
+                            **s.scales,
+                        )
+                        for m in metas
+                    ]
+                )
+            except Exception as e:  # e.g. out of shared memory for a large tile
+                print(f"  {bs:4d} {ctx:6d} {splits:6d} {cfg} failed: {type(e).__name__}")
+                continue
             label = (
                 "default"
                 if cfg is None
@@ -333,11 +359,33 @@ def bench_fused():
     )
 
 
+def parse_shape(text: str) -> tuple[int, int]:
+    """'512x192' -> (batch 512, context 192)."""
+    batch, _, ctx = text.partition("x")
+    return int(batch), int(ctx)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--fused-only", action="store_true")
+    parser.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="time decode alone, at --decode-shapes (default: the shapes below)",
+    )
+    parser.add_argument(
+        "--decode-shapes",
+        type=parse_shape,
+        nargs="+",
+        default=None,
+        help="decode batches as BATCHxCONTEXT (e.g. 512x192), for both head sizes",
+    )
+    parser.add_argument(
+        "--kv-dtype", choices=["bf16", "fp8"], default="bf16", help="what the decode cache stores"
+    )
+    parser.add_argument("--json", default=None, help="with --decode-only: the decode timings")
     parser.add_argument(
         "--write-tuning",
         action="store_true",
@@ -354,6 +402,32 @@ def main():
         "triton",
         triton.__version__,
     )
+    if args.decode_only:
+        decode_timings, rows = {}, []
+        for heads, kv_heads, head_dim in [(32, 8, 128), (32, 8, 64)]:
+            setup = Setup(heads, kv_heads, head_dim, args.kv_dtype)
+            timings = bench_decode(setup, args.decode_shapes or [(512, 192)], args.sweep)
+            decode_timings |= timings
+            rows += [
+                dict(
+                    setup=setup.name(),
+                    key=key,
+                    config=json.loads(config),
+                    batch=b,
+                    context=c,
+                    us=us,
+                )
+                for key, by_config in timings.items()
+                for config, cases in by_config.items()
+                for (b, c), us in cases.items()
+            ]
+            del setup
+            torch.cuda.empty_cache()
+        if args.json:
+            save_json(args.json, [{**provenance(torch.device("cuda")), "rows": rows}])
+        if args.write_tuning:
+            write_tuning("decode_attention", decode_timings)
+        return
     bench_fused()
     if args.fused_only:
         return
@@ -361,7 +435,7 @@ def main():
     if not args.skip_check:
         check_correctness(big)
     bench_kv_write(big)
-    shapes = [
+    shapes = args.decode_shapes or [
         (1, 1024),
         (1, 8192),
         (4, 4096),
@@ -383,7 +457,7 @@ def main():
     torch.cuda.empty_cache()
     small = Setup(32, 8, 64)  # Llama-3.2-1B attention
     decode_timings |= bench_decode(
-        small, [(1, 4096), (16, 1024), (64, 2048), (256, 1024)], args.sweep
+        small, args.decode_shapes or [(1, 4096), (16, 1024), (64, 2048), (256, 1024)], args.sweep
     )
     prefill_timings |= bench_prefill(
         small,

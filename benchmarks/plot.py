@@ -80,6 +80,33 @@ def plot_variants(path: str) -> str:
     return save_beside(fig, rows, path)
 
 
+def plot_attention_sweep(path: str) -> str:
+    """Decode attention per batch shape: the table's config before the sweep and after it (the
+    heuristic's split count), one panel per head size."""
+    run = load(path)[0]
+    setups = list(dict.fromkeys(r["setup"] for r in run["rows"]))
+    fig, axes = plt.subplots(1, len(setups), figsize=(7 * len(setups), 4.5), squeeze=False)
+    for ax, setup in zip(axes[0], setups):
+        rows = [r for r in run["rows"] if r["setup"] == setup]
+        head_dim = int(re.search(r"D=(\d+)", setup).group(1))
+        shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in rows))
+        before, after = [], []
+        for batch, context in shapes:
+            few = "1" if 8 * batch * 8 <= 132 else "0"  # decode.FEW_PAIRS_PER_SM, H100 SMs
+            new = run["table_after"][f"head_dim={head_dim},few_programs={few}"]
+            label = f"N{new['BLOCK_N']} w{new['num_warps']} s{new['num_stages']}"
+            here = [r for r in rows if (r["batch"], r["context"]) == (batch, context)]
+            before.append(next(r["us"] for r in here if r["heuristic_splits"]))
+            after.append(next((r["us"] for r in here if r["config"] == label), before[-1]))
+        x = range(len(shapes))
+        ax.bar([i - 0.2 for i in x], before, 0.4, label="table before")
+        ax.bar([i + 0.2 for i in x], after, 0.4, label="table after")
+        ax.set_xticks(list(x), [f"{b}x{c}" for b, c in shapes], rotation=60, fontsize=7)
+        ax.set(ylabel="µs per call", xlabel="batch x context", title=setup, yscale="log")
+        ax.legend()
+    return save_beside(fig, [run], path)
+
+
 def save_beside(fig, rows: list[dict], path: str) -> str:
     """Title `fig` with the rows' device, date and commits, and save it as PNG beside `path`."""
     commits = ", ".join(dict.fromkeys(r["commit"] for r in rows))
@@ -106,7 +133,12 @@ def plot_offline(paths: list[str], out: str) -> str:
     labels, values, colours = [], [], []
     for r in rows:
         lengths = f"ISL {'-'.join(map(str, r['isl']))}\nOSL {'-'.join(map(str, r['osl']))}"
-        labels.append(f"{model_label(r)}\n{r['num_requests']} req\n{lengths}\n{r['commit']}")
+        engine = f"batch {r['engine']['max_batch_size']}" if "engine" in r else ""
+        if r.get("kv_cache_dtype", "auto") != "auto":
+            engine += f", kv {r['kv_cache_dtype']}"
+        labels.append(
+            f"{model_label(r)}\n{r['num_requests']} req, {engine}\n{lengths}\n{r['commit']}"
+        )
         values.append(r["output_tokens_per_s"])
         colours.append("tab:blue")
         if "hf_output_tokens_per_s" in r:
@@ -181,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     results_dir = (argv or sys.argv[1:] or ["benchmarks/results"])[0]
     for path in glob.glob(os.path.join(results_dir, "decode_floor*.json")):
         print("wrote", plot_decode_floor(path))
+    for path in glob.glob(os.path.join(results_dir, "decode_attention_sweep*.json")):
+        print("wrote", plot_attention_sweep(path))
     for path in glob.glob(os.path.join(results_dir, "all_reduce*.json")):
         print("wrote", plot_all_reduce(path))
     for pattern in ("decode_formats*.json", "decode_window*.json", "decode_tp*.json"):
