@@ -192,7 +192,7 @@ def headline(results_dir: str) -> str:
                     f"| {model_label(r)} | {r['device']} "
                     f"| {r['output_tokens_per_s']:,.0f} output tok/s | {base} |"
                 )
-            elif r.get("benchmark") == "decode_floor":
+            elif r.get("benchmark") == "decode_floor" and "step_ms" in r:
                 lines.append(
                     f"| decode step, batch {r['batch']}, ISL {r['isl']} | {r['model']} "
                     f"| {r['device']} | {r['step_ms']} ms | floor {r['floor_ms']} ms, "
@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         print("wrote", plot_all_reduce(path))
     for pattern in ("decode_formats*.json", "decode_window*.json", "decode_tp*.json"):
         for path in glob.glob(os.path.join(results_dir, pattern)):
-            print("wrote", plot_variants(path))
+            if all("step_ms" in r for r in load(path)):  # not a summary of several runs
+                print("wrote", plot_variants(path))
     groups: dict[str, list[str]] = {}
     for path in glob.glob(os.path.join(results_dir, "offline*.json")):
         groups.setdefault(load(path)[0]["device"], []).append(path)
