@@ -141,9 +141,9 @@ def bench_kv_write(s: Setup):
     print(f"== kv write {s.name()}: {num_tokens} tokens {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s")
 
 
-def bench_decode(s: Setup, shapes, sweep) -> dict[str, dict[str, dict]]:
-    """Prints the timings; returns shape key -> config as JSON -> case -> us (at the chosen
-    splits)."""
+def bench_decode(s: Setup, shapes, sweep, rows: list | None = None) -> dict[str, dict[str, dict]]:
+    """Prints the timings (and appends them to `rows`, as dicts); returns shape key -> config as
+    JSON -> case -> us (at the chosen splits)."""
     print(f"== decode {s.name()} (CUDA graph replays)")
     print(f"  {'bs':>4} {'ctx':>6} {'splits':>6} {'config':>12} {'us':>8} {'GB/s':>7}")
     default = decode.launch_config
@@ -214,6 +214,19 @@ def bench_decode(s: Setup, shapes, sweep) -> dict[str, dict[str, dict]]:
                 f" {mark}{bs:4d} {ctx:6d} {splits:6d} {label:>12} {us:8.1f} "
                 f"{nbytes / us / 1e3:7.0f}"
             )
+            if rows is not None:
+                rows.append(
+                    dict(
+                        setup=s.name(),
+                        batch=bs,
+                        context=ctx,
+                        splits=splits,
+                        config=label,
+                        us=round(us, 1),
+                        gb_s=round(nbytes / us / 1e3),
+                        heuristic_splits=mark == "*",
+                    )
+                )
             if splits == chosen:
                 used = json.dumps(
                     dict(cfg or default(s.head_dim, few, device_name)), sort_keys=True
@@ -359,6 +372,17 @@ def bench_fused():
     )
 
 
+def decode_table() -> dict[str, dict]:
+    """This GPU's decode-attention configs by shape key, as the kernel reads them now."""
+    decode.launch_config.cache_clear()
+    device = tuning.device_name(torch.device("cuda"))
+    return {
+        decode.tuning_key(head_dim, few): dict(decode.launch_config(head_dim, few, device))
+        for head_dim in (128, 64)
+        for few in (False, True)
+    }
+
+
 def parse_shape(text: str) -> tuple[int, int]:
     """'512x192' -> (batch 512, context 192)."""
     batch, _, ctx = text.partition("x")
@@ -404,29 +428,19 @@ def main():
     )
     if args.decode_only:
         decode_timings, rows = {}, []
+        table_before = decode_table()
         for heads, kv_heads, head_dim in [(32, 8, 128), (32, 8, 64)]:
             setup = Setup(heads, kv_heads, head_dim, args.kv_dtype)
-            timings = bench_decode(setup, args.decode_shapes or [(512, 192)], args.sweep)
-            decode_timings |= timings
-            rows += [
-                dict(
-                    setup=setup.name(),
-                    key=key,
-                    config=json.loads(config),
-                    batch=b,
-                    context=c,
-                    us=us,
-                )
-                for key, by_config in timings.items()
-                for config, cases in by_config.items()
-                for (b, c), us in cases.items()
-            ]
+            shapes = args.decode_shapes or [(512, 192)]
+            decode_timings |= bench_decode(setup, shapes, args.sweep, rows)
             del setup
             torch.cuda.empty_cache()
-        if args.json:
-            save_json(args.json, [{**provenance(torch.device("cuda")), "rows": rows}])
         if args.write_tuning:
             write_tuning("decode_attention", decode_timings)
+        if args.json:  # what plot.py draws: each shape under the table before and after
+            run = dict(benchmark="decode_attention_sweep", **provenance(torch.device("cuda")))
+            run.update(table_before=table_before, table_after=decode_table(), rows=rows)
+            save_json(args.json, [run])
         return
     bench_fused()
     if args.fused_only:
