@@ -3,6 +3,8 @@
 In torch this is two elementwise kernels and a temporary the size of the intermediate layer; one
 program per (token, column tile) reads gate and up once and writes the product. silu is computed
 in float32 and rounded once, like torch's bf16 silu followed by the multiply up to the last bit.
+`silu_and_mul_e4m3` also quantizes each product row to e4m3 with its scale, for the scaled GEMM
+of an `fp8` down projection: one pass instead of two and a bf16 temporary.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from backend.kernels.fp8_gemm import FP8_MAX
 
 
 @triton.jit
@@ -35,3 +39,40 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=block, num_warps=4
         )
     return out
+
+
+@triton.jit
+def _silu_and_mul_e4m3_kernel(gate_up_ptr, q_ptr, scale_ptr, stride_in, size, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + size + cols, mask=mask, other=0.0)
+    product = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(product), 0), 1e-12) / FP8_MAX
+    q = tl.clamp(product / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * size + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def silu_and_mul_e4m3(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [T, 2 * I] -> silu(gate) * up as e4m3 rows [T, I] and float32 scales [T, 1]: what
+    `silu_and_mul` then `fp8_gemm.quantize_rows` give, bit for bit, in one pass (for the scaled
+    e4m3 GEMM of an `fp8` down projection)."""
+    num_tokens, double = gate_up.shape
+    size = double // 2
+    assert gate_up.stride(-1) == 1
+    q = torch.empty((num_tokens, size), dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scales = torch.empty((num_tokens, 1), dtype=torch.float32, device=gate_up.device)
+    if num_tokens:
+        block = triton.next_power_of_2(size)
+        _silu_and_mul_e4m3_kernel[(num_tokens,)](
+            gate_up,
+            q,
+            scales,
+            gate_up.stride(0),
+            size,
+            BLOCK=block,
+            num_warps=min(16, max(4, block // 1024)),
+        )
+    return q, scales

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 try:  # CPU-only installs without Triton use the torch path
     from backend.kernels.activation import silu_and_mul as fused_silu_and_mul
+    from backend.kernels.activation import silu_and_mul_e4m3
 except ImportError:
-    fused_silu_and_mul = None
+    fused_silu_and_mul = silu_and_mul_e4m3 = None
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -166,6 +166,21 @@ class Linear(nn.Module):
             return self.quantized.matmul(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    def takes_e4m3_rows(self, x: torch.Tensor) -> bool:
+        """Whether `forward` would quantize x's rows to e4m3 (an `fp8` weight's scaled GEMM), so
+        the producer of x may write them quantized instead (`forward_e4m3`)."""
+        return (
+            self.parallel != "row"
+            and self.quantized is not None
+            and self.quantized.takes_e4m3_rows(x)
+        )
+
+    def forward_e4m3(
+        self, xq: torch.Tensor, x_scales: torch.Tensor, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """`forward` of rows already quantized to e4m3 with their float32 scales [T, 1]."""
+        return self.quantized.matmul_e4m3(xq, x_scales, self.bias, out_dtype)
+
     def streamed(self) -> StreamedWeight | None:
         """The weight as the one-token kernels stream it (None: a format they do not read)."""
         return StreamedWeight(self.weight) if self.quantized is None else self.quantized.streamed()

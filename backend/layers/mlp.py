@@ -3,7 +3,8 @@ silu (SwiGLU) or tanh-approximated gelu (GeGLU). Checkpoints that store gate|up 
 fill the projection as one tensor (`fused_checkpoint`).
 
 At one token on GPU (`add_one_token`) that is two kernels: gate|up with the norm before it as
-its prologue, down with silu·mul as its prologue and the residual add as its epilogue.
+its prologue, down with silu·mul as its prologue and the residual add as its epilogue. Where an
+`fp8` down projection takes its rows quantized (the scaled GEMM), silu·mul writes them so.
 
 Tensor parallel, gate|up is column-parallel (a slice of the intermediate size) and down
 row-parallel.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.layers.activation import GATED_ACTIVATIONS
+from backend.layers.activation import GATED_ACTIVATIONS, silu_and_mul_e4m3
 from backend.layers.linear import ONE_TOKEN_MAX_HIDDEN, Linear
 from backend.layers.norm import RMSNorm
 from backend.tensor_parallel import TensorParallel
@@ -45,7 +46,14 @@ class GatedMLP(nn.Module):
         self.act_and_mul = GATED_ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if (
+            self.act == "silu"
+            and silu_and_mul_e4m3 is not None
+            and self.down_proj.takes_e4m3_rows(gate_up)
+        ):  # the activation writes the rows the down projection's scaled GEMM reads
+            return self.down_proj.forward_e4m3(*silu_and_mul_e4m3(gate_up), gate_up.dtype)
+        return self.down_proj(self.act_and_mul(gate_up))
 
     def takes_one_token(self, hidden: torch.Tensor) -> bool:
         """Whether `add_one_token` runs for hidden: a hidden size where the GEMV pays, projections

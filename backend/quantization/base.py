@@ -41,6 +41,11 @@ class QuantizedWeight(nn.Module):
             return None
         return gemv.gemv(x.contiguous(), streamed, bias)
 
+    def takes_e4m3_rows(self, x: torch.Tensor) -> bool:
+        """Whether `matmul` would quantize x's rows to e4m3 for a scaled GEMM, so a producer may
+        hand them over quantized (`matmul_e4m3`)."""
+        return False
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features] in x's dtype; the torch path: de-quantize into
         x's dtype, then matmul."""

@@ -57,8 +57,31 @@ class Fp8Weight(QuantizedWeight):
     def streamed(self) -> StreamedWeight:
         return StreamedWeight(self.qweight, self.scales)
 
+    def takes_e4m3_rows(self, x: torch.Tensor) -> bool:
+        return (
+            self._on_fp8_gpu(x)
+            and x.shape[0] > 1
+            and w8a16_gemm.tuned_config(x, self.qweight) is None
+        )
+
+    def matmul_e4m3(
+        self,
+        xq: torch.Tensor,
+        x_scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Rows already quantized (xq e4m3 [T, in_features], x_scales float32 [T, 1]) ->
+        [T, out_features] in out_dtype, through the scaled GEMM."""
+        return fp8_gemm.fp8_linear(
+            xq, x_scales, self.qweight, self.scales, bias, out_dtype=out_dtype
+        )
+
+    def _on_fp8_gpu(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and fp8_gemm is not None and fp8_gemm.supported(x.device)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.is_cuda and fp8_gemm is not None and fp8_gemm.supported(x.device):
+        if self._on_fp8_gpu(x):
             one_row = self.streamed_matmul(x, bias)  # W8A16, see the module docstring
             if one_row is not None:
                 return one_row
@@ -66,9 +89,7 @@ class Fp8Weight(QuantizedWeight):
             if few_rows is not None:
                 return w8a16_gemm.w8a16_gemm(x, self.qweight, self.scales, bias, few_rows)
             xq, x_scales = fp8_gemm.quantize_rows(x.contiguous())
-            return fp8_gemm.fp8_linear(
-                xq, x_scales, self.qweight, self.scales, bias, out_dtype=x.dtype
-            )
+            return self.matmul_e4m3(xq, x_scales, bias, x.dtype)
         xq, x_scales = quantize_rows(x)
         out = (xq.float() @ self.qweight.float().t()) * x_scales * self.scales
         if bias is not None:

@@ -501,3 +501,30 @@ def test_a_kernel_compiled_after_the_warm_up_is_reported(tmp_path):
         executor.shutdown()
     assert [c.kernel for c in new] == ["_silu_and_mul_kernel"]
     assert "size: i32" in new[0].specialization
+
+
+def test_fp8_mlp_with_silu_writing_e4m3_rows_equals_the_unfused_path(monkeypatch):
+    """An `fp8` MLP over 256 rows (the scaled GEMM's range): silu·mul writes the down
+    projection's e4m3 rows and scales itself, and the output equals silu·mul, the row quantizer
+    and the scaled GEMM run apart, bit for bit."""
+    from backend.layers import mlp as mlp_module
+    from backend.layers.mlp import GatedMLP
+    from backend.quantization.checkpoint import quantize_at_load
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(512, 1024).to("cuda", torch.bfloat16)
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        torch.nn.init.normal_(linear.weight, std=0.05)
+    assert quantize_at_load(mlp, "fp8") == 2
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    fused = mlp_module.silu_and_mul_e4m3
+    monkeypatch.setattr(
+        mlp_module, "silu_and_mul_e4m3", lambda gate_up: calls.append(1) or fused(gate_up)
+    )
+    with torch.inference_mode():
+        got = mlp(x)
+        monkeypatch.setattr(mlp_module, "silu_and_mul_e4m3", None)
+        want = mlp(x)
+    assert calls == [1]
+    assert torch.equal(got, want)

@@ -11,9 +11,10 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 
 pytest.importorskip("triton")
 
-from backend.kernels.activation import silu_and_mul  # noqa: E402
+from backend.kernels.activation import silu_and_mul, silu_and_mul_e4m3  # noqa: E402
 from backend.kernels.argmax import CHUNK, argmax_rows  # noqa: E402
 from backend.kernels.embedding import BLOCK as EMBEDDING_BLOCK, embedding  # noqa: E402
+from backend.kernels.fp8_gemm import quantize_rows  # noqa: E402
 from backend.kernels.rmsnorm import rms_norm  # noqa: E402
 from backend.kernels.rope import apply_rotary_  # noqa: E402
 from backend.model_config import RopeConfig  # noqa: E402
@@ -98,6 +99,21 @@ def test_silu_and_mul_matches_torch(size):
     torch.testing.assert_close(
         silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("size", [1000, 8192])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_and_mul_into_e4m3_rows_equals_the_two_kernels(size, dtype):
+    """silu·mul writing e4m3 rows and their scales (for an `fp8` down projection's scaled GEMM)
+    gives what silu·mul and then the row quantizer give, bit for bit; zero rows included."""
+    torch.manual_seed(1)
+    gate_up = (torch.randn(4, 2 * size, device=DEVICE) * 4).to(dtype)
+    gate_up[2] = 0
+    q, scales = silu_and_mul_e4m3(gate_up)
+    want_q, want_scales = quantize_rows(silu_and_mul(gate_up))
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (4, 1)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 def test_rotary_with_kv_write_stores_rotated_keys_and_values_at_their_slots():
