@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.fp8_gemm import FP8_MAX
+from backend.kernels.fp8_gemm import e4m3_row, row_warps
 
 
 @triton.jit
@@ -49,8 +49,7 @@ def _silu_and_mul_e4m3_kernel(gate_up_ptr, q_ptr, scale_ptr, stride_in, size, BL
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + size + cols, mask=mask, other=0.0)
     product = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(product), 0), 1e-12) / FP8_MAX
-    q = tl.clamp(product / scale, -FP8_MAX, FP8_MAX)
+    q, scale = e4m3_row(product)
     tl.store(q_ptr + row * size + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
@@ -73,6 +72,6 @@ def silu_and_mul_e4m3(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
             gate_up.stride(0),
             size,
             BLOCK=block,
-            num_warps=min(16, max(4, block // 1024)),
+            num_warps=row_warps(block),
         )
     return q, scales

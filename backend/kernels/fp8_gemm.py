@@ -37,12 +37,24 @@ def _takes_scaled_mm(xq: torch.Tensor, n: int, out_dtype: torch.dtype) -> bool:
 
 
 @triton.jit
+def e4m3_row(x):
+    """A whole row, float32 -> (its values over its scale, within e4m3's range; the scale:
+    the row's largest magnitude / 448). The caller stores the values as e4m3."""
+    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
+    return tl.clamp(x / scale, -FP8_MAX, FP8_MAX), scale
+
+
+def row_warps(block: int) -> int:
+    """Warps for one program over a whole row of `block` (a power of two) values."""
+    return min(16, max(4, block // 1024))
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) / FP8_MAX
-    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    q, scale = e4m3_row(x)
     tl.store(q_ptr + row * K + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
     tl.store(scale_ptr + row, scale)
 
@@ -56,7 +68,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     block_k = triton.next_power_of_2(k)
     _quantize_rows_kernel[(m,)](
-        x, xq, scales, k, x.stride(0), BLOCK_K=block_k, num_warps=min(16, max(4, block_k // 1024))
+        x, xq, scales, k, x.stride(0), BLOCK_K=block_k, num_warps=row_warps(block_k)
     )
     return xq, scales
 
