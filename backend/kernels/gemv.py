@@ -86,6 +86,7 @@ def stream_rows_dot(
     scale_ptr=0,
     zero_ptr=0,
     GROUP: tl.constexpr = 1,
+    K_LOOP: tl.constexpr = True,
 ):
     """float32 [BLOCK_N]: weight rows `rows` (int64) dotted with the operand over all of K, the
     norm's scale applied. Waits for the previous kernel (PDL) after reading the first PREFETCH_K
@@ -97,7 +98,10 @@ def stream_rows_dot(
     rounded to ACT_DTYPE (the activations' dtype).
     WEIGHT (`StreamedWeight.kind`): DENSE values; ROW_SCALED int8 or e4m3 values times a float32
     scale per row (scale_ptr); INT4 packed 4-bit rows with a scale and zero point per GROUP
-    inputs (`backend.kernels.gemv_int4`, which reads nothing before the wait)."""
+    inputs (`backend.kernels.gemv_int4`, which reads nothing before the wait).
+    K_LOOP is False where PREFETCH_K covers K: with no loop in the kernel, the prefetched tile
+    keeps the layout it was loaded in (a loop's tiles take another, and the compiler would move
+    the prefetched weights through shared memory to match them)."""
     if WEIGHT == 2:  # a static branch: 4-bit rows stream on their own
         return stream_rows_dot_int4(
             x_ptr,
@@ -147,31 +151,32 @@ def stream_rows_dot(
             )
             square_sum += first_squares
         acc += tl.sum(w_first.to(tl.float32) * a_first[None, :], 1)
-    ks = tl.arange(0, BLOCK_K)
-    partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(PREFETCH_K, K, BLOCK_K):
-        k = k0 + ks
-        if PROLOGUE == 3:
-            a = merged_operand(
-                x_ptr,
-                norm_w_ptr,
-                k0,
-                num_splits,
-                parts_head,
-                parts_split,
-                lse_head,
-                lse_split,
-                BLOCK_K,
-                SPLITS_PAD,
-                HEAD_DIM,
-                ACT_DTYPE,
-            )
-        else:
-            a, tile_squares = operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE)
-            square_sum += tile_squares
-        w = tl.load(w_rows + k[None, :])
-        partial += w.to(tl.float32) * a[None, :]
-    acc += tl.sum(partial, 1)
+    if K_LOOP:  # a static branch: K goes past the prefetched columns
+        ks = tl.arange(0, BLOCK_K)
+        partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(PREFETCH_K, K, BLOCK_K):
+            k = k0 + ks
+            if PROLOGUE == 3:
+                a = merged_operand(
+                    x_ptr,
+                    norm_w_ptr,
+                    k0,
+                    num_splits,
+                    parts_head,
+                    parts_split,
+                    lse_head,
+                    lse_split,
+                    BLOCK_K,
+                    SPLITS_PAD,
+                    HEAD_DIM,
+                    ACT_DTYPE,
+                )
+            else:
+                a, tile_squares = operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE)
+                square_sum += tile_squares
+            w = tl.load(w_rows + k[None, :])
+            partial += w.to(tl.float32) * a[None, :]
+        acc += tl.sum(partial, 1)
     if PDL and not EARLY_LAUNCH:
         gdc_launch_dependents()
     if PROLOGUE == 1:
@@ -214,6 +219,7 @@ def _gemv_kernel(
     scale_ptr=0,
     zero_ptr=0,
     GROUP: tl.constexpr = 1,
+    K_LOOP: tl.constexpr = True,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -245,6 +251,7 @@ def _gemv_kernel(
         scale_ptr,
         zero_ptr,
         GROUP,
+        K_LOOP,
     )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)
@@ -347,6 +354,7 @@ def gemv(
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         ACT_DTYPE=ACT_DTYPES[dtype],
+        K_LOOP=config["PREFETCH_K"] < k,
         **weight.kernel_args(),
         **merge,
         **config,

@@ -76,6 +76,7 @@ def _qkv_rope_kernel(
     scale_ptr=0,
     zero_ptr=0,
     GROUP: tl.constexpr = 1,
+    K_LOOP: tl.constexpr = True,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
@@ -113,6 +114,7 @@ def _qkv_rope_kernel(
         scale_ptr=scale_ptr,
         zero_ptr=zero_ptr,
         GROUP=GROUP,
+        K_LOOP=K_LOOP,
     )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)
@@ -210,6 +212,7 @@ def qkv_rope_gemv(
         PROLOGUE=1 if norm_weight is not None else 0,
         HAS_BIAS=bias is not None,
         WRITE_KV=write_kv,
+        K_LOOP=config["PREFETCH_K"] < k,
         **weight.kernel_args(),
         **config,
         **launch_options(ORDERING[config["EARLY_LAUNCH"]]),
