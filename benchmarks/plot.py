@@ -74,7 +74,14 @@ def plot_variants(path: str) -> str:
         x = range(len(picked))
         ax.bar([i - 0.2 for i in x], [r["step_ms"] for r in picked], 0.4, label="decode step")
         ax.bar([i + 0.2 for i in x], [r["floor_ms"] for r in picked], 0.4, label="memory floor")
-        ax.set_xticks(list(x), [variant_label(r) for r in picked], fontsize=7)
+        many = len(picked) > 5  # slanted labels, or they overlap
+        ax.set_xticks(
+            list(x),
+            [variant_label(r) for r in picked],
+            fontsize=7,
+            rotation=40 if many else 0,
+            ha="right" if many else "center",
+        )
         ax.set(ylabel="ms per step", title=f"{rows[0]['model']}, batch {batch}")
         ax.legend()
     return save_beside(fig, rows, path)
