@@ -48,7 +48,8 @@ def test_tiny_models_match_transformers(kind, tmp_path):
     for prompt, result in zip(prompts, results):
         expected, expected_logprobs = hf_greedy(hf, prompt, 12)
         assert result["token_ids"] == expected
-        assert result["logprobs"] == pytest.approx(expected_logprobs, abs=1e-4)
+        # float32 sums in another order (the steps' batch shapes follow the timing): 1e-4 relative
+        assert result["logprobs"] == pytest.approx(expected_logprobs, rel=1e-4, abs=1e-4)
 
 
 def test_tiny_model_chunked_prefill_and_preemption(tmp_path):
