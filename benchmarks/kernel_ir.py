@@ -7,9 +7,9 @@ and the SASS instruction mix, from `triton.compile` with a CUDA target.
     python -m benchmarks.kernel_ir decode-attention --block-n 64 --warps 2
 
 Use the Triton the GPU machine runs: its layouts differ between versions (e.g. put its wheel's
-`triton` first on PYTHONPATH), and not the interpreter (TRITON_INTERPRET unset). Pointer and
-integer arguments are assumed 16-byte divisible, as the JIT specializes them for this engine's
-tensors and shapes.
+`triton` first on PYTHONPATH), and not the interpreter (TRITON_INTERPRET unset). Pointers are
+taken as 16-byte aligned and integer arguments as multiples of 16, as the JIT specializes them
+for this engine's tensors and shapes.
 """
 
 from __future__ import annotations
