@@ -17,14 +17,20 @@ from backend.kernels.fp8_gemm import e4m3_row, row_warps
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) rounded to up's dtype, times up (gate in float32): torch's bf16 silu, then the
+    multiply."""
+    return (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, size, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + size + cols, mask=mask, other=0.0)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    tl.store(out_ptr + row * stride_out + cols, activated * up, mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul(gate, up), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -48,7 +54,7 @@ def _silu_and_mul_e4m3_kernel(gate_up_ptr, q_ptr, scale_ptr, stride_in, size, BL
     mask = cols < size
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + row * stride_in + size + cols, mask=mask, other=0.0)
-    product = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(tl.float32)
+    product = silu_mul(gate, up).to(tl.float32)
     q, scale = e4m3_row(product)
     tl.store(q_ptr + row * size + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
