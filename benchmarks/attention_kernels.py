@@ -29,7 +29,7 @@ from triton.testing import do_bench
 
 from backend.attention import kv_dtype as kv_dtype_rules
 from backend.attention import reference
-from backend.attention.kernels import decode, kv_write, prefill
+from backend.attention.kernels import decode, decode_launch, kv_write, prefill
 from backend.attention.metadata import AttentionMetadata
 from backend.kernels import tuning
 from benchmarks.graph_timing import graph_us_per_call
@@ -146,7 +146,7 @@ def bench_decode(s: Setup, shapes, sweep, rows: list | None = None) -> dict[str,
     JSON -> case -> us (at the chosen splits)."""
     print(f"== decode {s.name()} (CUDA graph replays)")
     print(f"  {'bs':>4} {'ctx':>6} {'splits':>6} {'config':>12} {'us':>8} {'GB/s':>7}")
-    default = decode.launch_config
+    default = decode_launch.launch_config
     device_name = tuning.device_name(torch.device("cuda"))
     timings: dict[str, dict[str, dict]] = {}
     configs = [None]
@@ -174,15 +174,17 @@ def bench_decode(s: Setup, shapes, sweep, rows: list | None = None) -> dict[str,
         sets = max(2, min(32, math.ceil(512e6 / nbytes)))
         metas = [s.meta([1] * bs, [ctx] * bs) for _ in range(sets)]
         query = s.query(bs)
-        chosen = decode.choose_num_splits(bs, s.kv_heads, ctx, decode.num_sms(query.device))
-        few = decode.FEW_PAIRS_PER_SM * bs * s.kv_heads <= decode.num_sms(query.device)
-        key = decode.tuning_key(s.head_dim, few)
+        chosen = decode_launch.choose_num_splits(
+            bs, s.kv_heads, ctx, decode_launch.num_sms(query.device)
+        )
+        few = decode_launch.has_few_programs(bs, s.kv_heads, query.device)
+        key = decode_launch.tuning_key(s.head_dim, few)
         runs = [(None, chosen)]
         if sweep:
             runs += [(None, n) for n in (1, 2, 4, 8, 16, 32, 64) if n != chosen]
             runs += [(cfg, chosen) for cfg in configs[1:]]
         for cfg, splits in runs:
-            decode.launch_config = (lambda hd, few, dev, c=cfg: c) if cfg else default
+            decode_launch.launch_config = (lambda hd, few, dev, c=cfg: c) if cfg else default
             try:
                 us = graph_us_per_call(
                     [
@@ -232,7 +234,7 @@ def bench_decode(s: Setup, shapes, sweep, rows: list | None = None) -> dict[str,
                     dict(cfg or default(s.head_dim, few, device_name)), sort_keys=True
                 )
                 timings.setdefault(key, {}).setdefault(used, {})[(bs, ctx)] = us
-    decode.launch_config = default
+    decode_launch.launch_config = default
     return timings
 
 
@@ -374,10 +376,12 @@ def bench_fused():
 
 def decode_table() -> dict[str, dict]:
     """This GPU's decode-attention configs by shape key, as the kernel reads them now."""
-    decode.launch_config.cache_clear()
+    decode_launch.launch_config.cache_clear()
     device = tuning.device_name(torch.device("cuda"))
     return {
-        decode.tuning_key(head_dim, few): dict(decode.launch_config(head_dim, few, device))
+        decode_launch.tuning_key(head_dim, few): dict(
+            decode_launch.launch_config(head_dim, few, device)
+        )
         for head_dim in (128, 64)
         for few in (False, True)
     }
@@ -422,7 +426,7 @@ def main():
     print(
         torch.cuda.get_device_name(),
         "SMs",
-        decode.num_sms(torch.device("cuda")),
+        decode_launch.num_sms(torch.device("cuda")),
         "triton",
         triton.__version__,
     )

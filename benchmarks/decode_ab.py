@@ -47,7 +47,7 @@ def _launch_overrides(variant: str) -> dict[str, int]:
 
 def _changes(variant: str) -> list:
     """The patches that make `variant`, as context managers."""
-    import backend.attention.kernels.decode as decode
+    import backend.attention.kernels.decode_launch as decode_launch
     import backend.cuda_graphs as cuda_graphs
     import backend.kernels.gemv as gemv
     import backend.kernels.qkv_rope as qkv_rope
@@ -57,8 +57,10 @@ def _changes(variant: str) -> list:
     if variant == "default":
         return []
     if variant.startswith("splits="):
-        most, choose = int(variant.split("=", 1)[1]), decode.choose_num_splits
-        return [mock.patch.object(decode, "choose_num_splits", lambda *a: min(most, choose(*a)))]
+        most, choose = int(variant.split("=", 1)[1]), decode_launch.choose_num_splits
+        return [
+            mock.patch.object(decode_launch, "choose_num_splits", lambda *a: min(most, choose(*a)))
+        ]
     if variant.startswith("qkv:"):
         override = _launch_overrides(variant)
         base = qkv_rope.checked_config
@@ -79,10 +81,12 @@ def _changes(variant: str) -> list:
         return [mock.patch.object(gemv, "checked_config", merge_config)]
     if variant.startswith("attention:"):
         override = _launch_overrides(variant)
-        base_attention = decode.launch_config
+        base_attention = decode_launch.launch_config
         return [
             mock.patch.object(
-                decode, "launch_config", lambda *a, **kw: {**base_attention(*a, **kw), **override}
+                decode_launch,
+                "launch_config",
+                lambda *a, **kw: {**base_attention(*a, **kw), **override},
             )
         ]
     if variant == "attention_merges":

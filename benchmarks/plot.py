@@ -99,7 +99,7 @@ def plot_attention_sweep(path: str) -> str:
         shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in rows))
         before, after = [], []
         for batch, context in shapes:
-            few = "1" if 8 * batch * 8 <= 132 else "0"  # decode.FEW_PAIRS_PER_SM, H100 SMs
+            few = "1" if 8 * batch * 8 <= 132 else "0"  # decode_launch.FEW_PAIRS_PER_SM, H100 SMs
             new = run["table_after"][f"head_dim={head_dim},few_programs={few}"]
             label = f"N{new['BLOCK_N']} w{new['num_warps']} s{new['num_stages']}"
             here = [r for r in rows if (r["batch"], r["context"]) == (batch, context)]

@@ -20,8 +20,9 @@ pytest.importorskip("triton")
 
 from backend.attention import reference  # noqa: E402
 from backend.attention import triton_backend  # noqa: E402
-from backend.attention.kernels import decode  # noqa: E402
-from backend.attention.kernels.decode import choose_num_splits, decode_attention  # noqa: E402
+from backend.attention.kernels import decode, decode_launch  # noqa: E402
+from backend.attention.kernels.decode import decode_attention  # noqa: E402
+from backend.attention.kernels.decode_launch import choose_num_splits  # noqa: E402
 from backend.attention.kernels.prefill import prefill_attention  # noqa: E402
 from backend.attention.metadata import AttentionMetadata  # noqa: E402
 
@@ -165,7 +166,7 @@ def test_decode_matches_reference(
     num_heads, num_kv_heads, tokens_per_block, num_splits, min_tiles_per_split, sms, monkeypatch
 ):
     """Grids of few (request, kv head) pairs for the SMs take 128-key tiles, others 64."""
-    monkeypatch.setattr(decode, "num_sms", lambda device: sms)
+    monkeypatch.setattr(decode_launch, "num_sms", lambda device: sms)
     head_dim = 32
     n = len(DECODE_SEQ_LENS)
     k_cache, v_cache, meta = make_batch(
@@ -197,7 +198,7 @@ def test_decode_split_merge_leaves_its_counters_at_zero(most_values, monkeypatch
     """The last split of a request to finish merges the partial results (all the group's heads at
     once while they are few, else head by head) and resets its arrival counter, so the next
     launch (a CUDA graph replay reuses the same counters) merges again."""
-    from backend.attention.kernels.decode import arrival_counters
+    from backend.attention.kernels.decode_launch import arrival_counters
 
     monkeypatch.setattr(decode, "MERGE_AT_ONCE_MAX_VALUES", most_values)
     k_cache, v_cache, meta = make_batch(
@@ -269,7 +270,7 @@ def merge_partials(part_out, part_lse):
 def test_decode_partials_merge_to_the_reference(num_splits, sms, monkeypatch):
     """Unmerged splits: merged as their consumer merges them, they give the reference output;
     splits a request does not use (and every split of a padding row) weigh nothing."""
-    monkeypatch.setattr(decode, "num_sms", lambda device: sms)
+    monkeypatch.setattr(decode_launch, "num_sms", lambda device: sms)
     n = len(DECODE_SEQ_LENS)
     k_cache, v_cache, meta = make_batch(
         [1] * n, DECODE_SEQ_LENS, num_kv_heads=2, head_dim=32, tokens_per_block=16, seed=9
@@ -545,7 +546,7 @@ def test_decode_partials_with_window():
 def test_softcap_matches_reference(query_lens, seq_lens, num_splits, monkeypatch):
     """Scores softcap * tanh(q.k * scale / softcap), in both kernels and the decode partials;
     the cap is low enough that leaving it out fails."""
-    monkeypatch.setattr(decode, "choose_num_splits", lambda *args: num_splits)
+    monkeypatch.setattr(decode_launch, "choose_num_splits", lambda *args: num_splits)
     k_cache, v_cache, meta = make_batch(
         query_lens, seq_lens, num_kv_heads=1, head_dim=32, tokens_per_block=16, seed=11
     )

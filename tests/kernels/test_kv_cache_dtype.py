@@ -18,7 +18,7 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 pytest.importorskip("triton")
 
 from backend.attention import kv_dtype, reference, triton_backend  # noqa: E402
-from backend.attention.kernels import decode  # noqa: E402
+from backend.attention.kernels import decode, decode_launch  # noqa: E402
 from backend.attention.kernels.prefill import prefill_attention  # noqa: E402
 from tests.kernels.test_attention_kernels import (  # noqa: E402
     MIXED_BATCH,
@@ -196,7 +196,7 @@ def test_decode_reads_a_quantized_cache_as_the_reference(dtype, num_splits, wind
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=["fp8", "int8"])
 def test_decode_partials_of_a_quantized_cache_merge_to_the_reference(dtype, monkeypatch):
-    monkeypatch.setattr(decode, "choose_num_splits", lambda *args: 4)
+    monkeypatch.setattr(decode_launch, "choose_num_splits", lambda *args: 4)
     k_values, v_values, meta, scales = quantized_batch(
         dtype, [1] * 3, [130, 40, 1], 48, 4, num_kv_heads=1, head_dim=16, tokens_per_block=16
     )

@@ -13,7 +13,7 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 pytest.importorskip("triton")
 
 from backend.attention.split_partials import SplitPartials  # noqa: E402
-from backend.attention.kernels import decode, prefill  # noqa: E402
+from backend.attention.kernels import decode, decode_launch, prefill  # noqa: E402
 from backend.kernels import gemv, gemv_config, tuning  # noqa: E402
 from tests.kernels.test_attention_kernels import (  # noqa: E402
     assert_matches_reference,
@@ -39,8 +39,10 @@ KERNELS = {
         ),
     ),
     "decode_attention": (
-        lambda f, device: decode.launch_config(f["head_dim"], bool(f["few_programs"]), device),
-        lambda f: decode.default_launch_config(f["head_dim"], bool(f["few_programs"])),
+        lambda f, device: decode_launch.launch_config(
+            f["head_dim"], bool(f["few_programs"]), device
+        ),
+        lambda f: decode_launch.default_launch_config(f["head_dim"], bool(f["few_programs"])),
     ),
     "prefill_attention": (
         lambda f, device: prefill.launch_config(
@@ -142,14 +144,16 @@ def test_gemv_entries_run_and_match_torch(device):
 def test_decode_entries_are_used_and_match_the_reference(device, on_device, monkeypatch):
     on_device(device)
     used = []
-    lookup = decode.launch_config
-    monkeypatch.setattr(decode, "launch_config", lambda *a: used.append(lookup(*a)) or used[-1])
+    lookup = decode_launch.launch_config
+    monkeypatch.setattr(
+        decode_launch, "launch_config", lambda *a: used.append(lookup(*a)) or used[-1]
+    )
     for key, entry in entries("decode_attention", device).items():
         shape = fields(key)
         head_dim = shape["head_dim"]
-        sms = decode.num_sms(torch.device(DEVICE))  # 8 nominal ones on CPU
+        sms = decode_launch.num_sms(torch.device(DEVICE))  # 8 nominal ones on CPU
         num_seqs = (
-            1 if shape["few_programs"] else sms // decode.FEW_PAIRS_PER_SM + 1
+            1 if shape["few_programs"] else sms // decode_launch.FEW_PAIRS_PER_SM + 1
         )  # one kv head each
         k_cache, v_cache, meta = make_batch(
             [1] * num_seqs,
@@ -244,7 +248,12 @@ def test_an_entry_unlike_the_rule_is_what_the_kernels_run(tmp_path, monkeypatch,
     """The measured devices' entries equal today's rule; here a table for another device holds
     other tiles, and the kernels launch with them (and stay correct)."""
     monkeypatch.setattr(tuning, "TABLES", tmp_path)
-    caches = (tuning.table, gemv_config._tuned_config, decode.launch_config, prefill.launch_config)
+    caches = (
+        tuning.table,
+        gemv_config._tuned_config,
+        decode_launch.launch_config,
+        prefill.launch_config,
+    )
     for cache in caches:
         cache.cache_clear()
     gemv_tiles = dict(
@@ -254,14 +263,14 @@ def test_an_entry_unlike_the_rule_is_what_the_kernels_run(tmp_path, monkeypatch,
     prefill_tiles = dict(BLOCK_M=16, BLOCK_N=32, num_warps=2, num_stages=1)
     tuning.write("gemv", "Test GPU", {gemv_config.tuning_key(40, 192): gemv_tiles}, "test")
     tuning.write(
-        "decode_attention", "Test GPU", {decode.tuning_key(32, True): decode_tiles}, "test"
+        "decode_attention", "Test GPU", {decode_launch.tuning_key(32, True): decode_tiles}, "test"
     )
     tuning.write(
         "prefill_attention", "Test GPU", {prefill.tuning_key(2, 32, 4): prefill_tiles}, "test"
     )
     on_device("Test GPU")
     used = []
-    for module in (decode, prefill):
+    for module in (decode_launch, prefill):
         lookup = module.launch_config
         monkeypatch.setattr(
             module, "launch_config", lambda *a, lookup=lookup: used.append(lookup(*a)) or used[-1]

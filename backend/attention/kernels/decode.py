@@ -35,23 +35,18 @@ and sets the counter back to zero for the next launch: no separate reduce kernel
 the group's partials are few (up to MERGE_AT_ONCE_MAX_VALUES), the merger loads all of them in one
 go, not head by head, which overlaps their loads.
 
-`choose_num_splits` adds splits only while (requests x kv heads x splits) is short of about four
-programs per SM, and keeps at least MIN_TOKENS_PER_SPLIT context tokens per split; the count is
-rounded down to a power of two so only a few kernel variants are compiled. Tiles, warps and stages
-are per device (`launch_config`). Measurements behind these choices: benchmarks/README.md.
+How many splits, and the tiles, warps and stages per device: `decode_launch`. Measurements behind
+these choices: benchmarks/README.md.
 """
 
 from __future__ import annotations
-
-import functools
-from collections.abc import Mapping
-from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
 
 from backend.attention.kernels.kv_write import check_scales
+from backend.attention.kernels import decode_launch
 from backend.attention.kernels.decode_partials import (
     merge_group_splits,
     merge_splits_by_head,
@@ -69,35 +64,9 @@ from backend.attention.kv_dtype import is_scaled
 from backend.kernels import tuning
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
 
-MIN_TOKENS_PER_SPLIT = 64
 MIN_TILES_PER_SPLIT = 1
 MERGE_AT_ONCE_MAX_VALUES = 8192  # partials a merging program may hold at once
-MAX_SPLITS = 64
-PROGRAMS_PER_SM = 4
-CPU_NOMINAL_SMS = 8  # interpreter runs: keep the heuristic meaningful
-FEW_PAIRS_PER_SM = 8  # grids of at most SMs / 8 (request, kv head) pairs take the few-programs tile
 ORDERING = Ordering("decode_attention", releases="before_wait", reads_step_inputs_before_wait=True)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return CPU_NOMINAL_SMS
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
-    """Splits per (request, kv head): enough programs to fill the GPU, enough work per split."""
-    programs = num_seqs * num_kv_heads
-    target = PROGRAMS_PER_SM * sm_count
-    if programs >= target:
-        return 1
-    splits = min(target // programs, max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS)
-    return 1 << (max(1, splits).bit_length() - 1)
 
 
 @triton.jit
@@ -435,44 +404,6 @@ def _decode_kernel(
         )
 
 
-def default_launch_config(head_dim: int, few_programs: bool = False) -> dict:
-    """Key tile and launch shape for devices without a table entry: 64-token tiles, and 128-token
-    tiles with 8 warps for grids of few programs (benchmarks/README.md, "Kernel choices"); wider
-    heads take shorter tiles and two stages, so the K and V stages fit in shared memory."""
-    block_n = 128 if few_programs else 64
-    wide = head_dim > 128
-    return dict(
-        BLOCK_N=block_n * 128 // head_dim if wide else block_n,
-        num_warps=8 if few_programs else 4,
-        num_stages=2 if wide else 3,
-    )
-
-
-def tuning_key(head_dim: int, few_programs: bool) -> str:
-    """The shape key of `tuning/decode_attention.json`."""
-    return tuning.shape_key(head_dim=head_dim, few_programs=few_programs)
-
-
-@functools.lru_cache(maxsize=None)
-def launch_config(head_dim: int, few_programs: bool, device_name: str | None = None) -> Mapping:
-    """The table's config on the named device, else the default; read-only, cached."""
-    config = tuning.lookup("decode_attention", tuning_key(head_dim, few_programs), device_name)
-    return MappingProxyType(config or default_launch_config(head_dim, few_programs))
-
-
-_arrivals: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters on `device`, one per (request, kv head). Each launch leaves them at
-    zero again, so one buffer serves every launch, CUDA graph replays included (launches on one
-    stream). Buffers are kept for the process's lifetime: a captured graph holds their address."""
-    held = _arrivals.setdefault(device, [])
-    if not held or held[-1].numel() < n:
-        held.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return held[-1]
-
-
 def decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -506,12 +437,14 @@ def decode_attention(
     if num_seqs == 0:
         return out
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device))
+        num_splits = decode_launch.choose_num_splits(
+            num_seqs, num_kv_heads, max_seq_len, decode_launch.num_sms(query.device)
+        )
     if num_splits == 1:
         part_out = part_lse = arrivals = out  # unused
     else:
         part_out, part_lse = _partials(query, num_seqs, num_splits)
-        arrivals = arrival_counters(query.device, num_seqs * num_kv_heads)
+        arrivals = decode_launch.arrival_counters(query.device, num_seqs * num_kv_heads)
     _launch(
         query,
         k_cache,
@@ -561,7 +494,9 @@ def decode_attention_partials(
     m = max lse."""
     num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device))
+        num_splits = decode_launch.choose_num_splits(
+            num_seqs, num_kv_heads, max_seq_len, decode_launch.num_sms(query.device)
+        )
     part_out, part_lse = _partials(query, num_seqs, num_splits)
     if num_seqs:
         _launch(
@@ -628,8 +563,11 @@ def _launch(
     assert num_heads % num_kv_heads == 0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16
     assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     group = num_heads // num_kv_heads
-    few_programs = FEW_PAIRS_PER_SM * num_seqs * num_kv_heads <= num_sms(query.device)
-    config = launch_config(head_dim, few_programs, tuning.device_name(query.device))
+    config = decode_launch.launch_config(
+        head_dim,
+        decode_launch.has_few_programs(num_seqs, num_kv_heads, query.device),
+        tuning.device_name(query.device),
+    )
     qk_scale, softcap_log2 = exp2_scales(scale, softcap)
     scaled = is_scaled(k_cache.dtype)
     if scaled:

@@ -1,0 +1,90 @@
+"""How a paged decode-attention launch is shaped (`backend.attention.kernels.decode`): how many
+splits each (request, kv head) gets, the key tile, warps and stages per device, and the arrival
+counters with which the last split to finish finds out that it merges.
+
+`choose_num_splits` adds splits only while (requests x kv heads x splits) is short of about
+PROGRAMS_PER_SM programs per SM, and keeps at least MIN_TOKENS_PER_SPLIT context tokens per
+split; the count is rounded down to a power of two so only a few kernel variants are compiled.
+Grids of few (request, kv head) pairs take their own tile (`few_programs`). Measurements behind
+these choices: benchmarks/README.md, "Paged decode attention".
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import torch
+
+from backend.kernels import tuning
+
+MIN_TOKENS_PER_SPLIT = 64
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 4
+CPU_NOMINAL_SMS = 8  # interpreter runs: keep the heuristic meaningful
+FEW_PAIRS_PER_SM = 8  # grids of at most SMs / 8 (request, kv head) pairs take the few-programs tile
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_NOMINAL_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
+    """Splits per (request, kv head): enough programs to fill the GPU, enough work per split."""
+    programs = num_seqs * num_kv_heads
+    target = PROGRAMS_PER_SM * sm_count
+    if programs >= target:
+        return 1
+    splits = min(target // programs, max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS)
+    return 1 << (max(1, splits).bit_length() - 1)
+
+
+def has_few_programs(num_seqs: int, num_kv_heads: int, device: torch.device) -> bool:
+    """Whether the grid has so few (request, kv head) pairs that it takes the few-programs tile."""
+    return FEW_PAIRS_PER_SM * num_seqs * num_kv_heads <= num_sms(device)
+
+
+def default_launch_config(head_dim: int, few_programs: bool = False) -> dict:
+    """Key tile and launch shape for devices without a table entry: 64-token tiles, and 128-token
+    tiles with 8 warps for grids of few programs (benchmarks/README.md, "Kernel choices"); wider
+    heads take shorter tiles and two stages, so the K and V stages fit in shared memory."""
+    block_n = 128 if few_programs else 64
+    wide = head_dim > 128
+    return dict(
+        BLOCK_N=block_n * 128 // head_dim if wide else block_n,
+        num_warps=8 if few_programs else 4,
+        num_stages=2 if wide else 3,
+    )
+
+
+def tuning_key(head_dim: int, few_programs: bool) -> str:
+    """The shape key of `tuning/decode_attention.json`."""
+    return tuning.shape_key(head_dim=head_dim, few_programs=few_programs)
+
+
+@functools.lru_cache(maxsize=None)
+def launch_config(head_dim: int, few_programs: bool, device_name: str | None = None) -> Mapping:
+    """The table's config on the named device, else the default; read-only, cached."""
+    config = tuning.lookup("decode_attention", tuning_key(head_dim, few_programs), device_name)
+    return MappingProxyType(config or default_launch_config(head_dim, few_programs))
+
+
+_arrivals: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n zeroed int32 counters on `device`, one per (request, kv head). Each launch leaves them at
+    zero again, so one buffer serves every launch, CUDA graph replays included (launches on one
+    stream). Buffers are kept for the process's lifetime: a captured graph holds their address."""
+    held = _arrivals.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        held.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return held[-1]
