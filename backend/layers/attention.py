@@ -31,6 +31,7 @@ from backend.layers.linear import ONE_TOKEN_MAX_HIDDEN, Linear
 from backend.layers.norm import RMSNorm
 from backend.layers.rotary import Rotation
 from backend.model_config import ModelConfig
+from backend.quantization import E4m3Rows
 from backend.tensor_parallel import TensorParallel
 
 
@@ -102,9 +103,10 @@ class SelfAttention(nn.Module):
         if self.sliding_window is not None:
             self.attention_options.update(window=self.sliding_window, sinks=self.sink_token_length)
 
-    def forward(self, hidden: torch.Tensor, step: AttentionStep) -> torch.Tensor:
-        """hidden [T, hidden_size] (normed) -> [T, hidden_size]; the new keys and values are
-        written to the cache before attention reads it."""
+    def forward(self, hidden: torch.Tensor | E4m3Rows, step: AttentionStep) -> torch.Tensor:
+        """hidden [T, hidden_size] (normed; e4m3 rows where `takes_e4m3_rows`) -> [T,
+        hidden_size]; the new keys and values are written to the cache before attention reads
+        it."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q, k = (
@@ -125,6 +127,11 @@ class SelfAttention(nn.Module):
             q, k_cache, v_cache, meta, self.scale, **self.attention_options, **scales
         )
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def takes_e4m3_rows(self, hidden: torch.Tensor) -> bool:
+        """Whether the qkv projection takes hidden's rows as e4m3 (`Linear.takes_e4m3_rows`), so
+        the norm before it may write them so."""
+        return self.qkv_proj.takes_e4m3_rows(hidden)
 
     def takes_one_token(self, hidden: torch.Tensor) -> bool:
         """Whether `add_one_token` runs for hidden: a hidden size where the GEMV pays, projections

@@ -25,7 +25,7 @@ from torch import nn
 from backend.attention.split_partials import SplitPartials
 from backend.kernels.gemv_weight import StreamedWeight
 from backend.layers.norm import RMSNorm
-from backend.quantization import GGUFWeight, QuantizedWeight
+from backend.quantization import E4m3Rows, GGUFWeight, QuantizedWeight
 from backend.tensor_parallel import TensorParallel
 
 try:  # CPU-only installs without Triton use the torch path
@@ -158,7 +158,11 @@ class Linear(nn.Module):
             return self.weight
         return self.quantized.dequantize(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | E4m3Rows) -> torch.Tensor:
+        """x [T, in_features] -> [T, out_features]; x may be rows its producer quantized for this
+        layer's scaled GEMM (where `takes_e4m3_rows`)."""
+        if isinstance(x, E4m3Rows):
+            return self.quantized.matmul_e4m3(x.values, x.scales, self.bias, x.dtype)
         if self.parallel == "row":  # the bias once, after the partial sums
             y = self.tp.matmul_all_reduce(x, self.dense_weight(x.dtype))
             return y if self.bias is None else y + self.bias
@@ -168,18 +172,12 @@ class Linear(nn.Module):
 
     def takes_e4m3_rows(self, x: torch.Tensor) -> bool:
         """Whether `forward` would quantize x's rows to e4m3 (an `fp8` weight's scaled GEMM), so
-        the producer of x may write them quantized instead (`forward_e4m3`)."""
+        the producer of x may hand them over quantized instead (`E4m3Rows`)."""
         return (
             self.parallel != "row"
             and self.quantized is not None
             and self.quantized.takes_e4m3_rows(x)
         )
-
-    def forward_e4m3(
-        self, xq: torch.Tensor, x_scales: torch.Tensor, out_dtype: torch.dtype
-    ) -> torch.Tensor:
-        """`forward` of rows already quantized to e4m3 with their float32 scales [T, 1]."""
-        return self.quantized.matmul_e4m3(xq, x_scales, self.bias, out_dtype)
 
     def streamed(self) -> StreamedWeight | None:
         """The weight as the one-token kernels stream it (None: a format they do not read)."""

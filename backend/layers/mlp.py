@@ -4,7 +4,8 @@ fill the projection as one tensor (`fused_checkpoint`).
 
 At one token on GPU (`add_one_token`) that is two kernels: gate|up with the norm before it as
 its prologue, down with silu·mul as its prologue and the residual add as its epilogue. Where an
-`fp8` down projection takes its rows quantized (the scaled GEMM), silu·mul writes them so.
+`fp8` projection takes its rows quantized (the scaled GEMM), its producer writes them so: silu·mul
+for down, the decoder layer's RMSNorm for gate|up (`takes_e4m3_rows`).
 
 Tensor parallel, gate|up is column-parallel (a slice of the intermediate size) and down
 row-parallel.
@@ -18,6 +19,7 @@ from torch import nn
 from backend.layers.activation import GATED_ACTIVATIONS, silu_and_mul_e4m3
 from backend.layers.linear import ONE_TOKEN_MAX_HIDDEN, Linear
 from backend.layers.norm import RMSNorm
+from backend.quantization import E4m3Rows
 from backend.tensor_parallel import TensorParallel
 
 
@@ -45,15 +47,20 @@ class GatedMLP(nn.Module):
         self.act = act
         self.act_and_mul = GATED_ACTIVATIONS[act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | E4m3Rows) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if (
             self.act == "silu"
             and silu_and_mul_e4m3 is not None
             and self.down_proj.takes_e4m3_rows(gate_up)
         ):  # the activation writes the rows the down projection's scaled GEMM reads
-            return self.down_proj.forward_e4m3(*silu_and_mul_e4m3(gate_up), gate_up.dtype)
+            return self.down_proj(E4m3Rows(*silu_and_mul_e4m3(gate_up), gate_up.dtype))
         return self.down_proj(self.act_and_mul(gate_up))
+
+    def takes_e4m3_rows(self, hidden: torch.Tensor) -> bool:
+        """Whether the gate|up projection takes hidden's rows as e4m3 (`Linear.takes_e4m3_rows`),
+        so the norm before it may write them so."""
+        return self.gate_up_proj.takes_e4m3_rows(hidden)
 
     def takes_one_token(self, hidden: torch.Tensor) -> bool:
         """Whether `add_one_token` runs for hidden: a hidden size where the GEMV pays, projections

@@ -57,12 +57,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = model_norm(config)
 
     def forward(self, hidden, residual, step: AttentionStep):
+        # where a projection's scaled GEMM quantizes its rows, the norm before it writes them so
+        e4m3 = self.self_attn.takes_e4m3_rows(hidden)
         if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+            hidden, residual = self.input_layernorm(hidden, e4m3=e4m3), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, e4m3=e4m3)
         hidden = self.self_attn(hidden, step)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        e4m3 = self.mlp.takes_e4m3_rows(hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, e4m3=e4m3)
         return self.mlp(hidden), residual
 
     def forward_one_token(self, residual: torch.Tensor, step: AttentionStep) -> None:

@@ -19,9 +19,9 @@ and an lm_head that `quantize_lm_head` quantizes (`checkpoint.quantize_lm_head`)
 """
 
 from backend.quantization.base import QuantizedWeight
-from backend.quantization.fp8 import Fp8Weight
+from backend.quantization.fp8 import E4m3Rows, Fp8Weight
 from backend.quantization.gguf import GGUFWeight
 from backend.quantization.int4 import Int4Weight
 from backend.quantization.int8 import Int8Weight
 
-__all__ = ["Fp8Weight", "GGUFWeight", "Int4Weight", "Int8Weight", "QuantizedWeight"]
+__all__ = ["E4m3Rows", "Fp8Weight", "GGUFWeight", "Int4Weight", "Int8Weight", "QuantizedWeight"]

@@ -13,6 +13,8 @@ scaled GEMM.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from backend.kernels.gemv_weight import StreamedWeight
@@ -32,6 +34,17 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     largest magnitude mapped to the largest e4m3 value."""
     scales = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+
+
+@dataclass(frozen=True)
+class E4m3Rows:
+    """Activation rows already quantized as `quantize_rows` does, by the kernel that produced them
+    (RMSNorm, silu·mul), for an `fp8` projection's scaled GEMM: values e4m3 [T, K], float32
+    scales [T, 1], and the dtype the rows had (the product's output dtype)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
 
 
 class Fp8Weight(QuantizedWeight):

@@ -528,3 +528,45 @@ def test_fp8_mlp_with_silu_writing_e4m3_rows_equals_the_unfused_path(monkeypatch
         want = mlp(x)
     assert calls == [1]
     assert torch.equal(got, want)
+
+
+def test_fp8_norms_writing_e4m3_rows_equal_the_unfused_path(tmp_path, monkeypatch):
+    """An `fp8` model's prefill of three prompts (many rows: the scaled GEMMs): each decoder
+    layer's two RMSNorms write the qkv and gate|up projections' e4m3 rows and scales themselves,
+    and the logits equal those of the norms, the row quantizer and the scaled GEMMs run apart,
+    bit for bit."""
+    from backend.layers import norm as norm_module
+    from backend.layers.attention import SelfAttention
+    from backend.layers.mlp import GatedMLP
+    from backend.model_runner import ModelRunner
+    from backend.request import Chunk
+    from tests.tiny_models import save_tiny_hf_model
+
+    save_tiny_hf_model(tmp_path, "llama", **SMALL_QWEN2)
+    runner = ModelRunner(
+        EngineConfig(
+            model_path=str(tmp_path),
+            device="cuda",
+            dtype="bfloat16",
+            quantization="fp8",
+            max_batch_size=4,
+            max_seq_len=128,
+            tokens_per_block=16,
+            max_tokens_in_paged_kv_cache=4 * 128,
+            cuda_graphs=False,
+        )
+    )
+    prompts = random_prompts(3, 1000, seed=4, low=40, high=60)
+    chunks = [Chunk.of_sequence(p, list(range(4 * i, 4 * i + 4))) for i, p in enumerate(prompts)]
+    e4m3_flags = []
+    fused = norm_module.fused_rms_norm
+    monkeypatch.setattr(
+        norm_module, "fused_rms_norm", lambda *args: e4m3_flags.append(args[4]) or fused(*args)
+    )
+    got = runner.execute(chunks).logits.float().clone()
+    assert e4m3_flags.count(True) == 2 * len(runner.model.model.layers)
+    with monkeypatch.context() as patch:
+        patch.setattr(SelfAttention, "takes_e4m3_rows", lambda self, hidden: False)
+        patch.setattr(GatedMLP, "takes_e4m3_rows", lambda self, hidden: False)
+        want = runner.execute(chunks).logits.float().clone()
+    assert torch.equal(got, want)

@@ -45,6 +45,31 @@ def test_rms_norm_matches_module(hidden, with_residual):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_into_e4m3_rows_equals_the_norm_then_the_row_quantizer(dtype, with_residual):
+    """RMSNorm writing e4m3 rows and their scales (for an `fp8` qkv or gate|up projection's
+    scaled GEMM) gives what RMSNorm and then the row quantizer give, bit for bit, and the same
+    new residual; a zero row included."""
+    torch.manual_seed(2)
+    hidden = 96  # masked to a block of 128
+    weight = (torch.rand(hidden, device=DEVICE) + 0.5).to(dtype)
+    x = (torch.randn(5, hidden, device=DEVICE) * 3).to(dtype)
+    x[3] = 0
+    residual = torch.randn(5, hidden, device=DEVICE).to(dtype) if with_residual else None
+    if with_residual:
+        residual[3] = 0
+    got = rms_norm(x, weight, 1e-5, residual, e4m3=True)
+    want = rms_norm(x, weight, 1e-5, residual)
+    (q, scales), want_out = (got[0], want[0]) if with_residual else (got, want)
+    want_q, want_scales = quantize_rows(want_out)
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (5, 1)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    if with_residual:
+        assert torch.equal(got[1], want[1])
+
+
 def test_rms_norm_half_precision_strided_rows():
     torch.manual_seed(1)
     hidden = 64
