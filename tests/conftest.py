@@ -3,7 +3,29 @@ and real tokenizers (see tests/tokenizer_fixtures.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist, each worker (and what it starts: servers, engine processes, ranks,
+    which read OMP_NUM_THREADS) gets its share of the cores for torch's threads instead of all of
+    them. With two workers on two cores, two processes of two OpenMP threads each oversubscribe
+    the cores and spin against each other: a test of the default model took 35 s next to another
+    such test, 16 s with one thread each (10 s alone with two). Unset without xdist (a single
+    process, as users run), and an OMP_NUM_THREADS the caller sets wins."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+_share_the_cores_between_workers()
 
 # Before any test module imports a kernel module: on a machine without a GPU, kernels are
 # decorated for Triton's interpreter only if TRITON_INTERPRET=1 is already set.
