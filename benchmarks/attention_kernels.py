@@ -178,13 +178,14 @@ def bench_decode(s: Setup, shapes, sweep, rows: list | None = None) -> dict[str,
             bs, s.kv_heads, ctx, decode_launch.num_sms(query.device)
         )
         few = decode_launch.has_few_programs(bs, s.kv_heads, query.device)
-        key = decode_launch.tuning_key(s.head_dim, few)
+        scaled = s.kv_dtype != "bf16"
+        key = decode_launch.tuning_key(s.head_dim, few, scaled)
         runs = [(None, chosen)]
         if sweep:
             runs += [(None, n) for n in (1, 2, 4, 8, 16, 32, 64) if n != chosen]
             runs += [(cfg, chosen) for cfg in configs[1:]]
         for cfg, splits in runs:
-            decode_launch.launch_config = (lambda hd, few, dev, c=cfg: c) if cfg else default
+            decode_launch.launch_config = (lambda hd, few, dev, sc, c=cfg: c) if cfg else default
             try:
                 us = graph_us_per_call(
                     [
@@ -231,7 +232,7 @@ def bench_decode(s: Setup, shapes, sweep, rows: list | None = None) -> dict[str,
                 )
             if splits == chosen:
                 used = json.dumps(
-                    dict(cfg or default(s.head_dim, few, device_name)), sort_keys=True
+                    dict(cfg or default(s.head_dim, few, device_name, scaled)), sort_keys=True
                 )
                 timings.setdefault(key, {}).setdefault(used, {})[(bs, ctx)] = us
     decode_launch.launch_config = default
@@ -374,13 +375,14 @@ def bench_fused():
     )
 
 
-def decode_table() -> dict[str, dict]:
-    """This GPU's decode-attention configs by shape key, as the kernel reads them now."""
+def decode_table(scaled: bool = False) -> dict[str, dict]:
+    """This GPU's decode-attention configs by shape key, as the kernel reads them now (for a
+    quantized cache with `scaled`)."""
     decode_launch.launch_config.cache_clear()
     device = tuning.device_name(torch.device("cuda"))
     return {
-        decode_launch.tuning_key(head_dim, few): dict(
-            decode_launch.launch_config(head_dim, few, device)
+        decode_launch.tuning_key(head_dim, few, scaled): dict(
+            decode_launch.launch_config(head_dim, few, device, scaled)
         )
         for head_dim in (128, 64)
         for few in (False, True)
@@ -432,7 +434,7 @@ def main():
     )
     if args.decode_only:
         decode_timings, rows = {}, []
-        table_before = decode_table()
+        table_before = decode_table(args.kv_dtype != "bf16")
         for heads, kv_heads, head_dim in [(32, 8, 128), (32, 8, 64)]:
             setup = Setup(heads, kv_heads, head_dim, args.kv_dtype)
             shapes = args.decode_shapes or [(512, 192)]
@@ -443,7 +445,8 @@ def main():
             write_tuning("decode_attention", decode_timings)
         if args.json:  # what plot.py draws: each shape under the table before and after
             run = dict(benchmark="decode_attention_sweep", **provenance(torch.device("cuda")))
-            run.update(table_before=table_before, table_after=decode_table(), rows=rows)
+            after = decode_table(args.kv_dtype != "bf16")
+            run.update(table_before=table_before, table_after=after, rows=rows)
             save_json(args.json, [run])
         return
     bench_fused()

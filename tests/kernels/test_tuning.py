@@ -12,6 +12,7 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 
 pytest.importorskip("triton")
 
+from backend.attention import kv_dtype  # noqa: E402
 from backend.attention.split_partials import SplitPartials  # noqa: E402
 from backend.attention.kernels import decode, decode_launch, prefill  # noqa: E402
 from backend.kernels import gemv, gemv_config, tuning  # noqa: E402
@@ -40,7 +41,7 @@ KERNELS = {
     ),
     "decode_attention": (
         lambda f, device: decode_launch.launch_config(
-            f["head_dim"], bool(f["few_programs"]), device
+            f["head_dim"], bool(f["few_programs"]), device, bool(f.get("scaled_cache"))
         ),
         lambda f: decode_launch.default_launch_config(f["head_dim"], bool(f["few_programs"])),
     ),
@@ -165,6 +166,9 @@ def test_decode_entries_are_used_and_match_the_reference(device, on_device, monk
             seed=5,
         )
         query = random_query(num_seqs, 4, head_dim, dtype=torch.float16, seed=6)
+        scales = {}
+        if shape.get("scaled_cache"):  # an fp8 cache's entry: values and per-token scales
+            k_cache, v_cache, scales = fp8_cache(k_cache, v_cache)
         out = decode.decode_attention(
             query,
             k_cache,
@@ -175,9 +179,50 @@ def test_decode_entries_are_used_and_match_the_reference(device, on_device, monk
             meta.max_seq_len,
             head_dim**-0.5,
             num_splits=2,
+            **scales,
         )
         assert dict(used[-1]) == entry, key
+        if scales:
+            k_cache = kv_dtype.dequantize(k_cache, scales["k_scales"]).half()
+            v_cache = kv_dtype.dequantize(v_cache, scales["v_scales"]).half()
         assert_matches_reference(out, query, k_cache, v_cache, meta, head_dim**-0.5, atol=2e-3)
+
+
+def fp8_cache(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The caches as e4m3 values with a scale per token and kv head, as an fp8 cache holds them."""
+    k_values, k_scales = kv_dtype.quantize(k_cache, torch.float8_e4m3fn)
+    v_values, v_scales = kv_dtype.quantize(v_cache, torch.float8_e4m3fn)
+    return k_values, v_values, {"k_scales": k_scales, "v_scales": v_scales}
+
+
+def test_a_quantized_cache_takes_its_own_entry_where_the_table_has_one(
+    tmp_path, monkeypatch, on_device
+):
+    monkeypatch.setattr(tuning, "TABLES", tmp_path)
+    decode_launch.launch_config.cache_clear()
+    sixteen_bit = dict(BLOCK_N=32, num_warps=2, num_stages=1)
+    quantized = dict(BLOCK_N=64, num_warps=4, num_stages=1)
+    tuning.write(
+        "decode_attention",
+        "Test GPU",
+        {
+            decode_launch.tuning_key(32, False): sixteen_bit,
+            decode_launch.tuning_key(32, False, scaled_cache=True): quantized,
+            decode_launch.tuning_key(64, False): sixteen_bit,
+        },
+        "test",
+    )
+    try:
+        assert dict(decode_launch.launch_config(32, False, "Test GPU", True)) == quantized
+        assert dict(decode_launch.launch_config(32, False, "Test GPU", False)) == sixteen_bit
+        # no quantized entry for head_dim 64: the 16-bit cache's
+        assert dict(decode_launch.launch_config(64, False, "Test GPU", True)) == sixteen_bit
+        assert dict(
+            decode_launch.launch_config(128, False, "Test GPU", True)
+        ) == decode_launch.default_launch_config(128, False)
+    finally:
+        tuning.table.cache_clear()
+        decode_launch.launch_config.cache_clear()
 
 
 @pytest.mark.parametrize("device", MEASURED)

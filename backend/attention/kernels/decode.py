@@ -563,13 +563,14 @@ def _launch(
     assert num_heads % num_kv_heads == 0 and head_dim & (head_dim - 1) == 0 and head_dim >= 16
     assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     group = num_heads // num_kv_heads
+    scaled = is_scaled(k_cache.dtype)
     config = decode_launch.launch_config(
         head_dim,
         decode_launch.has_few_programs(num_seqs, num_kv_heads, query.device),
         tuning.device_name(query.device),
+        scaled,
     )
     qk_scale, softcap_log2 = exp2_scales(scale, softcap)
-    scaled = is_scaled(k_cache.dtype)
     if scaled:
         check_scales(k_cache, k_scales, v_scales)
     else:

@@ -65,16 +65,28 @@ def default_launch_config(head_dim: int, few_programs: bool = False) -> dict:
     )
 
 
-def tuning_key(head_dim: int, few_programs: bool) -> str:
-    """The shape key of `tuning/decode_attention.json`."""
+def tuning_key(head_dim: int, few_programs: bool, scaled_cache: bool = False) -> str:
+    """The shape key of `tuning/decode_attention.json`; a quantized cache's entries (fp8 / int8,
+    whose tiles convert in registers) carry `scaled_cache=1`."""
+    if scaled_cache:
+        return tuning.shape_key(head_dim=head_dim, few_programs=few_programs, scaled_cache=1)
     return tuning.shape_key(head_dim=head_dim, few_programs=few_programs)
 
 
 @functools.lru_cache(maxsize=None)
-def launch_config(head_dim: int, few_programs: bool, device_name: str | None = None) -> Mapping:
-    """The table's config on the named device, else the default; read-only, cached."""
-    config = tuning.lookup("decode_attention", tuning_key(head_dim, few_programs), device_name)
-    return MappingProxyType(config or default_launch_config(head_dim, few_programs))
+def launch_config(
+    head_dim: int, few_programs: bool, device_name: str | None = None, scaled_cache: bool = False
+) -> Mapping:
+    """The table's config on the named device (for a quantized cache its own entry where the
+    table has one, else the 16-bit cache's), else the default; read-only, cached."""
+    keys = [tuning_key(head_dim, few_programs)]
+    if scaled_cache:
+        keys.insert(0, tuning_key(head_dim, few_programs, scaled_cache=True))
+    for key in keys:
+        config = tuning.lookup("decode_attention", key, device_name)
+        if config is not None:
+            return MappingProxyType(config)
+    return MappingProxyType(default_launch_config(head_dim, few_programs))
 
 
 _arrivals: dict[torch.device, list[torch.Tensor]] = {}
