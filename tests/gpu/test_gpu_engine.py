@@ -55,6 +55,18 @@ PROMPTS = [
 ]
 
 
+def small_runner(model_dir, **config):
+    """A model runner of the tiny model saved at `model_dir`, on the GPU in bf16 unless `config`
+    says otherwise: 4 sequences of up to 128 tokens, 16-token blocks."""
+    from backend.model_runner import ModelRunner
+
+    shape = dict(
+        max_batch_size=4, max_seq_len=128, tokens_per_block=16, max_tokens_in_paged_kv_cache=512
+    )
+    config = {"device": "cuda", "dtype": "bfloat16", **shape, **config}
+    return ModelRunner(EngineConfig(model_path=str(model_dir), **config))
+
+
 def serve(model_dir, prompts, params, **config):
     executor = Executor(EngineConfig(model_path=str(model_dir), device="cuda", **config))
     try:
@@ -70,7 +82,6 @@ def test_one_token_path_is_as_close_to_fp32_as_the_general_path(tmp_path, monkey
     """Batch-1 decode steps run the fused one-token kernels (GEMVs with norm / silu·mul /
     residual fusions, rotary+KV write, programmatic dependent launch) inside a CUDA graph. Its
     bf16 logits are as close to the fp32 model's as the general layers' bf16 logits are."""
-    from backend.model_runner import ModelRunner
     from backend.request import Chunk
     from backend.models.llama import LlamaModel
     from tests.tiny_models import save_tiny_hf_model
@@ -81,18 +92,7 @@ def test_one_token_path_is_as_close_to_fp32_as_the_general_path(tmp_path, monkey
 
     def decode_logits(dtype: str, one_token: bool) -> torch.Tensor:
         # The general path runs eagerly: a decode graph is captured with the one-token layers.
-        runner = ModelRunner(
-            EngineConfig(
-                model_path=str(tmp_path),
-                device="cuda",
-                dtype=dtype,
-                max_batch_size=4,
-                max_seq_len=128,
-                tokens_per_block=16,
-                max_tokens_in_paged_kv_cache=4 * 128,
-                cuda_graphs=one_token,
-            )
-        )
+        runner = small_runner(tmp_path, dtype=dtype, cuda_graphs=one_token)
         with monkeypatch.context() as patch:
             if not one_token:
                 patch.setattr(LlamaModel, "takes_one_token_path", lambda self, hidden: False)
@@ -148,22 +148,11 @@ def test_decode_graph_launches_never_read_step_inputs_before_they_are_written(tm
     `backend.kernels.pdl`: a kernel reading step inputs before its wait cannot start before the
     graph's input copy has written them."""
     from backend.kernels.pdl import check_step_input_reads, recorded_launches
-    from backend.model_runner import ModelRunner
     from tests.tiny_models import save_tiny_hf_model
 
     save_tiny_hf_model(tmp_path, "qwen2", **SMALL_QWEN2)
     with recorded_launches() as launches:
-        runner = ModelRunner(
-            EngineConfig(
-                model_path=str(tmp_path),
-                device="cuda",
-                dtype="bfloat16",
-                max_batch_size=4,
-                max_seq_len=128,
-                tokens_per_block=16,
-                max_tokens_in_paged_kv_cache=4 * 128,
-            )
-        )
+        runner = small_runner(tmp_path)
     names = {launch.kernel for launch in launches}
     assert {"load_step_inputs", "embedding", "qkv_rope_gemv", "decode_attention", "gemv"} <= names
     check_step_input_reads(launches)
@@ -538,24 +527,11 @@ def test_fp8_norms_writing_e4m3_rows_equal_the_unfused_path(tmp_path, monkeypatc
     from backend.layers import norm as norm_module
     from backend.layers.attention import SelfAttention
     from backend.layers.mlp import GatedMLP
-    from backend.model_runner import ModelRunner
     from backend.request import Chunk
     from tests.tiny_models import save_tiny_hf_model
 
     save_tiny_hf_model(tmp_path, "llama", **SMALL_QWEN2)
-    runner = ModelRunner(
-        EngineConfig(
-            model_path=str(tmp_path),
-            device="cuda",
-            dtype="bfloat16",
-            quantization="fp8",
-            max_batch_size=4,
-            max_seq_len=128,
-            tokens_per_block=16,
-            max_tokens_in_paged_kv_cache=4 * 128,
-            cuda_graphs=False,
-        )
-    )
+    runner = small_runner(tmp_path, quantization="fp8", cuda_graphs=False)
     prompts = random_prompts(3, 1000, seed=4, low=40, high=60)
     chunks = [Chunk.of_sequence(p, list(range(4 * i, 4 * i + 4))) for i, p in enumerate(prompts)]
     e4m3_flags = []
