@@ -1,4 +1,4 @@
-"""One real tritonserver per test session, serving the checked-in model repository's models.
+"""One real tritonserver for the end-to-end tests, serving the checked-in model repository's models.
 
 The repository is built by `ensemble` with small engine settings for a CPU (small KV cache, short
 max_seq_len) into a temporary directory, on free ports; the server is stopped at the end.
@@ -54,10 +54,13 @@ class Triton:
         return self.server.metrics_url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def triton(tmp_path_factory) -> Triton:
     # The defaults users run (one tensorrt_llm instance, unpaced): several instances crashed
     # tritonserver 2.51 under load; test_response_pacing and test_shared_engine cover them.
+    # Package-scoped: one server for the end-to-end tests, which run together (tests/conftest.py
+    # runs them first, all on one xdist worker), stopped after the last of them (~5-8 s) while
+    # the other worker is still busy, not at the end of the session.
     with running_triton(tmp_path_factory.mktemp("triton")) as server:
         yield server
 
