@@ -11,9 +11,7 @@ import pytest
 def _share_the_cores_between_workers() -> None:
     """Under pytest-xdist, each worker (and what it starts: servers, engine processes, ranks,
     which read OMP_NUM_THREADS) gets its share of the cores for torch's threads instead of all of
-    them. With two workers on two cores, two processes of two OpenMP threads each oversubscribe
-    the cores and spin against each other: a test of the default model took 35 s next to another
-    such test, 16 s with one thread each (10 s alone with two). Unset without xdist (a single
+    them: workers each using every core spin against each other. Unset without xdist (a single
     process, as users run), and an OMP_NUM_THREADS the caller sets wins."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers < 1 or "OMP_NUM_THREADS" in os.environ:

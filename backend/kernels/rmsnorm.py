@@ -54,12 +54,10 @@ def _rms_norm_kernel(
     normed = (x32 * tl.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = (normed.to(tl.float32) * weight.to(tl.float32)).to(OUT_DTYPE)
-    if E4M3:  # out_ptr holds e4m3 values [rows, hidden]
-        q, scale = e4m3_row(out.to(tl.float32))
-        tl.store(out_ptr + row * hidden + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    if E4M3:  # out_ptr holds e4m3 values
+        out, scale = e4m3_row(out.to(tl.float32))
         tl.store(scale_ptr + row, scale)
-    else:
-        tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
