@@ -4,10 +4,13 @@ Times what a layer runs (`QuantizedWeight.matmul`; `F.linear` for bf16) for x of
 many distinct weight copies as the model has layers, inside one CUDA graph (benchmarks/gemv.py's
 method): M = 1 is the one-token GEMV, larger M the format's GEMM (fp8: the row quantizer plus the
 scaled GEMM). Reports µs per call and the weight-read rate. `--sweep` also times, at each M > 1,
-the W8A16 GEMM's launch configs for int8 and e4m3 weights (tiles, K tiles, K splits, stages)
-and the int4 GEMM's (BLOCK_M, BLOCK_N) tiles, and reports the fastest; `--write-tuning` keeps
-the W8A16 winners in `backend/kernels/tuning/w8a16_gemm.json` for this device: every int8 one,
-and an e4m3 one only where it beats quantizing the rows for the scaled GEMM (timed alone).
+the W8A16 GEMM's launch configs for int8 and e4m3 weights (tiles, K tiles, K splits, stages),
+the FP8 W8A8 Triton GEMM's (`fp8_gemm`) against torch's scaled GEMM on quantized rows, and the
+int4 GEMM's (BLOCK_M, BLOCK_N) tiles, and reports the fastest. `--write-tuning` keeps for this
+device, in `backend/kernels/tuning/`: every int8 W8A16 winner; the FP8 Triton GEMM's winner
+where it beats the scaled GEMM; and an e4m3 W8A16 winner only where it beats the faster e4m3
+product plus, for the projections whose rows no fused kernel quantizes (o, lm_head), the row
+quantizer (an e4m3 entry that no longer wins is dropped).
 
     python -m benchmarks.quantized_matmul --model llama-3.2-1b --rows 1 16 64 256 [--sweep] \
         [--write-tuning] [--projections qkv o gate_up down lm_head] --json OUT
@@ -24,7 +27,9 @@ import torch.nn.functional as F
 
 from backend.kernels.int4_matmul import int4_gemm
 from backend.kernels import fp8_gemm, tuning
-from backend.kernels.w8a16_gemm import GemmConfig, config_key, rows_bucket, w8a16_gemm
+from backend.kernels.fp8_gemm import Fp8GemmConfig
+from backend.kernels.tuning import rows_bucket
+from backend.kernels.w8a16_gemm import GemmConfig, config_key, w8a16_gemm
 from backend.model_config import ModelConfig
 from backend.model_paths import resolve_model
 from backend.quantization import Fp8Weight, Int4Weight, Int8Weight
@@ -39,6 +44,8 @@ FORMATS = {
 }
 TILES = dict(block_m=[16, 32, 64], block_n=[16, 32, 64, 128])  # int4
 W8A16_SPACE = dict(block_n=[32, 64, 128], block_k=[128, 256], split=[1, 2, 4], num_stages=[3, 4])
+FP8_SPACE = dict(block_n=[64, 128], block_k=[128, 256], split=[1, 2, 4, 8], num_stages=[3, 4])
+ROWS_QUANTIZED_BY_A_FUSED_KERNEL = ("qkv", "gate_up", "down")  # RMSNorm, silu·mul
 
 
 def _weights(fmt: str, n: int, k: int, copies: int) -> list:
@@ -76,31 +83,66 @@ def _sweep_int4(x: torch.Tensor, weights: list) -> dict:
     return {"best_us": round(us, 2), "block_m": block_m, "block_n": block_n}
 
 
-def _sweep_w8a16(fmt: str, x: torch.Tensor, weights: list) -> dict:
-    """The fastest W8A16 config at x's rows; for e4m3 also the scaled path's time."""
-    block_m = min(64, rows_bucket(x.shape[0]))
+def _best(configs, product, weights: list) -> tuple[float, object]:
+    """The fastest of `configs` for product(w, config) over the weights: (µs, config)."""
     timings = []
-    for block_n, block_k, split, stages in itertools.product(*W8A16_SPACE.values()):
-        config = GemmConfig(block_m, block_n, block_k, split, 4 if block_n < 128 else 8, stages)
-
-        def call(w, c=config):
-            return w8a16_gemm(x, w.qweight, w.scales, None, c)
-
+    for config in configs:
         try:
-            timings.append((_time(call, weights), config))
+            timings.append((_time(lambda w, c=config: product(w, c), weights), config))
         except Exception as exc:  # e.g. more shared memory than the device has
             print(f"skipped {config}: {type(exc).__name__}", flush=True)
-    us, config = min(timings, key=lambda timing: timing[0])
-    result = {"best_us": round(us, 2), "config": asdict(config)}
-    if fmt == "fp8":
+    return min(timings, key=lambda timing: timing[0])
 
-        def scaled(w):
-            return fp8_gemm.fp8_linear(
-                *fp8_gemm.quantize_rows(x), w.qweight, w.scales, out_dtype=x.dtype
-            )
 
-        result["scaled_us"] = round(_time(scaled, weights), 2)
-    return result
+def _sweep_w8a16(x: torch.Tensor, weights: list) -> dict:
+    """The fastest W8A16 config at x's rows."""
+    block_m = min(64, rows_bucket(x.shape[0]))
+    configs = [
+        GemmConfig(block_m, block_n, block_k, split, 4 if block_n < 128 else 8, stages)
+        for block_n, block_k, split, stages in itertools.product(*W8A16_SPACE.values())
+    ]
+    us, config = _best(configs, lambda w, c: w8a16_gemm(x, w.qweight, w.scales, None, c), weights)
+    return {"best_us": round(us, 2), "config": asdict(config)}
+
+
+def _sweep_fp8(x: torch.Tensor, weights: list) -> dict:
+    """On rows quantized beforehand: the scaled GEMM's time and the fastest Triton FP8 GEMM
+    config; and the row quantizer's time alone."""
+    xq, x_scales = fp8_gemm.quantize_rows(x)
+    block_m = min(64, rows_bucket(x.shape[0]))
+    configs = [
+        Fp8GemmConfig(block_n, block_m, block_k, split, warps, stages)
+        for block_n, block_k, split, stages in itertools.product(*FP8_SPACE.values())
+        for warps in ([4, 8] if block_n == 128 else [4])
+    ]
+
+    def triton_gemm(w, config):
+        return fp8_gemm.fp8_linear(
+            xq, x_scales, w.qweight, w.scales, out_dtype=x.dtype, config=config
+        )
+
+    def scaled(w):
+        return torch._scaled_mm(
+            xq, w.qweight.t(), scale_a=x_scales, scale_b=w.scales.view(1, -1), out_dtype=x.dtype
+        )
+
+    us, config = _best(configs, triton_gemm, weights)
+    return {
+        "best_us": round(us, 2),
+        "config": asdict(config),
+        "scaled_us": round(_time(scaled, weights), 2),
+        "quantize_rows_us": round(graph_us_per_call([lambda: fp8_gemm.quantize_rows(x)]), 2),
+    }
+
+
+def _choose_fp8(name: str, w8a16: dict, fp8: dict) -> tuple[dict | None, dict | None]:
+    """(the FP8 Triton GEMM's entry or None, the e4m3 W8A16 entry or None) from both sweeps."""
+    triton_wins = fp8["best_us"] < fp8["scaled_us"]
+    e4m3_us = min(fp8["best_us"], fp8["scaled_us"])
+    if name not in ROWS_QUANTIZED_BY_A_FUSED_KERNEL:
+        e4m3_us += fp8["quantize_rows_us"]
+    w8a16_wins = w8a16["best_us"] < e4m3_us
+    return (fp8["config"] if triton_wins else None), (w8a16["config"] if w8a16_wins else None)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -117,11 +159,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="of qkv, o, gate_up, down, lm_head (quantized with quantize_lm_head)",
     )
     p.add_argument("--sweep", action="store_true")
-    p.add_argument("--write-tuning", action="store_true", help="keep the W8A16 sweep's winners")
+    p.add_argument("--write-tuning", action="store_true", help="keep the sweeps' winners")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     config = ModelConfig.from_dir(resolve_model(args.model))
-    rows, tuned = [], {}
+    rows, tuned = [], {"w8a16_gemm": {}, "fp8_gemm": {}}
     for name in args.projections:
         n, k = projection_shapes(config)[name]
         copies = 2 if name == "lm_head" else config.num_layers  # 2 lm_heads overflow L2 already
@@ -140,21 +182,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "us": round(us, 2),
                     "weight_gb_s": round(_nbytes(weights[0]) / us / 1e3, 1),
                 }
-                if args.sweep and m > 1 and fmt in ("int8_wo", "fp8"):
-                    row["sweep"] = sweep = _sweep_w8a16(fmt, x, weights)
-                    if sweep["best_us"] < sweep.get("scaled_us", float("inf")):
-                        key = config_key(weights[0].qweight.dtype, n, k, m)
-                        tuned[key] = sweep["config"]
+                if args.sweep and m > 1 and fmt == "int8_wo":
+                    row["sweep"] = sweep = _sweep_w8a16(x, weights)
+                    tuned["w8a16_gemm"][config_key(torch.int8, n, k, m)] = sweep["config"]
+                elif args.sweep and m > 1 and fmt == "fp8":
+                    row["sweep"] = sweep = _sweep_w8a16(x, weights)
+                    row["fp8_sweep"] = fp8 = _sweep_fp8(x, weights)
+                    fp8_entry, w8a16_entry = _choose_fp8(name, sweep, fp8)
+                    tuned["fp8_gemm"][fp8_gemm.config_key(n, k, m)] = fp8_entry
+                    tuned["w8a16_gemm"][config_key(weights[0].qweight.dtype, n, k, m)] = w8a16_entry
                 elif args.sweep and m > 1 and fmt == "int4_wo":
                     row["sweep"] = _sweep_int4(x, weights)
                 print(row, flush=True)
                 rows.append(row)
             del weights
             torch.cuda.empty_cache()
-    if args.write_tuning and tuned:
+    if args.write_tuning:
         device = torch.cuda.get_device_name()
         source = f"python -m benchmarks.quantized_matmul --sweep, {args.model}, rows {args.rows}"
-        print("wrote", tuning.write("w8a16_gemm", device, tuned, source))
+        for kernel, configs in tuned.items():
+            if configs:
+                print("wrote", tuning.write(kernel, device, configs, source))
     result = [{**provenance(torch.device("cuda")), "model": args.model, **r} for r in rows]
     save_json(args.json, result)
     return result

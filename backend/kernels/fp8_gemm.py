@@ -3,8 +3,17 @@ quantized to e4m3 per token (dynamic scales) and W e4m3 with one scale per outpu
 e4m3 products accumulate in float32, both scales applied once after K.
 
 - `quantize_rows`: each row's largest magnitude to e4m3's largest value, in one kernel.
-- `fp8_linear`: the product. On Hopper and later with bfloat16 out, torch's row-wise scaled GEMM
-  (`torch._scaled_mm`, CUTLASS); elsewhere the Triton kernel below (tl.dot of e4m3 tiles).
+- `fp8_linear`: the product, by the Triton kernel below where the device's tuning table has a
+  config for the shape (`tuning/fp8_gemm.json`, from `python -m benchmarks.quantized_matmul
+  --sweep --write-tuning`), else on Hopper and later with bfloat16 out by torch's row-wise scaled
+  GEMM (`torch._scaled_mm`, CUTLASS), else by the Triton kernel with its default config.
+
+The kernel computes out^T = W x^T: a program's weight tile is the dot's first operand, so a step
+of a few rows (decode) still fills the tensor cores' 64-row side with weights, and its rows are the
+narrow side. A projection with few output tiles splits K over SPLIT programs; each writes its
+float32 partial sum, and the last of a tile's programs to arrive (an arrival counter) adds them
+in split order, scales and stores, in the same kernel.
+
 Both compute what `backend.quantization.fp8.Fp8Weight`'s torch path computes on CPU; tests run
 the Triton kernels under the interpreter there (which widens the float8 operands), so their tiling
 and scaling are checked on CPU, and their speed and code generation on a GPU.
@@ -12,9 +21,15 @@ and scaling are checked on CPU, and their speed and code generation on a GPU.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+from backend.kernels.arrivals import arrival_counters
+from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
 
 
 FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
@@ -73,6 +88,28 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, scales
 
 
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    block_n: int = 64  # weight rows (output columns) per program
+    block_m: int = 64  # activation rows per program
+    block_k: int = 128
+    split: int = 1  # programs along K; the tile's last to arrive adds their partial sums
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _store_scaled(acc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, m, n, M, N, HAS_BIAS):
+    """acc [BLOCK_N, BLOCK_M], out^T's tile, times both scales plus the bias, into out [M, N]."""
+    m_in = tl.where(m < M, m, 0).to(tl.int64)
+    n_in = tl.where(n < N, n, 0).to(tl.int64)
+    acc *= tl.load(w_scale_ptr + n_in)[:, None] * tl.load(x_scale_ptr + m_in)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n_in).to(tl.float32)[:, None]
+    out = out_ptr + m[None, :].to(tl.int64) * N + n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[None, :] & (n < N)[:, None])
+
+
 @triton.jit
 def _fp8_gemm_kernel(
     x_ptr,
@@ -81,31 +118,68 @@ def _fp8_gemm_kernel(
     w_scale_ptr,
     bias_ptr,
     out_ptr,
+    part_ptr,
+    arrivals_ptr,
     M,
     N,
     K,
+    k_per_split,
     HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = m < M, n < N
-    m_in = tl.where(m_ok, m, 0).to(tl.int64)
-    n_in = tl.where(n_ok, n, 0).to(tl.int64)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Rows and columns past the edge read row 0 (never stored), so the loads need no mask.
+    w_rows = q_ptr + tl.where(n < N, n, 0).to(tl.int64)[:, None] * K
+    x_rows = x_ptr + tl.where(m < M, m, 0).to(tl.int64)[:, None] * K
+    k_start = split * k_per_split
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        a = tl.load(x_ptr + m_in[:, None] * K + k[None, :], mask=k_ok[None, :], other=0.0)
-        b = tl.load(q_ptr + n_in[None, :] * K + k[:, None], mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)
-    acc *= tl.load(x_scale_ptr + m_in)[:, None] * tl.load(w_scale_ptr + n_in)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n_in).to(tl.float32)[None, :]
-    out = out_ptr + m[:, None].to(tl.int64) * N + n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :])
+            x = tl.load(x_rows + k[None, :])
+        else:
+            w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+            x = tl.load(x_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+    if SPLIT == 1:
+        _store_scaled(acc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
+    else:
+        ok = (m < M)[None, :] & (n < N)[:, None]
+        tile = m[None, :].to(tl.int64) * N + n[:, None]
+        tl.store(part_ptr + split.to(tl.int64) * M * N + tile, acc, mask=ok)
+        # Every thread's stores are done (barrier) before one thread's acq_rel increment
+        # publishes them; the last to arrive adds the splits in their order, so the sum is fixed.
+        tl.debug_barrier()
+        counter = arrivals_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            tl.store(counter, 0)  # ready for the next launch
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for s in tl.static_range(SPLIT):
+                part = part_ptr + s * M.to(tl.int64) * N + tile
+                acc += tl.load(part, mask=ok, other=0.0, cache_modifier=".cg")
+            _store_scaled(acc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
+
+
+def config_key(n: int, k: int, m: int) -> str:
+    return shape_key(n=n, k=k, rows=rows_bucket(m))
+
+
+def tuned_config(m: int, n: int, k: int, device: torch.device) -> Fp8GemmConfig | None:
+    """The device's swept config for m rows times an [n, k] weight, or None."""
+    return _tuned(device_name(device), n, k, rows_bucket(m))
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(device: str | None, n: int, k: int, rows: int) -> Fp8GemmConfig | None:
+    entry = lookup("fp8_gemm", config_key(n, k, rows), device)
+    return Fp8GemmConfig(**entry) if entry is not None else None
 
 
 def fp8_linear(
@@ -116,14 +190,14 @@ def fp8_linear(
     bias: torch.Tensor | None = None,
     *,
     out_dtype: torch.dtype,
-    block_m: int = 64,
-    block_n: int = 64,
-    block_k: int = 128,
+    config: Fp8GemmConfig | None = None,
 ) -> torch.Tensor:
     """Activations already quantized per row (xq e4m3 [M, K], x_scales float32 [M, 1]) ->
-    x @ W^T (+ bias) [M, N] in out_dtype; qweight e4m3 [N, K], w_scales float32 [N]."""
+    x @ W^T (+ bias) [M, N] in out_dtype; qweight e4m3 [N, K], w_scales float32 [N]. Config: the
+    given one, the device's tuned one, torch's scaled GEMM where it runs, else the default."""
     m, (n, k) = xq.shape[0], qweight.shape
-    if _takes_scaled_mm(xq, n, out_dtype):
+    config = config or tuned_config(m, n, k, xq.device)
+    if config is None and _takes_scaled_mm(xq, n, out_dtype):
         out = torch._scaled_mm(
             xq.contiguous(),
             qweight.t(),  # column-major [K, N], as the GEMM wants its second operand
@@ -132,20 +206,33 @@ def fp8_linear(
             out_dtype=out_dtype,
         )
         return out if bias is None else out.add_(bias)
+    c = config or Fp8GemmConfig(block_m=min(64, rows_bucket(m)))
+    k_per_split = triton.cdiv(triton.cdiv(k, c.split), c.block_k) * c.block_k
+    split = triton.cdiv(k, k_per_split)
+    grid = (triton.cdiv(n, c.block_n), split, triton.cdiv(m, c.block_m))
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    _fp8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+    partials = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
+    arrivals = arrival_counters("fp8_gemm", xq.device, grid[0] * grid[2]) if split > 1 else out
+    _fp8_gemm_kernel[grid](
         xq.contiguous(),
         x_scales.contiguous(),
         qweight,
         w_scales,
         bias if bias is not None else w_scales,
         out,
+        partials,
+        arrivals,
         m,
         n,
         k,
+        k_per_split,
         HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        EVEN_K=k % c.block_k == 0,
+        SPLIT=split,
+        BLOCK_N=c.block_n,
+        BLOCK_M=c.block_m,
+        BLOCK_K=c.block_k,
+        num_warps=c.num_warps,
+        num_stages=c.num_stages,
     )
     return out

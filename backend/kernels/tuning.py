@@ -52,18 +52,26 @@ def lookup(kernel: str, key: str, device: str | None) -> dict | None:
     return dict(config) if config is not None else None
 
 
-def write(kernel: str, device: str, configs: dict[str, dict], source: str) -> Path:
+def write(kernel: str, device: str, configs: dict[str, dict | None], source: str) -> Path:
     """Merge `configs` (shape key -> config) into `device`'s entries of `kernel`'s table: other
-    devices and other shapes keep theirs. For the sweep scripts (`--write-tuning`)."""
+    devices and other shapes keep theirs; a key mapped to None loses its entry. For the sweep
+    scripts (`--write-tuning`)."""
     path = TABLES / f"{kernel}.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     entry = data.setdefault(device, {"source": "", "configs": {}})
     entry["source"] = source
-    entry["configs"].update(configs)
+    entry["configs"].update({key: config for key, config in configs.items() if config is not None})
+    for key in [key for key, config in configs.items() if config is None]:
+        entry["configs"].pop(key, None)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     table.cache_clear()
     return path
+
+
+def rows_bucket(m: int) -> int:
+    """The row count a GEMM's tuned config is kept for: the next power of two, at least 16."""
+    return max(16, 1 << (m - 1).bit_length())
 
 
 def few_rows_tiles(m: int, n: int) -> tuple[int, int]:

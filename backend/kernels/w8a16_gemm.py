@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.tuning import device_name, lookup, shape_key
+from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -107,11 +107,6 @@ def _add_splits_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-def rows_bucket(m: int) -> int:
-    """The row count a tuned config is kept for: the next power of two, at least 16."""
-    return max(16, 1 << (m - 1).bit_length())
 
 
 def config_key(weight_dtype: torch.dtype, n: int, k: int, m: int) -> str:

@@ -198,7 +198,7 @@ def test_decode_split_merge_leaves_its_counters_at_zero(most_values, monkeypatch
     """The last split of a request to finish merges the partial results (all the group's heads at
     once while they are few, else head by head) and resets its arrival counter, so the next
     launch (a CUDA graph replay reuses the same counters) merges again."""
-    from backend.attention.kernels.decode_launch import arrival_counters
+    from backend.kernels.arrivals import arrival_counters
 
     monkeypatch.setattr(decode, "MERGE_AT_ONCE_MAX_VALUES", most_values)
     k_cache, v_cache, meta = make_batch(
@@ -220,7 +220,7 @@ def test_decode_split_merge_leaves_its_counters_at_zero(most_values, monkeypatch
         )
         for _ in range(3)
     ]
-    assert not arrival_counters(query.device, 6).any()
+    assert not arrival_counters("decode_attention", query.device, 6).any()
     assert_matches_reference(runs[0], query, k_cache, v_cache, meta, 0.3)
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[1], runs[2])
 

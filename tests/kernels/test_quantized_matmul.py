@@ -17,7 +17,8 @@ pytest.importorskip("triton")
 
 from backend.attention.split_partials import SplitPartials  # noqa: E402
 from backend.kernels import fp8_gemm  # noqa: E402
-from backend.kernels.fp8_gemm import fp8_linear  # noqa: E402
+from backend.kernels.arrivals import arrival_counters  # noqa: E402
+from backend.kernels.fp8_gemm import Fp8GemmConfig, fp8_linear  # noqa: E402
 from backend.kernels.gemv import gemv, supports, takes_partials  # noqa: E402
 from backend.kernels.int4_matmul import int4_gemm  # noqa: E402
 from backend.kernels.w8a16_gemm import GemmConfig, w8a16_gemm  # noqa: E402
@@ -82,7 +83,8 @@ def test_int4_gemm_is_dequantize_then_matmul(group, m):
 
 @pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 48, 256), (70, 24, 128)])
 def test_fp8_gemm_is_the_torch_path(m, n, k):
-    """Masked rows, columns and K (96 < one 128-wide K tile)."""
+    """Masked rows, columns and K (96 < one 128-wide K tile); K split over 2 and 3 programs (the
+    last split shorter), whose partial sums the last program of each tile to arrive adds."""
     torch.manual_seed(m)
     weight = Fp8Weight.quantize(torch.randn(n, k))
     x = torch.randn(m, k)
@@ -93,8 +95,13 @@ def test_fp8_gemm_is_the_torch_path(m, n, k):
     xq, x_scales = quantize_rows(x)
     args = (xq, x_scales, weight.qweight, weight.scales, bias)
     _relative_close(fp8_linear(*args, out_dtype=x.dtype).cpu(), expected)
-    small = fp8_linear(*args, out_dtype=x.dtype, block_m=16, block_n=16, block_k=32)
-    _relative_close(small.cpu(), expected)
+    for config in (
+        Fp8GemmConfig(block_n=16, block_m=16, block_k=32),
+        Fp8GemmConfig(block_n=32, block_m=16, block_k=32, split=2),
+        Fp8GemmConfig(block_n=16, block_m=32, block_k=32, split=3),
+    ):
+        _relative_close(fp8_linear(*args, out_dtype=x.dtype, config=config).cpu(), expected)
+    assert not arrival_counters("fp8_gemm", xq.device, 64).any()  # ready for the next launch
 
 
 def _fp8(n: int, k: int, seed: int) -> Fp8Weight:

@@ -259,13 +259,14 @@ def test_prefill_entries_are_used_and_match_the_reference(device, on_device, mon
 
 
 def test_write_merges_into_the_table(tmp_path, monkeypatch):
-    """A sweep's write keeps other devices' entries and the device's other shapes."""
+    """A sweep's write keeps other devices' entries and the device's other shapes; None drops
+    an entry (a kernel that no longer wins there)."""
     monkeypatch.setattr(tuning, "TABLES", tmp_path)
     try:
         tuning.write("k", "GPU A", {"n=1": {"BLOCK_N": 4}, "n=2": {"BLOCK_N": 8}}, "first sweep")
         tuning.write("k", "GPU B", {"n=1": {"BLOCK_N": 16}}, "other device")
-        tuning.write("k", "GPU A", {"n=2": {"BLOCK_N": 32}}, "second sweep")
-        assert tuning.lookup("k", "n=1", "GPU A") == {"BLOCK_N": 4}
+        tuning.write("k", "GPU A", {"n=2": {"BLOCK_N": 32}, "n=1": None}, "second sweep")
+        assert tuning.lookup("k", "n=1", "GPU A") is None
         assert tuning.lookup("k", "n=2", "GPU A") == {"BLOCK_N": 32}
         assert tuning.lookup("k", "n=1", "GPU B") == {"BLOCK_N": 16}
         assert tuning.lookup("k", "n=3", "GPU A") is None

@@ -62,6 +62,7 @@ from backend.attention.kernels.tile import (
 )
 from backend.attention.kv_dtype import is_scaled
 from backend.kernels import tuning
+from backend.kernels.arrivals import arrival_counters
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
 
 MIN_TILES_PER_SPLIT = 1
@@ -444,7 +445,7 @@ def decode_attention(
         part_out = part_lse = arrivals = out  # unused
     else:
         part_out, part_lse = _partials(query, num_seqs, num_splits)
-        arrivals = decode_launch.arrival_counters(query.device, num_seqs * num_kv_heads)
+        arrivals = arrival_counters("decode_attention", query.device, num_seqs * num_kv_heads)
     _launch(
         query,
         k_cache,

@@ -1,6 +1,5 @@
 """How a paged decode-attention launch is shaped (`backend.attention.kernels.decode`): how many
-splits each (request, kv head) gets, the key tile, warps and stages per device, and the arrival
-counters with which the last split to finish finds out that it merges.
+splits each (request, kv head) gets, the key tile, and the warps and stages per device.
 
 `choose_num_splits` adds splits only while (requests x kv heads x splits) is short of about
 PROGRAMS_PER_SM programs per SM, and keeps at least MIN_TOKENS_PER_SPLIT context tokens per
@@ -87,16 +86,3 @@ def launch_config(
         if config is not None:
             return MappingProxyType(config)
     return MappingProxyType(default_launch_config(head_dim, few_programs))
-
-
-_arrivals: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters on `device`, one per (request, kv head). Each launch leaves them at
-    zero again, so one buffer serves every launch, CUDA graph replays included (launches on one
-    stream). Buffers are kept for the process's lifetime: a captured graph holds their address."""
-    held = _arrivals.setdefault(device, [])
-    if not held or held[-1].numel() < n:
-        held.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return held[-1]
