@@ -33,6 +33,9 @@ from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
 
 
 FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
+# Hopper's e4m3 tensor cores keep fewer bits than float32 in their running sum; every 128 products
+# of K (or each K tile, if narrower) the sum moves into a float32 accumulator, as DeepSeek-V3's do.
+PRECISE_EVERY_K = 128
 
 
 def supported(device: torch.device) -> bool:
@@ -130,6 +133,7 @@ def _fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRECISE_K: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(1)
@@ -147,7 +151,7 @@ def _fp8_gemm_kernel(
         else:
             w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
             x = tl.load(x_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
+        acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PRECISE_K)
     if SPLIT == 1:
         _store_scaled(acc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
     else:
@@ -232,6 +236,7 @@ def fp8_linear(
         BLOCK_N=c.block_n,
         BLOCK_M=c.block_m,
         BLOCK_K=c.block_k,
+        PRECISE_K=min(c.block_k, PRECISE_EVERY_K),
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )

@@ -81,10 +81,11 @@ def test_int4_gemm_is_dequantize_then_matmul(group, m):
     _relative_close(int4_gemm(x, *args, block_m=16, block_n=32, block_k=32), expected)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 48, 256), (70, 24, 128)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 48, 256), (70, 24, 128), (16, 64, 8192)])
 def test_fp8_gemm_is_the_torch_path(m, n, k):
     """Masked rows, columns and K (96 < one 128-wide K tile); K split over 2 and 3 programs (the
-    last split shorter), whose partial sums the last program of each tile to arrive adds."""
+    last split shorter), whose partial sums the last program of each tile to arrive adds; a long
+    K (Llama-3.2-1B's down projection), whose sum on a GPU must not lose the tensor cores' bits."""
     torch.manual_seed(m)
     weight = Fp8Weight.quantize(torch.randn(n, k))
     x = torch.randn(m, k)
