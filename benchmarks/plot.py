@@ -74,10 +74,11 @@ def plot_variants(path: str) -> str:
         x = range(len(picked))
         ax.bar([i - 0.2 for i in x], [r["step_ms"] for r in picked], 0.4, label="decode step")
         ax.bar([i + 0.2 for i in x], [r["floor_ms"] for r in picked], 0.4, label="memory floor")
-        many = len(picked) > 5  # slanted labels, or they overlap
+        labels = [variant_label(r) for r in picked]
+        many = len(picked) * max(map(len, labels)) > 120  # slanted labels, or they overlap
         ax.set_xticks(
             list(x),
-            [variant_label(r) for r in picked],
+            labels,
             fontsize=7,
             rotation=40 if many else 0,
             ha="right" if many else "center",
@@ -113,6 +114,30 @@ def plot_attention_sweep(path: str) -> str:
         ax.set(ylabel="µs per call", xlabel="batch x context", title=setup, yscale="log")
         ax.legend()
     return save_beside(fig, [run], path)
+
+
+def plot_fp8_gemm_sweep(path: str) -> str:
+    """FP8 projections per row count: the fastest W8A16 config, torch's scaled GEMM and the fastest
+    Triton FP8 GEMM config (both on rows quantized beforehand), one panel per projection."""
+    rows = [r for r in load(path) if "fp8_sweep" in r]
+    names = list(dict.fromkeys(r["projection"] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.8), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        picked = [r for r in rows if r["projection"] == name]
+        x = range(len(picked))
+        for i, (label, us) in enumerate(
+            (
+                ("W8A16", [r["sweep"]["best_us"] for r in picked]),
+                ("scaled GEMM (CUTLASS)", [r["fp8_sweep"]["scaled_us"] for r in picked]),
+                ("Triton FP8 GEMM", [r["fp8_sweep"]["best_us"] for r in picked]),
+            )
+        ):
+            ax.bar([j + (i - 1) * 0.27 for j in x], us, 0.27, label=label)
+        ax.set_xticks(list(x), [str(r["rows"]) for r in picked])
+        n, k = picked[0]["n"], picked[0]["k"]
+        ax.set(xlabel="rows", ylabel="µs per call", title=f"{name} ({n} x {k})")
+    axes[0][0].legend(fontsize=7)
+    return save_beside(fig, rows, path)
 
 
 def save_beside(fig, rows: list[dict], path: str) -> str:
@@ -223,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         print("wrote", plot_decode_floor(path))
     for path in glob.glob(os.path.join(results_dir, "decode_attention_sweep*.json")):
         print("wrote", plot_attention_sweep(path))
+    for path in glob.glob(os.path.join(results_dir, "quantized_matmul_fp8*.json")):
+        print("wrote", plot_fp8_gemm_sweep(path))
     for path in glob.glob(os.path.join(results_dir, "all_reduce*.json")):
         print("wrote", plot_all_reduce(path))
     for pattern in ("decode_formats*.json", "decode_window*.json", "decode_tp*.json"):

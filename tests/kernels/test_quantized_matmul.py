@@ -105,6 +105,30 @@ def test_fp8_gemm_is_the_torch_path(m, n, k):
     assert not arrival_counters("fp8_gemm", xq.device, 64).any()  # ready for the next launch
 
 
+def test_every_tuned_fp8_gemm_config_is_the_torch_path():
+    """Each distinct config of the devices' tables (tiles, K splits; stages and warps do not
+    change the sum), on a product large enough for its tiles, with rows past the edge."""
+    from backend.kernels import tuning
+
+    tables = tuning.table("fp8_gemm").values()
+    shapes = {
+        (c["block_n"], c["block_m"], c["block_k"], c["split"])
+        for table in tables
+        for c in table["configs"].values()
+    }
+    assert shapes, "the table has entries"
+    for block_n, block_m, block_k, split in sorted(shapes):
+        n, k, m = block_n + 8, block_k * split * 2, block_m + 3
+        weight, x = _fp8(n, k, seed=block_n), torch.randn(m, k, device=DEVICE)
+        xq, x_scales = quantize_rows(x)
+        expected = (xq.float() @ weight.qweight.float().t()) * x_scales * weight.scales
+        config = Fp8GemmConfig(block_n, block_m, block_k, split)
+        got = fp8_linear(
+            xq, x_scales, weight.qweight, weight.scales, out_dtype=x.dtype, config=config
+        )
+        _relative_close(got, expected)
+
+
 def _fp8(n: int, k: int, seed: int) -> Fp8Weight:
     torch.manual_seed(seed)
     return Fp8Weight.quantize(torch.randn(n, k)).to(DEVICE)
