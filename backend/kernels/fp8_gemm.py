@@ -41,11 +41,12 @@ def supported(device: torch.device) -> bool:
 
 
 def _takes_scaled_mm(xq: torch.Tensor, n: int, out_dtype: torch.dtype) -> bool:
-    """torch's row-wise scaled GEMM: Hopper or later, bfloat16 out, K and N multiples of 16."""
+    """torch's row-wise scaled GEMM: Hopper or later, K and N multiples of 16, bfloat16 out (a
+    float32 out is its bfloat16 product cast)."""
     return (
         xq.is_cuda
         and torch.cuda.get_device_capability(xq.device) >= (9, 0)
-        and out_dtype == torch.bfloat16
+        and out_dtype in (torch.bfloat16, torch.float32)
         and xq.shape[1] % 16 == 0
         and n % 16 == 0
     )
@@ -192,26 +193,31 @@ def fp8_linear(
     *,
     out_dtype: torch.dtype,
     config: Fp8GemmConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Activations already quantized per row (xq e4m3 [M, K], x_scales float32 [M, 1]) ->
-    x @ W^T (+ bias) [M, N] in out_dtype; qweight e4m3 [N, K], w_scales float32 [N]. Config: the
-    given one, the device's tuned one, torch's scaled GEMM where it runs, else the default."""
+    x @ W^T (+ bias) [M, N] in out_dtype (written into `out`, contiguous, where given); qweight
+    e4m3 [N, K], w_scales float32 [N]. Config: the given one, the device's tuned one, torch's
+    scaled GEMM where it runs, else the default."""
     m, (n, k) = xq.shape[0], qweight.shape
     config = config or tuned_config(m, n, k, xq.device)
     if config is None and _takes_scaled_mm(xq, n, out_dtype):
-        out = torch._scaled_mm(
+        product = torch._scaled_mm(
             xq.contiguous(),
             qweight.t(),  # column-major [K, N], as the GEMM wants its second operand
             scale_a=x_scales.contiguous(),
             scale_b=w_scales.view(1, n),
-            out_dtype=out_dtype,
+            out_dtype=torch.bfloat16,
         )
-        return out if bias is None else out.add_(bias)
+        product = product if bias is None else product.add_(bias)
+        return product.to(out_dtype) if out is None else out.copy_(product)
     c = config or Fp8GemmConfig(block_m=min(64, rows_bucket(m)))
     k_per_split = triton.cdiv(triton.cdiv(k, c.split), c.block_k) * c.block_k
     split = triton.cdiv(k, k_per_split)
     grid = (triton.cdiv(n, c.block_n), split, triton.cdiv(m, c.block_m))
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    assert out.dtype == out_dtype and out.shape == (m, n) and out.is_contiguous()
     partials = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
     arrivals = arrival_counters("fp8_gemm", xq.device, grid[0] * grid[2]) if split > 1 else out
     _fp8_gemm_kernel[grid](

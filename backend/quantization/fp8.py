@@ -83,11 +83,12 @@ class Fp8Weight(QuantizedWeight):
         x_scales: torch.Tensor,
         bias: torch.Tensor | None,
         out_dtype: torch.dtype,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rows already quantized (xq e4m3 [T, in_features], x_scales float32 [T, 1]) ->
-        [T, out_features] in out_dtype, through the scaled GEMM."""
+        [T, out_features] in out_dtype (into `out` where given), through the scaled GEMM."""
         return fp8_gemm.fp8_linear(
-            xq, x_scales, self.qweight, self.scales, bias, out_dtype=out_dtype
+            xq, x_scales, self.qweight, self.scales, bias, out_dtype=out_dtype, out=out
         )
 
     def _on_fp8_gpu(self, x: torch.Tensor) -> bool:

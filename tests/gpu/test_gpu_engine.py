@@ -546,3 +546,31 @@ def test_fp8_norms_writing_e4m3_rows_equal_the_unfused_path(tmp_path, monkeypatc
         patch.setattr(GatedMLP, "takes_e4m3_rows", lambda self, hidden: False)
         want = runner.execute(chunks).logits.float().clone()
     assert torch.equal(got, want)
+
+
+def test_fp8_head_takes_the_norms_e4m3_rows_and_writes_float32_logits(tmp_path, monkeypatch):
+    """An `fp8` model with its lm_head quantized, over several rows: the final RMSNorm writes the
+    head's e4m3 rows and the GEMM writes float32 logits; they equal the unfused path's (the row
+    quantizer, a bf16 product, a cast) within that path's bf16 rounding."""
+    from backend.layers import norm as norm_module
+    from backend.layers.lm_head import LMHead
+    from backend.request import Chunk
+    from tests.tiny_models import save_tiny_hf_model
+
+    save_tiny_hf_model(tmp_path, "llama", **SMALL_QWEN2)
+    runner = small_runner(tmp_path, quantization="fp8", quantize_lm_head=True, cuda_graphs=False)
+    prompts = random_prompts(3, 1000, seed=5, low=40, high=60)
+    chunks = [Chunk.of_sequence(p, list(range(4 * i, 4 * i + 4))) for i, p in enumerate(prompts)]
+    e4m3_flags = []
+    fused = norm_module.fused_rms_norm
+    monkeypatch.setattr(
+        norm_module, "fused_rms_norm", lambda *args: e4m3_flags.append(args[4]) or fused(*args)
+    )
+    got = runner.execute(chunks).logits.clone()
+    assert e4m3_flags.count(True) == 2 * len(runner.model.model.layers) + 1
+    with monkeypatch.context() as patch:
+        patch.setattr(LMHead, "takes_e4m3_rows", lambda self, hidden: False)
+        want = runner.execute(chunks).logits.float().clone()
+    assert got.dtype == torch.float32
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=2**-8, atol=2**-8 * scale)

@@ -103,6 +103,9 @@ def test_fp8_gemm_is_the_torch_path(m, n, k):
     ):
         _relative_close(fp8_linear(*args, out_dtype=x.dtype, config=config).cpu(), expected)
     assert not arrival_counters("fp8_gemm", xq.device, 64).any()  # ready for the next launch
+    out = torch.empty(m, n, device=DEVICE)
+    assert fp8_linear(*args, out_dtype=out.dtype, out=out) is out
+    _relative_close(out.cpu(), expected)
 
 
 def test_every_tuned_fp8_gemm_config_is_the_torch_path():
