@@ -41,12 +41,11 @@ def supported(device: torch.device) -> bool:
 
 
 def _takes_scaled_mm(xq: torch.Tensor, n: int, out_dtype: torch.dtype) -> bool:
-    """torch's row-wise scaled GEMM: Hopper or later, K and N multiples of 16, bfloat16 out (a
-    float32 out is its bfloat16 product cast)."""
+    """torch's row-wise scaled GEMM: Hopper or later, bfloat16 out, K and N multiples of 16."""
     return (
         xq.is_cuda
         and torch.cuda.get_device_capability(xq.device) >= (9, 0)
-        and out_dtype in (torch.bfloat16, torch.float32)
+        and out_dtype == torch.bfloat16
         and xq.shape[1] % 16 == 0
         and n % 16 == 0
     )
@@ -207,10 +206,10 @@ def fp8_linear(
             qweight.t(),  # column-major [K, N], as the GEMM wants its second operand
             scale_a=x_scales.contiguous(),
             scale_b=w_scales.view(1, n),
-            out_dtype=torch.bfloat16,
+            out_dtype=out_dtype,
         )
         product = product if bias is None else product.add_(bias)
-        return product.to(out_dtype) if out is None else out.copy_(product)
+        return product if out is None else out.copy_(product)
     c = config or Fp8GemmConfig(block_m=min(64, rows_bucket(m)))
     k_per_split = triton.cdiv(triton.cdiv(k, c.split), c.block_k) * c.block_k
     split = triton.cdiv(k, k_per_split)

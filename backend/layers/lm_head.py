@@ -1,8 +1,9 @@
 """The language-model head: the final norm, then the vocabulary projection, in float32.
 
 At one row on GPU it is one GEMV with the norm as its prologue and float32 out (one kernel
-instead of a norm, a GEMM and a cast). An `fp8` head of several rows takes the e4m3 rows the norm
-writes, and its scaled GEMM writes float32 logits (no row quantizer, no cast).
+instead of a norm, a GEMM and a cast). An `fp8` head of several rows, where the FP8 GEMM is tuned
+for them, takes the e4m3 rows the norm writes and writes float32 logits (no row quantizer, no
+cast).
 
 Tensor parallel, each rank projects onto its slice of the vocabulary (the embedding's slice, so
 a tied head shares it) and the slices are gathered: every rank ends with the whole row.
@@ -45,7 +46,11 @@ class LMHead(Linear):
             if out is None:
                 out = torch.empty((1, self.out_features), dtype=torch.float32, device=hidden.device)
             return self.one_token(hidden, norm=norm, out=out)
-        if self.takes_e4m3_rows(hidden) and not norm.unit_offset:
+        if (
+            self.takes_e4m3_rows(hidden)
+            and self.quantized.tuned_for(hidden)
+            and not norm.unit_offset
+        ):
             rows = norm(hidden, e4m3=True)
             return self.quantized.matmul_e4m3(rows.values, rows.scales, None, torch.float32, out)
         logits = super().forward(norm(hidden))

@@ -77,6 +77,13 @@ class Fp8Weight(QuantizedWeight):
             and w8a16_gemm.tuned_config(x, self.qweight) is None
         )
 
+    def tuned_for(self, x: torch.Tensor) -> bool:
+        """Whether the device's table has a Triton FP8 GEMM config for x's rows by this weight,
+        which writes any out dtype as cheaply (elsewhere a float32 out may leave torch's scaled
+        GEMM, bfloat16 only, for the untuned Triton kernel)."""
+        n, k = self.qweight.shape
+        return fp8_gemm.tuned_config(x.shape[0], n, k, x.device) is not None
+
     def matmul_e4m3(
         self,
         xq: torch.Tensor,

@@ -549,13 +549,17 @@ def test_fp8_norms_writing_e4m3_rows_equal_the_unfused_path(tmp_path, monkeypatc
 
 
 def test_fp8_head_takes_the_norms_e4m3_rows_and_writes_float32_logits(tmp_path, monkeypatch):
-    """An `fp8` model with its lm_head quantized, over several rows: the final RMSNorm writes the
-    head's e4m3 rows and the GEMM writes float32 logits; they equal the unfused path's (the row
+    """An `fp8` model with its lm_head quantized, over several rows, the FP8 GEMM taken as tuned
+    for the head (the tiny vocabulary has no table entry): the final RMSNorm writes the head's
+    e4m3 rows and the GEMM writes float32 logits; they equal the unfused path's (the row
     quantizer, a bf16 product, a cast) within that path's bf16 rounding."""
     from backend.layers import norm as norm_module
     from backend.layers.lm_head import LMHead
+    from backend.quantization import Fp8Weight
     from backend.request import Chunk
     from tests.tiny_models import save_tiny_hf_model
+
+    monkeypatch.setattr(Fp8Weight, "tuned_for", lambda self, x: True)
 
     save_tiny_hf_model(tmp_path, "llama", **SMALL_QWEN2)
     runner = small_runner(tmp_path, quantization="fp8", quantize_lm_head=True, cuda_graphs=False)
