@@ -147,8 +147,8 @@ def _fp8_gemm_kernel(
         else:
             w = tl.load(w_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
             x = tl.load(x_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-        # Hopper's e4m3 tensor cores keep ~13 bits of mantissa in their running sum: each K tile's
-        # sum is added into float32, which keeps K = 8192's error below the bf16 output's rounding.
+        # Hopper's e4m3 tensor cores keep fewer bits than float32 in their running sum: each K
+        # tile's sum is added into float32, so a long K loses no more than the output's rounding.
         acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
     if SPLIT == 1:
         _store_scaled(acc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
