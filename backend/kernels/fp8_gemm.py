@@ -10,9 +10,8 @@ e4m3 products accumulate in float32, both scales applied once after K.
 
 The kernel computes out^T = W x^T: a program's weight tile is the dot's first operand, so a step
 of a few rows (decode) still fills the tensor cores' 64-row side with weights, and its rows are the
-narrow side. A projection with few output tiles splits K over SPLIT programs; each writes its
-float32 partial sum, and the last of a tile's programs to arrive (an arrival counter) adds them
-in split order, scales and stores, in the same kernel.
+narrow side. A projection with few output tiles splits K over SPLIT programs, whose partial sums
+the last of a tile's programs to arrive adds, scales and stores (`split_k`).
 
 Both compute what `backend.quantization.fp8.Fp8Weight`'s torch path computes on CPU; tests run
 the Triton kernels under the interpreter there (which widens the float8 operands), so their tiling
@@ -28,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.arrivals import arrival_counters
+from backend.kernels.split_k import add_split_partials, k_per_split, split_buffers
 from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
 
 
@@ -123,7 +122,7 @@ def _fp8_gemm_kernel(
     M,
     N,
     K,
-    k_per_split,
+    per_split,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -137,9 +136,9 @@ def _fp8_gemm_kernel(
     # Rows and columns past the edge read row 0 (never stored), so the loads need no mask.
     w_rows = q_ptr + tl.where(n < N, n, 0).to(tl.int64)[:, None] * K
     x_rows = x_ptr + tl.where(m < M, m, 0).to(tl.int64)[:, None] * K
-    k_start = split * k_per_split
+    k_start = split * per_split
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+    for k0 in range(k_start, tl.minimum(k_start + per_split, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_rows + k[None, :])
@@ -153,19 +152,9 @@ def _fp8_gemm_kernel(
     if SPLIT == 1:
         _store_scaled(acc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
     else:
-        ok = (m < M)[None, :] & (n < N)[:, None]
-        tl.store(part_ptr + (split * M + m[None, :]).to(tl.int64) * N + n[:, None], acc, mask=ok)
-        # Every thread's stores are done (barrier) before one thread's acq_rel increment
-        # publishes them; the last to arrive adds the splits in their order, so the sum is fixed.
-        tl.debug_barrier()
-        counter = arrivals_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            tl.store(counter, 0)  # ready for the next launch
-            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            for s in tl.static_range(SPLIT):
-                part = part_ptr + (s * M + m[None, :]).to(tl.int64) * N + n[:, None]
-                acc += tl.load(part, mask=ok, other=0.0, cache_modifier=".cg")
-            _store_scaled(acc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
+        last, total = add_split_partials(acc, part_ptr, arrivals_ptr, m, n, M, N, SPLIT)
+        if last:
+            _store_scaled(total, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
 
 
 def config_key(n: int, k: int, m: int) -> str:
@@ -211,14 +200,13 @@ def fp8_linear(
         product = product if bias is None else product.add_(bias)
         return product if out is None else out.copy_(product)
     c = config or Fp8GemmConfig(block_m=min(64, rows_bucket(m)))
-    k_per_split = triton.cdiv(triton.cdiv(k, c.split), c.block_k) * c.block_k
-    split = triton.cdiv(k, k_per_split)
+    per_split = k_per_split(k, c.split, c.block_k)
+    split = triton.cdiv(k, per_split)
     grid = (triton.cdiv(n, c.block_n), split, triton.cdiv(m, c.block_m))
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     assert out.dtype == out_dtype and out.shape == (m, n) and out.is_contiguous()
-    partials = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
-    arrivals = arrival_counters("fp8_gemm", xq.device, grid[0] * grid[2]) if split > 1 else out
+    partials, arrivals = split_buffers("fp8_gemm", split, m, n, grid, xq.device)
     _fp8_gemm_kernel[grid](
         xq.contiguous(),
         x_scales.contiguous(),
@@ -226,12 +214,12 @@ def fp8_linear(
         w_scales,
         bias if bias is not None else w_scales,
         out,
-        partials,
-        arrivals,
+        partials if partials is not None else out,
+        arrivals if arrivals is not None else out,
         m,
         n,
         k,
-        k_per_split,
+        per_split,
         HAS_BIAS=bias is not None,
         EVEN_K=k % c.block_k == 0,
         SPLIT=split,

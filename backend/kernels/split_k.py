@@ -1,0 +1,53 @@
+"""K split over programs for the swapped GEMMs (`fp8_gemm`, `int4_matmul`): each program of an
+output tile writes its float32 partial sum, and the last of the tile's programs to arrive (an
+arrival counter, `backend.kernels.arrivals`) adds them all in split order, so the sum is the
+same whichever program arrives last, and no second kernel is launched to add them.
+
+Tiles are out^T's: acc [BLOCK_N, BLOCK_M] for output columns n and rows m; partial sums are kept
+as [SPLIT, M, N] float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from backend.kernels.arrivals import arrival_counters
+
+
+@triton.jit
+def add_split_partials(acc, part_ptr, arrivals_ptr, m, n, M, N, SPLIT: tl.constexpr):
+    """(whether this program is its tile's last to arrive, the sum of the tile's partial sums
+    in split order: meaningful only for the last)."""
+    ok = (m < M)[None, :] & (n < N)[:, None]
+    split = tl.program_id(1)
+    tl.store(part_ptr + (split * M + m[None, :]).to(tl.int64) * N + n[:, None], acc, mask=ok)
+    # Every thread's stores are done (barrier) before one thread's acq_rel increment publishes
+    # them.
+    tl.debug_barrier()
+    counter = arrivals_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+    total = tl.zeros_like(acc)
+    if last:
+        tl.store(counter, 0)  # ready for the next launch
+        for s in tl.static_range(SPLIT):
+            part = part_ptr + (s * M + m[None, :]).to(tl.int64) * N + n[:, None]
+            total += tl.load(part, mask=ok, other=0.0, cache_modifier=".cg")
+    return last, total
+
+
+def split_buffers(
+    kernel: str, split: int, m: int, n: int, grid: tuple[int, int, int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """(partial sums [split, m, n] float32, the kernel's arrival counters) for a launch over
+    grid (n tiles, split, m tiles); (None, None) without a split."""
+    if split == 1:
+        return None, None
+    partials = torch.empty(split, m, n, dtype=torch.float32, device=device)
+    return partials, arrival_counters(kernel, device, grid[0] * grid[2])
+
+
+def k_per_split(k: int, split: int, block_k: int) -> int:
+    """Each split's share of K, whole K tiles."""
+    return triton.cdiv(triton.cdiv(k, split), block_k) * block_k
