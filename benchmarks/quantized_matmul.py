@@ -6,11 +6,11 @@ method): M = 1 is the one-token GEMV, larger M the format's GEMM (fp8: the row q
 scaled GEMM). Reports µs per call and the weight-read rate. `--sweep` also times, at each M > 1,
 the W8A16 GEMM's launch configs for int8 and e4m3 weights (tiles, K tiles, K splits, stages),
 the FP8 W8A8 Triton GEMM's (`fp8_gemm`) against torch's scaled GEMM on quantized rows, and the
-int4 GEMM's (BLOCK_M, BLOCK_N) tiles, and reports the fastest. `--write-tuning` keeps for this
-device, in `backend/kernels/tuning/`: every int8 W8A16 winner; the FP8 Triton GEMM's winner
-where it beats the scaled GEMM; and an e4m3 W8A16 winner only where it beats the faster e4m3
-product plus, for the projections whose rows no fused kernel quantizes (o, lm_head), the row
-quantizer (an e4m3 entry that no longer wins is dropped).
+4-bit GEMM's (tiles, K splits, stages), and reports the fastest. `--write-tuning` keeps for this
+device, in `backend/kernels/tuning/`: every int8 W8A16 and every 4-bit winner; the FP8 Triton
+GEMM's winner where it beats the scaled GEMM; and an e4m3 W8A16 winner only where it beats the
+faster e4m3 product plus, for the projections whose rows no fused kernel quantizes (o,
+lm_head), the row quantizer (an e4m3 entry that no longer wins is dropped).
 
     python -m benchmarks.quantized_matmul --model llama-3.2-1b --rows 1 16 64 256 [--sweep] \
         [--write-tuning] [--projections qkv o gate_up down lm_head] --json OUT
@@ -25,7 +25,8 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-from backend.kernels.int4_matmul import int4_gemm
+from backend.kernels import int4_matmul
+from backend.kernels.int4_matmul import Int4GemmConfig, int4_gemm
 from backend.kernels import fp8_gemm, tuning
 from backend.kernels.fp8_gemm import Fp8GemmConfig
 from backend.kernels.tuning import rows_bucket
@@ -42,7 +43,7 @@ FORMATS = {
     "fp8": Fp8Weight.quantize,
     "int4_wo": Int4Weight.quantize,
 }
-TILES = dict(block_m=[16, 32, 64], block_n=[16, 32, 64, 128])  # int4
+INT4_SPACE = dict(block_n=[64, 128], split=[1, 2, 4, 8], num_stages=[3, 4])
 W8A16_SPACE = dict(block_n=[32, 64, 128], block_k=[128, 256], split=[1, 2, 4], num_stages=[3, 4])
 FP8_SPACE = dict(block_n=[64, 128], block_k=[128, 256], split=[1, 2, 4, 8], num_stages=[3, 4])
 ROWS_QUANTIZED_BY_A_FUSED_KERNEL = ("qkv", "gate_up", "down")  # RMSNorm, silu·mul
@@ -70,17 +71,20 @@ def _time(call, weights: list) -> float:
 
 
 def _sweep_int4(x: torch.Tensor, weights: list) -> dict:
-    timings = []
-    for block_m, block_n in itertools.product(*TILES.values()):
-        if block_m > 16 and block_m // 2 >= x.shape[0]:
-            continue
+    """The fastest 4-bit GEMM config at x's rows."""
+    rows, group = rows_bucket(x.shape[0]), weights[0].group_size
+    configs = [
+        Int4GemmConfig(block_n, block_m, min(group, 128), split, warps, stages)
+        for block_n, split, stages in itertools.product(*INT4_SPACE.values())
+        for block_m in sorted({min(64, rows), min(128, rows)})
+        for warps in ([4, 8] if block_n == 128 else [4])
+    ]
 
-        def call(w, bm=block_m, bn=block_n):
-            return int4_gemm(x, w.qweight, w.scales, w.zeros, w.group_size, block_m=bm, block_n=bn)
+    def gemm(w, config):
+        return int4_gemm(x, w.qweight, w.scales, w.zeros, w.group_size, None, config)
 
-        timings.append((_time(call, weights), block_m, block_n))
-    us, block_m, block_n = min(timings)
-    return {"best_us": round(us, 2), "block_m": block_m, "block_n": block_n}
+    us, config = _best(configs, gemm, weights)
+    return {"best_us": round(us, 2), "config": asdict(config)}
 
 
 def _best(configs, product, weights: list) -> tuple[float, object]:
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     config = ModelConfig.from_dir(resolve_model(args.model))
-    rows, tuned = [], {"w8a16_gemm": {}, "fp8_gemm": {}}
+    rows, tuned = [], {"w8a16_gemm": {}, "fp8_gemm": {}, "int4_gemm": {}}
     for name in args.projections:
         n, k = projection_shapes(config)[name]
         copies = 2 if name == "lm_head" else config.num_layers  # 2 lm_heads overflow L2 already
@@ -193,7 +197,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     tuned["fp8_gemm"][fp8_gemm.config_key(n, k, m)] = fp8_entry
                     tuned["w8a16_gemm"][config_key(weights[0].qweight.dtype, n, k, m)] = w8a16_entry
                 elif args.sweep and m > 1 and fmt == "int4_wo":
-                    row["sweep"] = _sweep_int4(x, weights)
+                    row["sweep"] = sweep = _sweep_int4(x, weights)
+                    key = int4_matmul.config_key(n, k, weights[0].group_size, m)
+                    tuned["int4_gemm"][key] = sweep["config"]
                 print(row, flush=True)
                 rows.append(row)
             del weights

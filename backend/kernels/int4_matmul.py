@@ -1,22 +1,47 @@
 """Linear layers over 4-bit weights with a scale and zero point per group of input channels
-(W4A16, `backend.quantization.int4.Int4Weight`'s layout): out = x @ W^T with
-W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g], de-quantized in registers.
+(W4A16, `backend.quantization.int4.Int4Weight`'s layout), for steps of several rows: out = x @ W^T
+with W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]. One-row steps stream the weight
+through the one-token GEMV (`backend.kernels.gemv`) instead.
 
-`int4_gemm`, for steps of several rows: a program de-quantizes a [BLOCK_N, BLOCK_K / 2 bytes] tile
-of weight rows into the activations' dtype (low nibbles: even input channels, high: odd) and
-multiplies it on tensor cores with the even and the odd columns of BLOCK_M activation rows,
-accumulating in float32. A K tile never straddles two groups (BLOCK_K divides the group size), so
-each tile reads one scale and one zero point per row. One-row steps stream the weight through the
-one-token GEMV (`backend.kernels.gemv`) instead.
+As the FP8 GEMM (`backend.kernels.fp8_gemm`), a program computes a tile of out^T = W x^T: a
+[BLOCK_N, BLOCK_K] weight tile, unpacked in registers (low nibble: input channel 2j, high: 2j + 1)
+to q - zero, exact in 16 bits, is the dot's first operand, the step's rows the narrow side; K may
+be split over programs (`split_k`). A K tile never straddles two groups (BLOCK_K divides the
+group size), so its sum is multiplied by one scale per weight row before it joins the float32
+accumulator. Launch configs per device and shape: `tuning/int4_gemm.json`, from `python -m
+benchmarks.quantized_matmul --formats int4_wo --sweep --write-tuning`.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.tuning import few_rows_tiles
+from backend.kernels.split_k import add_split_partials, k_per_split, split_buffers
+from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
+
+
+@dataclass(frozen=True)
+class Int4GemmConfig:
+    block_n: int = 64  # weight rows (output columns) per program
+    block_m: int = 64  # activation rows per program
+    block_k: int = 128  # at most the group size
+    split: int = 1  # programs along K; the tile's last to arrive adds their partial sums
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _store(acc, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M], out^T's tile, plus the bias, into out [M, N]."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + tl.where(n < N, n, 0)).to(tl.float32)[:, None]
+    out = out_ptr + m[None, :].to(tl.int64) * N + n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[None, :] & (n < N)[:, None])
 
 
 @triton.jit
@@ -27,43 +52,64 @@ def _int4_gemm_kernel(
     zero_ptr,
     bias_ptr,
     out_ptr,
+    part_ptr,
+    arrivals_ptr,
     M,
     N,
     K,
     stride_xm,
+    per_split,
     GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     HALF: tl.constexpr = BLOCK_K // 2
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = m < M, n < N
-    x_rows = x_ptr + tl.where(m_ok, m, 0).to(tl.int64)[:, None] * stride_xm
-    n_in = tl.where(n_ok, n, 0).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Rows and columns past the edge read row 0 (never stored), so the loads need no mask.
+    n_in = tl.where(n < N, n, 0).to(tl.int64)
+    q_rows = q_ptr + n_in[:, None] * (K // 2)
+    x_rows = x_ptr + tl.where(m < M, m, 0).to(tl.int64)[:, None] * stride_xm
     groups = K // GROUP
-    j = tl.arange(0, HALF)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        even = tl.load(x_rows + (k0 + 2 * j)[None, :])  # [BLOCK_M, HALF]
-        odd = tl.load(x_rows + (k0 + 2 * j + 1)[None, :])
-        packed = tl.load(q_ptr + n_in[:, None] * (K // 2) + (k0 // 2 + j)[None, :])  # [N, HALF]
-        packed = packed.to(tl.int32)
-        s = tl.load(scale_ptr + n_in * groups + k0 // GROUP).to(tl.float32)[:, None]
-        z = (tl.load(zero_ptr + n_in * groups + k0 // GROUP).to(tl.float32) + 8388608.0)[:, None]
+    k_start = tl.program_id(1) * per_split
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + per_split, K), BLOCK_K):
+        packed = tl.load(q_rows + (k0 // 2 + tl.arange(0, HALF))[None, :]).to(tl.int32)
+        x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :])  # [BLOCK_M, BLOCK_K]
+        z = tl.load(zero_ptr + n_in * groups + k0 // GROUP).to(tl.float32) + 8388608.0
         # No int-to-float conversion per weight: q | 0x4B000000 bitcast is exactly 2^23 + q.
-        q_low = ((packed & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True)
-        q_high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
-        low = ((q_low - z) * s).to(even.dtype)
-        high = ((q_high - z) * s).to(even.dtype)
-        acc = tl.dot(even, tl.trans(low), acc)
-        acc = tl.dot(odd, tl.trans(high), acc)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n_in).to(tl.float32)[None, :]
-    out = out_ptr + m[:, None].to(tl.int64) * N + n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        low = ((packed & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - z[:, None]
+        high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - z[:, None]
+        w = tl.join(low, high).reshape(BLOCK_N, BLOCK_K).to(x.dtype)  # channels 2j, 2j + 1
+        s = tl.load(scale_ptr + n_in * groups + k0 // GROUP).to(tl.float32)
+        acc += s[:, None] * tl.dot(w, tl.trans(x))
+    if SPLIT == 1:
+        _store(acc, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
+    else:
+        last, total = add_split_partials(acc, part_ptr, arrivals_ptr, m, n, M, N, SPLIT)
+        if last:
+            _store(total, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
+
+
+def config_key(n: int, k: int, group_size: int, m: int) -> str:
+    return shape_key(n=n, k=k, group=group_size, rows=rows_bucket(m))
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(device: str | None, key: str) -> Int4GemmConfig | None:
+    entry = lookup("int4_gemm", key, device)
+    return Int4GemmConfig(**entry) if entry is not None else None
+
+
+def default_config(m: int, n: int, group_size: int) -> Int4GemmConfig:
+    """Where the device's table has no entry: narrow projections split K over four programs, so
+    their few output tiles still spread over the SMs."""
+    return Int4GemmConfig(
+        block_m=min(64, rows_bucket(m)), block_k=min(group_size, 128), split=4 if n <= 4096 else 1
+    )
 
 
 def _check(x, qweight, scales, zeros, group_size, block_k) -> None:
@@ -73,7 +119,7 @@ def _check(x, qweight, scales, zeros, group_size, block_k) -> None:
     assert scales.shape == zeros.shape == (n, k // group_size)
     assert scales.is_contiguous() and zeros.is_contiguous() and zeros.dtype == torch.uint8
     assert group_size % block_k == 0, "a K tile must not straddle two groups"
-    assert block_k >= 32, "each K tile's even and odd halves are dot operands of 16 or more"
+    assert block_k >= 16, "K tiles are dot operands of 16 or more"
 
 
 def int4_gemm(
@@ -83,34 +129,40 @@ def int4_gemm(
     zeros: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
-    *,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
+    config: Int4GemmConfig | None = None,
 ) -> torch.Tensor:
-    """x [M, K] -> x @ W^T (+ bias) [M, N] in x's dtype. Tiles: `few_rows_tiles` and K tiles of
-    up to 128 within a group, unless given."""
-    block_k = block_k or min(group_size, 128)
-    _check(x, qweight, scales, zeros, group_size, block_k)
+    """x [M, K] -> x @ W^T (+ bias) [M, N] in x's dtype. Config: the given one, the device's
+    tuned one, else `default_config`."""
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
-    tiles = few_rows_tiles(m, n)
-    block_m, block_n = block_m or tiles[0], block_n or tiles[1]
+    key = config_key(n, k, group_size, m)
+    c = config or _tuned(device_name(x.device), key) or default_config(m, n, group_size)
+    _check(x, qweight, scales, zeros, group_size, c.block_k)
+    per_split = k_per_split(k, c.split, c.block_k)
+    split = triton.cdiv(k, per_split)
+    grid = (triton.cdiv(n, c.block_n), split, triton.cdiv(m, c.block_m))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _int4_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+    partials, arrivals = split_buffers("int4_gemm", split, m, n, grid, x.device)
+    _int4_gemm_kernel[grid](
         x,
         qweight,
         scales,
         zeros,
         bias if bias is not None else scales,
         out,
+        partials if partials is not None else out,
+        arrivals if arrivals is not None else out,
         m,
         n,
         k,
         x.stride(0),
+        per_split,
         GROUP=group_size,
         HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        SPLIT=split,
+        BLOCK_N=c.block_n,
+        BLOCK_M=c.block_m,
+        BLOCK_K=c.block_k,
+        num_warps=c.num_warps,
+        num_stages=c.num_stages,
     )
     return out

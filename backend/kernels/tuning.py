@@ -72,14 +72,3 @@ def write(kernel: str, device: str, configs: dict[str, dict | None], source: str
 def rows_bucket(m: int) -> int:
     """The row count a GEMM's tuned config is kept for: the next power of two, at least 16."""
     return max(16, 1 << (m - 1).bit_length())
-
-
-def few_rows_tiles(m: int, n: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for the int4 GEMM of m rows by n outputs (`int4_matmul`): narrow tiles
-    for the hidden-wide projections, so that their few columns still spread over a few hundred
-    programs; wider ones for the intermediate-wide projections, whose
-    weight tiles are then de-quantized for fewer row tiles. From a sweep at 64 rows on the
-    Llama-3.2-1B shapes (benchmarks/README.md, "Weight formats")."""
-    if n <= 4096:
-        return 16, 32
-    return min(64, max(16, 1 << (m - 1).bit_length())), 64

@@ -20,7 +20,7 @@ from backend.kernels import fp8_gemm  # noqa: E402
 from backend.kernels.arrivals import arrival_counters  # noqa: E402
 from backend.kernels.fp8_gemm import Fp8GemmConfig, fp8_linear  # noqa: E402
 from backend.kernels.gemv import gemv, supports, takes_partials  # noqa: E402
-from backend.kernels.int4_matmul import int4_gemm  # noqa: E402
+from backend.kernels.int4_matmul import Int4GemmConfig, int4_gemm  # noqa: E402
 from backend.kernels.w8a16_gemm import GemmConfig, w8a16_gemm  # noqa: E402
 from backend.quantization import Fp8Weight, Int4Weight, Int8Weight  # noqa: E402
 from backend.quantization.fp8 import quantize_rows  # noqa: E402
@@ -71,14 +71,21 @@ def test_w8a16_gemm_is_dequantize_then_matmul(m, n, k, fmt):
 @pytest.mark.parametrize("group", [128, 64])
 @pytest.mark.parametrize("m", [3, 20])
 def test_int4_gemm_is_dequantize_then_matmul(group, m):
-    n, k = 48, 256
+    """Default tiles (K split over four programs), narrow tiles, K split over 3 (the last split
+    shorter), columns and rows past the tiles' edges."""
+    n, k = 48, 512
     w = _int4(n, k, group, seed=m)
     x = torch.randn(m, k, device=DEVICE)
     bias = torch.randn(n, device=DEVICE)
     expected = F.linear(x, w.dequantize(torch.float32), bias)
     args = (w.qweight, w.scales, w.zeros, group, bias)
     _relative_close(int4_gemm(x, *args), expected)
-    _relative_close(int4_gemm(x, *args, block_m=16, block_n=32, block_k=32), expected)
+    for config in (
+        Int4GemmConfig(block_n=16, block_m=16, block_k=32),
+        Int4GemmConfig(block_n=32, block_m=32, block_k=64, split=3),
+    ):
+        _relative_close(int4_gemm(x, *args, config), expected)
+    assert not arrival_counters("int4_gemm", x.device, 64).any()  # ready for the next launch
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 48, 256), (70, 24, 128), (16, 64, 8192)])
