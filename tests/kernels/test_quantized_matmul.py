@@ -139,6 +139,24 @@ def test_every_tuned_fp8_gemm_config_is_the_torch_path():
         _relative_close(got, expected)
 
 
+def test_every_tuned_int4_gemm_config_is_dequantize_then_matmul():
+    """Each distinct config of the devices' 4-bit tables, as the fp8 test above."""
+    from backend.kernels import tuning
+
+    shapes = {
+        (c["block_n"], c["block_m"], c["block_k"], c["split"])
+        for table in tuning.table("int4_gemm").values()
+        for c in table["configs"].values()
+    }
+    assert shapes, "the table has entries"
+    for block_n, block_m, block_k, split in sorted(shapes):
+        n, k, m = block_n + 8, block_k * split * 2, block_m + 3
+        weight, x = _int4(n, k, block_k, seed=block_n), torch.randn(m, k, device=DEVICE)
+        config = Int4GemmConfig(block_n, block_m, block_k, split)
+        got = int4_gemm(x, weight.qweight, weight.scales, weight.zeros, block_k, None, config)
+        _relative_close(got, F.linear(x, weight.dequantize(torch.float32)))
+
+
 def _fp8(n: int, k: int, seed: int) -> Fp8Weight:
     torch.manual_seed(seed)
     return Fp8Weight.quantize(torch.randn(n, k)).to(DEVICE)
