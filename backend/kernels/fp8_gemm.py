@@ -21,13 +21,17 @@ and scaling are checked on CPU, and their speed and code generation on a GPU.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.split_k import add_split_partials, k_per_split, split_buffers
+from backend.kernels.split_k import (
+    SwappedGemmConfig,
+    add_split_partials,
+    k_per_split,
+    split_buffers,
+)
 from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
 
 
@@ -87,14 +91,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, scales
 
 
-@dataclass(frozen=True)
-class Fp8GemmConfig:
-    block_n: int = 64  # weight rows (output columns) per program
-    block_m: int = 64  # activation rows per program
-    block_k: int = 128
-    split: int = 1  # programs along K; the tile's last to arrive adds their partial sums
-    num_warps: int = 4
-    num_stages: int = 3
+Fp8GemmConfig = SwappedGemmConfig
 
 
 @triton.jit
@@ -222,11 +219,6 @@ def fp8_linear(
         per_split,
         HAS_BIAS=bias is not None,
         EVEN_K=k % c.block_k == 0,
-        SPLIT=split,
-        BLOCK_N=c.block_n,
-        BLOCK_M=c.block_m,
-        BLOCK_K=c.block_k,
-        num_warps=c.num_warps,
-        num_stages=c.num_stages,
+        **c.launch_args(split),
     )
     return out

@@ -15,24 +15,21 @@ benchmarks.quantized_matmul --formats int4_wo --sweep --write-tuning`.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.split_k import add_split_partials, k_per_split, split_buffers
+from backend.kernels.split_k import (
+    SwappedGemmConfig,
+    add_split_partials,
+    k_per_split,
+    split_buffers,
+)
 from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
 
 
-@dataclass(frozen=True)
-class Int4GemmConfig:
-    block_n: int = 64  # weight rows (output columns) per program
-    block_m: int = 64  # activation rows per program
-    block_k: int = 128  # at most the group size
-    split: int = 1  # programs along K; the tile's last to arrive adds their partial sums
-    num_warps: int = 4
-    num_stages: int = 3
+Int4GemmConfig = SwappedGemmConfig
 
 
 @triton.jit
@@ -158,11 +155,6 @@ def int4_gemm(
         per_split,
         GROUP=group_size,
         HAS_BIAS=bias is not None,
-        SPLIT=split,
-        BLOCK_N=c.block_n,
-        BLOCK_M=c.block_m,
-        BLOCK_K=c.block_k,
-        num_warps=c.num_warps,
-        num_stages=c.num_stages,
+        **c.launch_args(split),
     )
     return out

@@ -9,11 +9,36 @@ as [SPLIT, M, N] float32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from backend.kernels.arrivals import arrival_counters
+
+
+@dataclass(frozen=True)
+class SwappedGemmConfig:
+    """A launch of a swapped GEMM: its tiles, K split, warps and stages."""
+
+    block_n: int = 64  # weight rows (output columns) per program
+    block_m: int = 64  # activation rows per program
+    block_k: int = 128
+    split: int = 1  # programs along K; the tile's last to arrive adds their partial sums
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def launch_args(self, split: int) -> dict:
+        """The kernel's tile constexprs and launch options, for `split` programs along K."""
+        return dict(
+            SPLIT=split,
+            BLOCK_N=self.block_n,
+            BLOCK_M=self.block_m,
+            BLOCK_K=self.block_k,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
 
 
 @triton.jit

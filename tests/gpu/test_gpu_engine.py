@@ -519,26 +519,34 @@ def test_fp8_mlp_with_silu_writing_e4m3_rows_equals_the_unfused_path(monkeypatch
     assert torch.equal(got, want)
 
 
-def test_fp8_norms_writing_e4m3_rows_equal_the_unfused_path(tmp_path, monkeypatch):
-    """An `fp8` model's prefill of three prompts (many rows: the scaled GEMMs): each decoder
-    layer's two RMSNorms write the qkv and gate|up projections' e4m3 rows and scales themselves,
-    and the logits equal those of the norms, the row quantizer and the scaled GEMMs run apart,
-    bit for bit."""
+def fp8_prefill_noting_e4m3_norms(tmp_path, monkeypatch, seed: int, **config):
+    """(an `fp8` runner of the tiny model without graphs, prefill chunks of three prompts, the
+    list to which each fused RMSNorm call appends whether it wrote e4m3 rows)."""
     from backend.layers import norm as norm_module
-    from backend.layers.attention import SelfAttention
-    from backend.layers.mlp import GatedMLP
     from backend.request import Chunk
     from tests.tiny_models import save_tiny_hf_model
 
     save_tiny_hf_model(tmp_path, "llama", **SMALL_QWEN2)
-    runner = small_runner(tmp_path, quantization="fp8", cuda_graphs=False)
-    prompts = random_prompts(3, 1000, seed=4, low=40, high=60)
+    runner = small_runner(tmp_path, quantization="fp8", cuda_graphs=False, **config)
+    prompts = random_prompts(3, 1000, seed=seed, low=40, high=60)
     chunks = [Chunk.of_sequence(p, list(range(4 * i, 4 * i + 4))) for i, p in enumerate(prompts)]
     e4m3_flags = []
     fused = norm_module.fused_rms_norm
     monkeypatch.setattr(
         norm_module, "fused_rms_norm", lambda *args: e4m3_flags.append(args[4]) or fused(*args)
     )
+    return runner, chunks, e4m3_flags
+
+
+def test_fp8_norms_writing_e4m3_rows_equal_the_unfused_path(tmp_path, monkeypatch):
+    """An `fp8` model's prefill of three prompts (many rows: the scaled GEMMs): each decoder
+    layer's two RMSNorms write the qkv and gate|up projections' e4m3 rows and scales themselves,
+    and the logits equal those of the norms, the row quantizer and the scaled GEMMs run apart,
+    bit for bit."""
+    from backend.layers.attention import SelfAttention
+    from backend.layers.mlp import GatedMLP
+
+    runner, chunks, e4m3_flags = fp8_prefill_noting_e4m3_norms(tmp_path, monkeypatch, seed=4)
     got = runner.execute(chunks).logits.float().clone()
     assert e4m3_flags.count(True) == 2 * len(runner.model.model.layers)
     with monkeypatch.context() as patch:
@@ -553,22 +561,12 @@ def test_fp8_head_takes_the_norms_e4m3_rows_and_writes_float32_logits(tmp_path, 
     for the head (the tiny vocabulary has no table entry): the final RMSNorm writes the head's
     e4m3 rows and the GEMM writes float32 logits; they equal the unfused path's (the row
     quantizer, a bf16 product, a cast) within that path's bf16 rounding."""
-    from backend.layers import norm as norm_module
     from backend.layers.lm_head import LMHead
     from backend.quantization import Fp8Weight
-    from backend.request import Chunk
-    from tests.tiny_models import save_tiny_hf_model
 
     monkeypatch.setattr(Fp8Weight, "tuned_for", lambda self, x: True)
-
-    save_tiny_hf_model(tmp_path, "llama", **SMALL_QWEN2)
-    runner = small_runner(tmp_path, quantization="fp8", quantize_lm_head=True, cuda_graphs=False)
-    prompts = random_prompts(3, 1000, seed=5, low=40, high=60)
-    chunks = [Chunk.of_sequence(p, list(range(4 * i, 4 * i + 4))) for i, p in enumerate(prompts)]
-    e4m3_flags = []
-    fused = norm_module.fused_rms_norm
-    monkeypatch.setattr(
-        norm_module, "fused_rms_norm", lambda *args: e4m3_flags.append(args[4]) or fused(*args)
+    runner, chunks, e4m3_flags = fp8_prefill_noting_e4m3_norms(
+        tmp_path, monkeypatch, seed=5, quantize_lm_head=True
     )
     got = runner.execute(chunks).logits.clone()
     assert e4m3_flags.count(True) == 2 * len(runner.model.model.layers) + 1
