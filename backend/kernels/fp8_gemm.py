@@ -149,10 +149,7 @@ def _fp8_gemm_kernel(
     if SPLIT == 1:
         _store_scaled(acc, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
     else:
-        tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-        last, total = add_split_partials(
-            acc, part_ptr, arrivals_ptr, m, n, M, N, split, tile, SPLIT
-        )
+        last, total = add_split_partials(acc, part_ptr, arrivals_ptr, m, n, M, N, SPLIT)
         if last:
             _store_scaled(total, out_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
 
@@ -206,7 +203,7 @@ def fp8_linear(
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     assert out.dtype == out_dtype and out.shape == (m, n) and out.is_contiguous()
-    partials, arrivals = split_buffers("fp8_gemm", split, m, n, grid[0] * grid[2], xq.device)
+    partials, arrivals = split_buffers("fp8_gemm", split, m, n, grid, xq.device)
     _fp8_gemm_kernel[grid](
         xq.contiguous(),
         x_scales.contiguous(),

@@ -86,11 +86,7 @@ def _int4_gemm_kernel(
     if SPLIT == 1:
         _store(acc, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
     else:
-        tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-        split = tl.program_id(1)
-        last, total = add_split_partials(
-            acc, part_ptr, arrivals_ptr, m, n, M, N, split, tile, SPLIT
-        )
+        last, total = add_split_partials(acc, part_ptr, arrivals_ptr, m, n, M, N, SPLIT)
         if last:
             _store(total, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
 
@@ -142,7 +138,7 @@ def int4_gemm(
     split = triton.cdiv(k, per_split)
     grid = (triton.cdiv(n, c.block_n), split, triton.cdiv(m, c.block_m))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partials, arrivals = split_buffers("int4_gemm", split, m, n, grid[0] * grid[2], x.device)
+    partials, arrivals = split_buffers("int4_gemm", split, m, n, grid, x.device)
     _int4_gemm_kernel[grid](
         x,
         qweight,

@@ -1,11 +1,10 @@
-"""K split over programs for the GEMMs of few rows (`fp8_gemm`, `int4_matmul`, `w8a16_gemm`):
-each program of an output tile writes its float32 partial sum, and the last of the tile's
-programs to arrive (an arrival counter, `backend.kernels.arrivals`) adds them all in split
-order, so the sum is the same whichever program arrives last, and no second kernel is launched
-to add them.
+"""K split over programs for the swapped GEMMs (`fp8_gemm`, `int4_matmul`): each program of an
+output tile writes its float32 partial sum, and the last of the tile's programs to arrive (an
+arrival counter, `backend.kernels.arrivals`) adds them all in split order, so the sum is the
+same whichever program arrives last, and no second kernel is launched to add them.
 
-Tiles are out^T's: acc [BLOCK_N, BLOCK_M] for output columns n and rows m (the W8A16 GEMM hands
-its [BLOCK_M, BLOCK_N] tile over transposed); partial sums are kept as [SPLIT, M, N] float32.
+Tiles are out^T's: acc [BLOCK_N, BLOCK_M] for output columns n and rows m; partial sums are kept
+as [SPLIT, M, N] float32.
 """
 
 from __future__ import annotations
@@ -43,16 +42,16 @@ class SwappedGemmConfig:
 
 
 @triton.jit
-def add_split_partials(acc, part_ptr, arrivals_ptr, m, n, M, N, split, tile, SPLIT: tl.constexpr):
-    """acc: this program's partial sum, split `split` of output tile `tile` -> (whether this
-    program is the tile's last to arrive, the sum of the tile's partial sums in split order:
-    meaningful only for the last)."""
+def add_split_partials(acc, part_ptr, arrivals_ptr, m, n, M, N, SPLIT: tl.constexpr):
+    """(whether this program is its tile's last to arrive, the sum of the tile's partial sums
+    in split order: meaningful only for the last)."""
     ok = (m < M)[None, :] & (n < N)[:, None]
+    split = tl.program_id(1)
     tl.store(part_ptr + (split * M + m[None, :]).to(tl.int64) * N + n[:, None], acc, mask=ok)
     # Every thread's stores are done (barrier) before one thread's acq_rel increment publishes
     # them.
     tl.debug_barrier()
-    counter = arrivals_ptr + tile
+    counter = arrivals_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
     last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
     total = tl.zeros_like(acc)
     if last:
@@ -64,14 +63,14 @@ def add_split_partials(acc, part_ptr, arrivals_ptr, m, n, M, N, split, tile, SPL
 
 
 def split_buffers(
-    kernel: str, split: int, m: int, n: int, tiles: int, device: torch.device
+    kernel: str, split: int, m: int, n: int, grid: tuple[int, int, int], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-    """(partial sums [split, m, n] float32, the kernel's arrival counters, one per output tile)
-    for a launch of `tiles` output tiles; (None, None) without a split."""
+    """(partial sums [split, m, n] float32, the kernel's arrival counters) for a launch over
+    grid (n tiles, split, m tiles); (None, None) without a split."""
     if split == 1:
         return None, None
     partials = torch.empty(split, m, n, dtype=torch.float32, device=device)
-    return partials, arrival_counters(kernel, device, tiles)
+    return partials, arrival_counters(kernel, device, grid[0] * grid[2])
 
 
 def k_per_split(k: int, split: int, block_k: int) -> int:

@@ -6,9 +6,9 @@ the per-channel scale multiplies the float32 sum once, after K. One-row steps st
 through the one-token GEMV (`backend.kernels.gemv`) instead.
 
 A step of a few rows reads each weight once, so it is bound by the weight read when enough
-programs stream at once: a projection with few output tiles splits K over SPLIT programs, whose
-float32 partial sums the last of a tile's programs to arrive adds in split order, scales and
-casts (`split_k`). Launch configs per device and shape: `tuning/w8a16_gemm.json`, from
+programs stream at once: a projection with few output tiles splits K over SPLIT programs, which
+write float32 partial sums that a second kernel adds, scales and casts (no atomics: the sum's
+order is fixed). Launch configs per device and shape: `tuning/w8a16_gemm.json`, from
 `python -m benchmarks.quantized_matmul --sweep --write-tuning`.
 """
 
@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.split_k import add_split_partials, k_per_split, split_buffers
 from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -32,7 +31,7 @@ class GemmConfig:
     block_m: int
     block_n: int
     block_k: int = 64
-    split: int = 1  # programs along K; the tile's last to arrive adds their partial sums
+    split: int = 1  # programs along K, their float32 partial sums added by a second kernel
     num_warps: int = 4
     num_stages: int = 2
 
@@ -44,15 +43,13 @@ def _w8a16_gemm_kernel(
     scale_ptr,
     bias_ptr,
     out_ptr,
-    part_ptr,
-    arrivals_ptr,
     M,
     N,
     K,
     stride_xm,
-    per_split,
+    k_per_split,
     HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,
+    PARTIAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -60,8 +57,8 @@ def _w8a16_gemm_kernel(
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
-    k_start = tl.program_id(2) * per_split
-    k_end = tl.minimum(k_start + per_split, K)
+    k_start = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -77,27 +74,39 @@ def _w8a16_gemm_kernel(
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]: W^T's tile
         acc += tl.dot(a, q.to(a.dtype))
-    if SPLIT == 1:
-        _store_scaled(acc, out_ptr, scale_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
+    if PARTIAL:  # this split's sum, scaled and cast by _add_splits_kernel
+        part = out_ptr + (tl.program_id(2) * M + m[:, None]).to(tl.int64) * N + n[None, :]
+        tl.store(part, acc, mask=m_ok[:, None] & n_ok[None, :])
     else:
-        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        split = tl.program_id(2)
-        last, total = add_split_partials(
-            tl.trans(acc), part_ptr, arrivals_ptr, m, n, M, N, split, tile, SPLIT
-        )
-        if last:
-            _store_scaled(tl.trans(total), out_ptr, scale_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
+        acc *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + m[:, None].to(tl.int64) * N + n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _store_scaled(acc, out_ptr, scale_ptr, bias_ptr, m, n, M, N, HAS_BIAS: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] times the channels' scales, plus the bias, into out [M, N]."""
+def _add_splits_kernel(
+    part_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    acc *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)[None, :]
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + (s * M + row) * N + n, mask=n_ok, other=0.0)
+    acc *= tl.load(scale_ptr + n, mask=n_ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + m[:, None].to(tl.int64) * N + n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[:, None] & n_ok[None, :])
+        acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def config_key(weight_dtype: torch.dtype, n: int, k: int, m: int) -> str:
@@ -143,30 +152,42 @@ def w8a16_gemm(
     _check(x, qweight, scales)
     m, (n, k) = x.shape[0], qweight.shape
     c = config or tuned_config(x, qweight) or default_config(m, n)
-    per_split = k_per_split(k, c.split, c.block_k)
-    split = triton.cdiv(k, per_split)
-    grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), split)
+    k_per_split = triton.cdiv(triton.cdiv(k, c.split), c.block_k) * c.block_k
+    split = triton.cdiv(k, k_per_split)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partials, arrivals = split_buffers("w8a16_gemm", split, m, n, grid[0] * grid[1], x.device)
-    _w8a16_gemm_kernel[grid](
+    partial = split > 1
+    target = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if partial else out
+    has_bias = bias is not None
+    _w8a16_gemm_kernel[(triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), split)](
         x,
         qweight,
         scales,
-        bias if bias is not None else scales,
-        out,
-        partials if partials is not None else out,
-        arrivals if arrivals is not None else out,
+        bias if has_bias else scales,
+        target,
         m,
         n,
         k,
         x.stride(0),
-        per_split,
-        HAS_BIAS=bias is not None,
-        SPLIT=split,
+        k_per_split,
+        HAS_BIAS=has_bias,
+        PARTIAL=partial,
         BLOCK_M=c.block_m,
         BLOCK_N=c.block_n,
         BLOCK_K=c.block_k,
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
+    if partial:
+        block_n = min(1024, triton.next_power_of_2(n))
+        _add_splits_kernel[(m, triton.cdiv(n, block_n))](
+            target,
+            scales,
+            bias if has_bias else scales,
+            out,
+            m,
+            n,
+            SPLIT=split,
+            HAS_BIAS=has_bias,
+            BLOCK_N=block_n,
+        )
     return out

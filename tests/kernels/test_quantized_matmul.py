@@ -52,8 +52,7 @@ def _int4(n: int, k: int, group: int, seed: int, symmetric: bool = False) -> Int
 @pytest.mark.parametrize("fmt", [Int8Weight, Fp8Weight])
 def test_w8a16_gemm_is_dequantize_then_matmul(m, n, k, fmt):
     """int8 and e4m3 weights; default tiles, narrow tiles, and K split over 2 and 3 programs
-    (k_per_split 64 / 32: the last split shorter or empty of whole tiles, K masked), whose
-    partial sums the last program of each tile to arrive adds."""
+    (k_per_split 64 / 32: the last split shorter or empty of whole tiles, K masked)."""
     torch.manual_seed(m)
     w = fmt.quantize(torch.randn(n, k)).to(DEVICE)
     x = torch.randn(m, k, device=DEVICE)
@@ -67,7 +66,6 @@ def test_w8a16_gemm_is_dequantize_then_matmul(m, n, k, fmt):
     ):
         _relative_close(w8a16_gemm(x, w.qweight, w.scales, bias, config), expected)
     _relative_close(w8a16_gemm(x, w.qweight, w.scales, None, config), expected - bias)
-    assert not arrival_counters("w8a16_gemm", x.device, 64).any()  # ready for the next launch
 
 
 @pytest.mark.parametrize("group", [128, 64])
