@@ -305,6 +305,7 @@ def serve_forever(server: TritonServer, front_end=None, health_timeout_s: float 
     ):  # SIGINT: also when started with `&`
         signal.signal(signum, _interrupt)
     server.start()
+    hung = False
     try:
         server.wait_ready()
         print(
@@ -331,6 +332,7 @@ def serve_forever(server: TritonServer, front_end=None, health_timeout_s: float 
                 )
                 return 1
             if liveness.hung():
+                hung = True
                 print(
                     f"tritonserver has not answered /v2/health/live for {health_timeout_s:g} s; "
                     "stopping it (exit code 1, for a supervisor to restart it)",
@@ -348,7 +350,7 @@ def serve_forever(server: TritonServer, front_end=None, health_timeout_s: float 
     finally:
         if front_end is not None:
             front_end.stop()
-        server.stop()
+        server.stop(timeout_s=0.0 if hung else STOP_TIMEOUT_S)  # a hung server never handles SIGINT
 
 
 def wait_listening(port: int, exit_code, timeout_s: float = 120.0) -> None:

@@ -173,8 +173,8 @@ def test_a_killed_stub_fails_its_clients_and_stops_the_server(launcher, model):
 
 def test_a_hung_server_is_stopped_for_a_supervisor_to_restart(launcher):
     """tritonserver stopped (SIGSTOP: every thread frozen, as a server caught in its abort
-    handler) no longer answers /v2/health/live: the launcher kills it and its processes and
-    exits 1."""
+    handler) no longer answers /v2/health/live: the launcher kills it and its processes at
+    once (no graceful stop's wait for a SIGINT it cannot handle) and exits 1."""
     served = launcher("--health-timeout-s", "3")
     served.wait_ready()
     shm_before = set(SHM_DIR.glob(SHM_PATTERN))
@@ -183,7 +183,10 @@ def test_a_hung_server_is_stopped_for_a_supervisor_to_restart(launcher):
     time.sleep(4)  # answered probes: a live server is left alone
     assert served.process.poll() is None
     os.kill(server_pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
     assert served.process.wait(timeout=40) == 1
+    # 3 s to be found hung, 1 s for the engines to drain, the kill; a graceful stop took 19 s+
+    assert time.monotonic() - stopped_at < 15, "the hung server was not killed at once"
     assert "has not answered /v2/health/live for 3 s" in served.log.read_text()
     assert not Path(f"/proc/{server_pid}").exists(), "the hung tritonserver lives on"
     deadline = time.monotonic() + 10
