@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from backend.kernels import int4_matmul
-from backend.kernels.int4_matmul import Int4GemmConfig, int4_gemm
+from backend.kernels.int4_matmul import int4_gemm
 from backend.kernels import fp8_gemm, tuning
-from backend.kernels.fp8_gemm import Fp8GemmConfig
+from backend.kernels.split_k import SwappedGemmConfig
 from backend.kernels.tuning import rows_bucket
 from backend.kernels.w8a16_gemm import GemmConfig, config_key, w8a16_gemm
 from backend.model_config import ModelConfig
@@ -43,9 +43,8 @@ FORMATS = {
     "fp8": Fp8Weight.quantize,
     "int4_wo": Int4Weight.quantize,
 }
-INT4_SPACE = dict(block_n=[64, 128], split=[1, 2, 4, 8], num_stages=[3, 4])
 W8A16_SPACE = dict(block_n=[32, 64, 128], block_k=[128, 256], split=[1, 2, 4], num_stages=[3, 4])
-FP8_SPACE = dict(block_n=[64, 128], block_k=[128, 256], split=[1, 2, 4, 8], num_stages=[3, 4])
+SWAPPED_SPACE = dict(block_n=[64, 128], split=[1, 2, 4, 8], num_stages=[3, 4])  # FP8, 4-bit
 ROWS_QUANTIZED_BY_A_FUSED_KERNEL = ("qkv", "gate_up", "down")  # RMSNorm, silu·mul
 
 
@@ -70,15 +69,22 @@ def _time(call, weights: list) -> float:
     return graph_us_per_call([lambda w=w: call(w) for w in weights])
 
 
-def _sweep_int4(x: torch.Tensor, weights: list) -> dict:
-    """The fastest 4-bit GEMM config at x's rows."""
-    rows, group = rows_bucket(x.shape[0]), weights[0].group_size
-    configs = [
-        Int4GemmConfig(block_n, block_m, min(group, 128), split, warps, stages)
-        for block_n, split, stages in itertools.product(*INT4_SPACE.values())
+def _swapped_configs(x: torch.Tensor, block_ks: list[int]) -> list[SwappedGemmConfig]:
+    """The FP8 and 4-bit GEMMs' configs to time at x's rows: SWAPPED_SPACE by the K tiles, row
+    tiles of the rows' bucket up to 64 and up to 128, and 8 warps too for 128-row weight tiles."""
+    rows = rows_bucket(x.shape[0])
+    return [
+        SwappedGemmConfig(block_n, block_m, block_k, split, warps, stages)
+        for block_n, split, stages in itertools.product(*SWAPPED_SPACE.values())
+        for block_k in block_ks
         for block_m in sorted({min(64, rows), min(128, rows)})
         for warps in ([4, 8] if block_n == 128 else [4])
     ]
+
+
+def _sweep_int4(x: torch.Tensor, weights: list) -> dict:
+    """The fastest 4-bit GEMM config at x's rows."""
+    configs = _swapped_configs(x, block_ks=[min(weights[0].group_size, 128)])
 
     def gemm(w, config):
         return int4_gemm(x, w.qweight, w.scales, w.zeros, w.group_size, None, config)
@@ -113,13 +119,7 @@ def _sweep_fp8(x: torch.Tensor, weights: list) -> dict:
     """On rows quantized beforehand: the scaled GEMM's time and the fastest Triton FP8 GEMM
     config; and the row quantizer's time alone."""
     xq, x_scales = fp8_gemm.quantize_rows(x)
-    rows = rows_bucket(x.shape[0])
-    configs = [
-        Fp8GemmConfig(block_n, block_m, block_k, split, warps, stages)
-        for block_n, block_k, split, stages in itertools.product(*FP8_SPACE.values())
-        for block_m in sorted({min(64, rows), min(128, rows)})
-        for warps in ([4, 8] if block_n == 128 else [4])
-    ]
+    configs = _swapped_configs(x, block_ks=[128, 256])
 
     def triton_gemm(w, config):
         return fp8_gemm.fp8_linear(
