@@ -113,7 +113,8 @@ def measure(name: str, n: int, k: int, copies: int, sweep: bool, copy_rate: floa
 CHAIN_GRID = dict(BLOCK_N=[4, 8], num_warps=[4, 8], num_stages=[2, 4], EARLY_LAUNCH=[False, True])
 # One-byte rows hold twice the values in the same bytes: wider K tiles and row blocks too.
 ONE_BYTE_GRID = dict(CHAIN_GRID, BLOCK_N=[4, 8, 16], EARLY_LAUNCH=[True])
-FOUR_BIT_GRID = dict(ONE_BYTE_GRID, EARLY_LAUNCH=[False, True])
+# 4-bit rows: K tiles of whole groups; more rows a program reuse each thread's operand columns.
+FOUR_BIT_GRID = dict(ONE_BYTE_GRID, BLOCK_N=[8, 16, 32], EARLY_LAUNCH=[False])
 LM_HEAD_GRID = dict(BLOCK_N=[8, 16, 32], num_warps=[4, 8], num_stages=[2, 4], EARLY_LAUNCH=[True])
 
 
@@ -122,18 +123,20 @@ def chain_candidates(
 ):
     """Configs for one projection of the chain: the grid, prefetching 0, 2048 or all of K (at
     most 256 values a thread held); one-byte rows try 512- and 1024-wide K tiles, launched
-    early (every bf16 sweep kept early launches)."""
+    early (every bf16 sweep kept early launches); 4-bit rows 256- to 1024-wide K tiles and no
+    prefetch (they read nothing before the wait)."""
     if lm_head:
         grid = LM_HEAD_GRID
     elif four_bit:
         grid = FOUR_BIT_GRID
     else:
         grid = ONE_BYTE_GRID if one_byte else CHAIN_GRID
-    widths = [w for w in ((512, 1024) if one_byte else (512,)) if k % w == 0] or [64]
+    widths = (256, 512, 1024) if four_bit else (512, 1024) if one_byte else (512,)
+    widths = [w for w in widths if k % w == 0] or [64]
     for values in itertools.product(*grid.values()):
         for block_k in widths:
             config = dict(zip(grid, values), BLOCK_K=block_k)
-            for prefetch in sorted({0, min(2048, k), k}):
+            for prefetch in [0] if four_bit else sorted({0, min(2048, k), k}):
                 fits = config["BLOCK_N"] * prefetch <= 256 * 32 * config["num_warps"]
                 if fits and prefetch % block_k == 0 and prefetch & (prefetch - 1) == 0:
                     yield {**config, "PREFETCH_K": prefetch}

@@ -87,6 +87,7 @@ def stream_rows_dot(
     zero_ptr=0,
     GROUP: tl.constexpr = 1,
     K_LOOP: tl.constexpr = True,
+    exponent_bits=0,
 ):
     """float32 [BLOCK_N]: weight rows `rows` (int64) dotted with the operand over all of K, the
     norm's scale applied. Waits for the previous kernel (PDL) after reading the first PREFETCH_K
@@ -98,7 +99,8 @@ def stream_rows_dot(
     rounded to ACT_DTYPE (the activations' dtype).
     WEIGHT (`StreamedWeight.kind`): DENSE values; ROW_SCALED int8 or e4m3 values times a float32
     scale per row (scale_ptr); INT4 packed 4-bit rows with a scale and zero point per GROUP
-    inputs (`backend.kernels.gemv_int4`, which reads nothing before the wait).
+    inputs (`backend.kernels.gemv_int4`, which reads nothing before the wait; exponent_bits is
+    its `EXPONENT_2_23`).
     K_LOOP is False where PREFETCH_K covers K: with no loop in the kernel, the prefetched tile
     keeps the layout it was loaded in (a loop's tiles take another, and the compiler would move
     the prefetched weights through shared memory to match them)."""
@@ -119,6 +121,7 @@ def stream_rows_dot(
             EARLY_LAUNCH,
             GROUP,
             SKIP_WAIT,
+            exponent_bits,
         )
     w_rows = w_ptr + rows[:, None] * stride_wn
     if PDL and EARLY_LAUNCH:
@@ -220,6 +223,7 @@ def _gemv_kernel(
     zero_ptr=0,
     GROUP: tl.constexpr = 1,
     K_LOOP: tl.constexpr = True,
+    exponent_bits=0,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -252,6 +256,7 @@ def _gemv_kernel(
         zero_ptr,
         GROUP,
         K_LOOP,
+        exponent_bits,
     )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)
@@ -336,6 +341,7 @@ def gemv(
         assert x.stride(-1) == 1 and weight.takes(x), (x.dtype, values.dtype, weight.format)
         prologue = SILU_MUL if silu_mul else NORM if norm_weight is not None else NO_PROLOGUE
     assert values.stride(-1) == 1 and (weight.kind != INT4 or values.is_contiguous())
+    assert weight.kind != INT4 or config["BLOCK_K"] % weight.group_size == 0, "whole groups a tile"
     if out is None:
         out = torch.empty((1, n), dtype=dtype, device=values.device)
     assert residual is None or residual.is_contiguous() and out.is_contiguous()

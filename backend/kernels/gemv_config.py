@@ -17,18 +17,20 @@ from backend.kernels import tuning
 def default_launch_config(n: int, k: int, merge: bool = False, weight_format=None) -> dict:
     """Tile and launch shape for devices without a table entry: the rule tuned on the H100 and
     H200 over one decode step's chain of products (benchmarks/README.md, "Kernel choices").
-    4-bit rows (`weight_format` "int4g<group>") take no prefetch."""
+    4-bit rows (`weight_format` "int4g<group>") take K tiles of whole groups and no prefetch."""
 
     def widest_k(*choices):
         return next((b for b in choices if k % b == 0), 64)
 
     if weight_format is not None and weight_format.startswith("int4"):
-        wide = n > 8192  # gate_up: more rows a program, shorter K tiles
+        group = int(weight_format.removeprefix("int4g"))
+        wide = n > 8192  # gate_up, lm_head: more rows a program, shorter K tiles
+        tiles = [b for b in ((256, 128) if wide else (1024, 512, 256, 128)) if b % group == 0]
         return dict(
-            BLOCK_N=16 if wide else 4,
-            BLOCK_K=widest_k(256, 128) if wide else widest_k(1024 if k > 2048 else 512, 256, 128),
+            BLOCK_N=32 if wide else 8,
+            BLOCK_K=widest_k(*tiles) if tiles else group,
             num_warps=4,
-            num_stages=4,
+            num_stages=2,
             EARLY_LAUNCH=False,  # nothing to read before the wait: launched early, it would idle
             PREFETCH_K=0,
         )

@@ -3,9 +3,14 @@ packed bytes [N, K / 2], the low nibble an even input channel, the high one the 
 a zero point per row and group of GROUP inputs), de-quantized in registers.
 
 The bytes are read as int32 words: nibble p of word w (bits 4p..4p+3, little-endian) is input
-8w + p, so a tile of words unpacks with eight shifts into [rows, words, 8] values in input order
-and meets the operand's contiguous columns. Each word reads its group's scale and zero point
-(cached gathers), so a K tile may span several groups. Nothing is read before the PDL wait.
+8w + p. Each thread keeps whole words and unpacks them where they lie: nibble p (p < 4; the high
+half-word is shifted down once for nibbles 4-7), masked and ORed with the exponent bits of
+2^(23 - 4p), is exactly the float32 2^(23 - 4p) + q, so one subtraction of 2^(23 - 4p) + z
+leaves q - z. The exponent bits come in as an argument (`exponent_bits`, 2^23's) so that the
+compiler keeps them in a register and the mask and OR are one instruction. The eight planes are
+joined back into input order in registers. Each group's products are summed before its scale
+multiplies them, so a weight costs a mask, a subtract and a multiply-add. Nothing is read
+before the PDL wait.
 """
 
 from __future__ import annotations
@@ -14,7 +19,16 @@ import triton
 import triton.language as tl
 
 from backend.kernels.gemv_operand import operand_tile
+from backend.kernels.gemv_weight import EXPONENT_2_23
 from backend.kernels.pdl import gdc_launch_dependents, gdc_wait
+
+
+
+@triton.jit
+def _plane(half_words, p: tl.constexpr, exponent_bits, zero):
+    """q - z for nibble p (0..3) of each half-word, in float32."""
+    bits = (half_words & (0xF << (4 * p))) | (exponent_bits - ((4 * p) << 23))
+    return bits.to(tl.float32, bitcast=True) - (zero + 2.0 ** (23 - 4 * p))
 
 
 @triton.jit
@@ -34,37 +48,48 @@ def stream_rows_dot_int4(
     EARLY_LAUNCH: tl.constexpr,
     GROUP: tl.constexpr,
     SKIP_WAIT: tl.constexpr = False,
+    exponent_bits=EXPONENT_2_23,
 ):
     """float32 [BLOCK_N]: the 4-bit rows `rows` (int64; words_ptr: the packed bytes as int32)
     dotted with the operand over all of K, the norm's scale applied (as
-    `backend.kernels.gemv.stream_rows_dot`)."""
-    WORDS: tl.constexpr = BLOCK_K // 8
-    word_rows = words_ptr + rows[:, None] * (K // 8)
+    `backend.kernels.gemv.stream_rows_dot`). BLOCK_K is a multiple of GROUP."""
+    GROUPS: tl.constexpr = BLOCK_K // GROUP  # groups per K tile
+    WORDS: tl.constexpr = GROUP // 8  # words per group
+    words_in_tile = tl.arange(0, GROUPS)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+    word_rows = words_ptr + rows[:, None, None] * (K // 8)
     group_rows = rows[:, None] * (K // GROUP)
-    w = tl.arange(0, WORDS)
-    nibble = tl.arange(0, 8)
-    shifts = (nibble * 4)[None, None, :]
+    inputs = 8 * words_in_tile[:, :, None] + tl.arange(0, 8)[None, None, :]  # [GROUPS, WORDS, 8]
     if PDL and EARLY_LAUNCH:
         gdc_launch_dependents()
     if PDL and not SKIP_WAIT:
         gdc_wait()
     square_sum = tl.zeros([1], tl.float32)
-    partial = tl.zeros([BLOCK_N, WORDS, 8], tl.float32)
+    acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a, tile_squares = operand_tile(
-            x_ptr, norm_w_ptr, k0 + w[:, None] * 8 + nibble[None, :], K, PROLOGUE
-        )  # [WORDS, 8]
+        a, tile_squares = operand_tile(x_ptr, norm_w_ptr, k0 + inputs, K, PROLOGUE)
         square_sum += tile_squares
-        words = tl.load(word_rows + (k0 // 8 + w)[None, :])  # [BLOCK_N, WORDS]
-        group = group_rows + (k0 + 8 * w)[None, :] // GROUP
-        scale = tl.load(scale_ptr + group).to(tl.float32)[:, :, None]
-        # No int-to-float conversion per weight: q | 0x4B000000 bitcast is exactly 2^23 + q.
-        zero = (tl.load(zero_ptr + group).to(tl.float32) + 8388608.0)[:, :, None]
-        q = (((words[:, :, None] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-        partial += (q - zero) * scale * a[None, :, :]
+        words = tl.load(word_rows + (k0 // 8 + words_in_tile)[None, :, :])  # [BLOCK_N, GROUPS, WORDS]
+        group = group_rows + k0 // GROUP + tl.arange(0, GROUPS)[None, :]  # [BLOCK_N, GROUPS]
+        scale = tl.load(scale_ptr + group).to(tl.float32)
+        zero = tl.load(zero_ptr + group).to(tl.float32)[:, :, None]
+        high = words >> 16
+        # Joined as [.., 2 (bit 2 of p), 2 (bit 1), 2 (bit 0)]: index 4a + 2b + c is nibble p.
+        q = tl.join(
+            tl.join(
+                tl.join(_plane(words, 0, exponent_bits, zero), _plane(high, 0, exponent_bits, zero)),
+                tl.join(_plane(words, 2, exponent_bits, zero), _plane(high, 2, exponent_bits, zero)),
+            ),
+            tl.join(
+                tl.join(_plane(words, 1, exponent_bits, zero), _plane(high, 1, exponent_bits, zero)),
+                tl.join(_plane(words, 3, exponent_bits, zero), _plane(high, 3, exponent_bits, zero)),
+            ),
+        )
+        q = tl.reshape(q, [BLOCK_N, GROUPS, WORDS, 8])
+        dots = tl.sum(tl.sum(q * a[None, :, :, :], 3), 2)  # [BLOCK_N, GROUPS]
+        acc += dots * scale
     if PDL and not EARLY_LAUNCH:
         gdc_launch_dependents()
-    acc = tl.sum(tl.sum(partial, 2), 1)
+    acc = tl.sum(acc, 1)
     if PROLOGUE == 1:
         acc = acc * tl.rsqrt(square_sum / K + eps)
     return acc

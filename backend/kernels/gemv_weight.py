@@ -11,6 +11,8 @@ import torch
 
 DENSE, ROW_SCALED, INT4 = 0, 1, 2  # `stream_rows_dot`'s WEIGHT
 ROW_SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)
+# float32 bits of 2^23, passed to the 4-bit stream (`backend.kernels.gemv_int4`) as an argument
+EXPONENT_2_23 = 0x4B000000
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -65,7 +67,7 @@ class StreamedWeight:
         if self.kind != DENSE:
             args["scale_ptr"] = self.scales
         if self.kind == INT4:
-            args.update(zero_ptr=self.zeros, GROUP=self.group_size)
+            args.update(zero_ptr=self.zeros, GROUP=self.group_size, exponent_bits=EXPONENT_2_23)
         return args
 
 

@@ -77,6 +77,7 @@ def _qkv_rope_kernel(
     zero_ptr=0,
     GROUP: tl.constexpr = 1,
     K_LOOP: tl.constexpr = True,
+    exponent_bits=0,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
@@ -115,6 +116,7 @@ def _qkv_rope_kernel(
         zero_ptr=zero_ptr,
         GROUP=GROUP,
         K_LOOP=K_LOOP,
+        exponent_bits=exponent_bits,
     )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)

@@ -203,6 +203,21 @@ def test_one_token_gemv_streams_quantized_weights_with_its_fusions(fmt):
     _relative_close(gemv(x, streamed, silu_mul=True), F.linear(activated, dense))
 
 
+@pytest.mark.parametrize("group", [64, 128])
+def test_one_token_gemv_sums_4bit_groups_over_k_tiles(group):
+    """4-bit rows over several K tiles of one or more groups, at the tile shapes the sweep tries
+    (rows a program up to 32, some of them masked), against de-quantize-then-matmul."""
+    n, k = 72, 1024
+    weight = _int4(n, k, group, seed=5)
+    dense = weight.dequantize(torch.float32)
+    torch.manual_seed(2)
+    x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
+    expected = F.linear(x.float(), dense)
+    for block_n, block_k in ((8, 256), (32, 256), (16, 512), (16, 1024)):
+        config = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        _relative_close(gemv(x, weight.streamed(), config=config), expected, rtol=8e-3)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_one_token_gemv_merges_split_attention_into_quantized_rows(fmt):
     """The o projection at batch 1: split partials merged as the operand is read, rounded to the
