@@ -9,8 +9,8 @@ half-word is shifted down once for nibbles 4-7), masked and ORed with the expone
 leaves q - z. The exponent bits come in as an argument (`exponent_bits`, 2^23's) so that the
 compiler keeps them in a register and the mask and OR are one instruction. The eight planes are
 joined back into input order in registers. Each group's products are summed before its scale
-multiplies them, so a weight costs a mask, a subtract and a multiply-add. Nothing is read
-before the PDL wait.
+multiplies them, so a weight costs a mask, a subtract and a multiply-add. The first K tile is
+read before the PDL wait, each next one while the current one is summed.
 """
 
 from __future__ import annotations
@@ -29,6 +29,40 @@ def _plane(half_words, p: tl.constexpr, exponent_bits, zero):
     """q - z for nibble p (0..3) of each half-word, in float32."""
     bits = (half_words & (0xF << (4 * p))) | (exponent_bits - ((4 * p) << 23))
     return bits.to(tl.float32, bitcast=True) - (zero + 2.0 ** (23 - 4 * p))
+
+
+@triton.jit
+def _tile(word_rows, group_rows, scale_ptr, zero_ptr, k0, K, words_in_tile, GROUP, GROUPS):
+    """The words [BLOCK_N, GROUPS, WORDS], scales [BLOCK_N, GROUPS] and zero points of the K tile
+    at k0 (none past K)."""
+    word = k0 // 8 + words_in_tile
+    words = tl.load(word_rows + word[None, :, :], mask=(word < K // 8)[None, :, :], other=0)
+    groups = k0 // GROUP + tl.arange(0, GROUPS)[None, :]
+    in_k = groups < K // GROUP
+    scale = tl.load(scale_ptr + group_rows + groups, mask=in_k, other=0).to(tl.float32)
+    zero = tl.load(zero_ptr + group_rows + groups, mask=in_k, other=0).to(tl.float32)
+    return words, scale, zero
+
+
+@triton.jit
+def _tile_dot(words, scale, zero, a, exponent_bits, BLOCK_N, GROUPS, WORDS):
+    """[BLOCK_N, GROUPS]: each row's and group's q - z dotted with the operand a [GROUPS, WORDS,
+    8], times the group's scale."""
+    zero = zero[:, :, None]
+    high = words >> 16
+    # Joined as [.., 2 (bit 2 of p), 2 (bit 1), 2 (bit 0)]: index 4a + 2b + c is nibble p.
+    q = tl.join(
+        tl.join(
+            tl.join(_plane(words, 0, exponent_bits, zero), _plane(high, 0, exponent_bits, zero)),
+            tl.join(_plane(words, 2, exponent_bits, zero), _plane(high, 2, exponent_bits, zero)),
+        ),
+        tl.join(
+            tl.join(_plane(words, 1, exponent_bits, zero), _plane(high, 1, exponent_bits, zero)),
+            tl.join(_plane(words, 3, exponent_bits, zero), _plane(high, 3, exponent_bits, zero)),
+        ),
+    )
+    q = tl.reshape(q, [BLOCK_N, GROUPS, WORDS, 8])
+    return tl.sum(tl.sum(q * a[None, :, :, :], 3), 2) * scale
 
 
 @triton.jit
@@ -52,7 +86,9 @@ def stream_rows_dot_int4(
 ):
     """float32 [BLOCK_N]: the 4-bit rows `rows` (int64; words_ptr: the packed bytes as int32)
     dotted with the operand over all of K, the norm's scale applied (as
-    `backend.kernels.gemv.stream_rows_dot`). BLOCK_K is a multiple of GROUP."""
+    `backend.kernels.gemv.stream_rows_dot`). BLOCK_K is a multiple of GROUP. The first K tile is
+    read before the PDL wait (weights are never written by a kernel), and each next one while
+    the current one is summed."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP  # groups per K tile
     WORDS: tl.constexpr = GROUP // 8  # words per group
     words_in_tile = tl.arange(0, GROUPS)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
@@ -61,6 +97,9 @@ def stream_rows_dot_int4(
     inputs = 8 * words_in_tile[:, :, None] + tl.arange(0, 8)[None, None, :]  # [GROUPS, WORDS, 8]
     if PDL and EARLY_LAUNCH:
         gdc_launch_dependents()
+    words, scale, zero = _tile(
+        word_rows, group_rows, scale_ptr, zero_ptr, 0, K, words_in_tile, GROUP, GROUPS
+    )
     if PDL and not SKIP_WAIT:
         gdc_wait()
     square_sum = tl.zeros([1], tl.float32)
@@ -68,25 +107,19 @@ def stream_rows_dot_int4(
     for k0 in range(0, K, BLOCK_K):
         a, tile_squares = operand_tile(x_ptr, norm_w_ptr, k0 + inputs, K, PROLOGUE)
         square_sum += tile_squares
-        words = tl.load(word_rows + (k0 // 8 + words_in_tile)[None, :, :])  # [BLOCK_N, GROUPS, WORDS]
-        group = group_rows + k0 // GROUP + tl.arange(0, GROUPS)[None, :]  # [BLOCK_N, GROUPS]
-        scale = tl.load(scale_ptr + group).to(tl.float32)
-        zero = tl.load(zero_ptr + group).to(tl.float32)[:, :, None]
-        high = words >> 16
-        # Joined as [.., 2 (bit 2 of p), 2 (bit 1), 2 (bit 0)]: index 4a + 2b + c is nibble p.
-        q = tl.join(
-            tl.join(
-                tl.join(_plane(words, 0, exponent_bits, zero), _plane(high, 0, exponent_bits, zero)),
-                tl.join(_plane(words, 2, exponent_bits, zero), _plane(high, 2, exponent_bits, zero)),
-            ),
-            tl.join(
-                tl.join(_plane(words, 1, exponent_bits, zero), _plane(high, 1, exponent_bits, zero)),
-                tl.join(_plane(words, 3, exponent_bits, zero), _plane(high, 3, exponent_bits, zero)),
-            ),
+        next_words, next_scale, next_zero = _tile(
+            word_rows,
+            group_rows,
+            scale_ptr,
+            zero_ptr,
+            k0 + BLOCK_K,
+            K,
+            words_in_tile,
+            GROUP,
+            GROUPS,
         )
-        q = tl.reshape(q, [BLOCK_N, GROUPS, WORDS, 8])
-        dots = tl.sum(tl.sum(q * a[None, :, :, :], 3), 2)  # [BLOCK_N, GROUPS]
-        acc += dots * scale
+        acc += _tile_dot(words, scale, zero, a, exponent_bits, BLOCK_N, GROUPS, WORDS)
+        words, scale, zero = next_words, next_scale, next_zero
     if PDL and not EARLY_LAUNCH:
         gdc_launch_dependents()
     acc = tl.sum(acc, 1)
