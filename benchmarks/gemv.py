@@ -114,7 +114,7 @@ CHAIN_GRID = dict(BLOCK_N=[4, 8], num_warps=[4, 8], num_stages=[2, 4], EARLY_LAU
 # One-byte rows hold twice the values in the same bytes: wider K tiles and row blocks too.
 ONE_BYTE_GRID = dict(CHAIN_GRID, BLOCK_N=[4, 8, 16], EARLY_LAUNCH=[True])
 # 4-bit rows: K tiles of whole groups; more rows a program reuse each thread's operand columns.
-FOUR_BIT_GRID = dict(ONE_BYTE_GRID, BLOCK_N=[8, 16, 32], EARLY_LAUNCH=[False])
+FOUR_BIT_GRID = dict(BLOCK_N=[4, 8, 16, 32], num_warps=[4, 8], num_stages=[2], EARLY_LAUNCH=[False])
 LM_HEAD_GRID = dict(BLOCK_N=[8, 16, 32], num_warps=[4, 8], num_stages=[2, 4], EARLY_LAUNCH=[True])
 
 
@@ -123,15 +123,15 @@ def chain_candidates(
 ):
     """Configs for one projection of the chain: the grid, prefetching 0, 2048 or all of K (at
     most 256 values a thread held); one-byte rows try 512- and 1024-wide K tiles, launched
-    early (every bf16 sweep kept early launches); 4-bit rows 256- to 1024-wide K tiles and no
-    prefetch (they read nothing before the wait)."""
+    early (every bf16 sweep kept early launches); 4-bit rows 256- to 2048-wide K tiles and no
+    prefetch (they read their first tile before the wait whatever PREFETCH_K says)."""
     if lm_head:
         grid = LM_HEAD_GRID
     elif four_bit:
         grid = FOUR_BIT_GRID
     else:
         grid = ONE_BYTE_GRID if one_byte else CHAIN_GRID
-    widths = (256, 512, 1024) if four_bit else (512, 1024) if one_byte else (512,)
+    widths = (256, 512, 1024, 2048) if four_bit else (512, 1024) if one_byte else (512,)
     widths = [w for w in widths if k % w == 0] or [64]
     for values in itertools.product(*grid.values()):
         for block_k in widths:

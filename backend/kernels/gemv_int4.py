@@ -33,11 +33,11 @@ def _plane(half_words, p: tl.constexpr, exponent_bits, zero):
 
 @triton.jit
 def _tile(word_rows, group_rows, scale_ptr, zero_ptr, k0, K, words_in_tile, GROUP, GROUPS):
-    """The words [BLOCK_N, GROUPS, WORDS], scales [BLOCK_N, GROUPS] and zero points of the K tile
-    at k0 (none past K)."""
+    """The words [GROUPS, BLOCK_N, WORDS], scales [GROUPS, BLOCK_N] and zero points of the K tile
+    at k0 (none past K). Groups lead: threads then spread over a row's groups before its rows."""
     word = k0 // 8 + words_in_tile
-    words = tl.load(word_rows + word[None, :, :], mask=(word < K // 8)[None, :, :], other=0)
-    groups = k0 // GROUP + tl.arange(0, GROUPS)[None, :]
+    words = tl.load(word_rows + word[:, None, :], mask=(word < K // 8)[:, None, :], other=0)
+    groups = k0 // GROUP + tl.arange(0, GROUPS)[:, None]
     in_k = groups < K // GROUP
     scale = tl.load(scale_ptr + group_rows + groups, mask=in_k, other=0).to(tl.float32)
     zero = tl.load(zero_ptr + group_rows + groups, mask=in_k, other=0).to(tl.float32)
@@ -46,7 +46,7 @@ def _tile(word_rows, group_rows, scale_ptr, zero_ptr, k0, K, words_in_tile, GROU
 
 @triton.jit
 def _tile_dot(words, scale, zero, a, exponent_bits, BLOCK_N, GROUPS, WORDS):
-    """[BLOCK_N, GROUPS]: each row's and group's q - z dotted with the operand a [GROUPS, WORDS,
+    """[GROUPS, BLOCK_N]: each group's and row's q - z dotted with the operand a [GROUPS, WORDS,
     8], times the group's scale."""
     zero = zero[:, :, None]
     high = words >> 16
@@ -61,8 +61,8 @@ def _tile_dot(words, scale, zero, a, exponent_bits, BLOCK_N, GROUPS, WORDS):
             tl.join(_plane(words, 3, exponent_bits, zero), _plane(high, 3, exponent_bits, zero)),
         ),
     )
-    q = tl.reshape(q, [BLOCK_N, GROUPS, WORDS, 8])
-    return tl.sum(tl.sum(q * a[None, :, :, :], 3), 2) * scale
+    q = tl.reshape(q, [GROUPS, BLOCK_N, WORDS, 8])
+    return tl.sum(tl.sum(q * a[:, None, :, :], 3), 2) * scale
 
 
 @triton.jit
@@ -92,8 +92,8 @@ def stream_rows_dot_int4(
     GROUPS: tl.constexpr = BLOCK_K // GROUP  # groups per K tile
     WORDS: tl.constexpr = GROUP // 8  # words per group
     words_in_tile = tl.arange(0, GROUPS)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
-    word_rows = words_ptr + rows[:, None, None] * (K // 8)
-    group_rows = rows[:, None] * (K // GROUP)
+    word_rows = words_ptr + rows[None, :, None] * (K // 8)
+    group_rows = rows[None, :] * (K // GROUP)
     inputs = 8 * words_in_tile[:, :, None] + tl.arange(0, 8)[None, None, :]  # [GROUPS, WORDS, 8]
     if PDL and EARLY_LAUNCH:
         gdc_launch_dependents()
@@ -103,7 +103,7 @@ def stream_rows_dot_int4(
     if PDL and not SKIP_WAIT:
         gdc_wait()
     square_sum = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+    acc = tl.zeros([GROUPS, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a, tile_squares = operand_tile(x_ptr, norm_w_ptr, k0 + inputs, K, PROLOGUE)
         square_sum += tile_squares
@@ -122,7 +122,7 @@ def stream_rows_dot_int4(
         words, scale, zero = next_words, next_scale, next_zero
     if PDL and not EARLY_LAUNCH:
         gdc_launch_dependents()
-    acc = tl.sum(acc, 1)
+    acc = tl.sum(acc, 0)
     if PROLOGUE == 1:
         acc = acc * tl.rsqrt(square_sum / K + eps)
     return acc
