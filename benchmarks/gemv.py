@@ -119,16 +119,22 @@ LM_HEAD_GRID = dict(BLOCK_N=[8, 16, 32], num_warps=[4, 8], num_stages=[2, 4], EA
 
 
 def chain_candidates(
-    n: int, k: int, one_byte: bool = False, lm_head: bool = False, four_bit: bool = False
+    n: int,
+    k: int,
+    one_byte: bool = False,
+    lm_head: bool = False,
+    four_bit: bool = False,
+    split_k: bool = False,
 ):
     """Configs for one projection of the chain: the grid, prefetching 0, 2048 or all of K (at
     most 256 values a thread held); one-byte rows try 512- and 1024-wide K tiles, launched
     early (every bf16 sweep kept early launches); 4-bit rows 256- to 2048-wide K tiles and no
-    prefetch (they read their first tile before the wait whatever PREFETCH_K says)."""
+    prefetch (they read their first tile before the wait whatever PREFETCH_K says), and with
+    `split_k` (an operand without the norm) K split over 1, 2 or 4 programs."""
     if lm_head:
         grid = LM_HEAD_GRID
     elif four_bit:
-        grid = FOUR_BIT_GRID
+        grid = dict(FOUR_BIT_GRID, SPLIT=[1, 2, 4]) if split_k else FOUR_BIT_GRID
     else:
         grid = ONE_BYTE_GRID if one_byte else CHAIN_GRID
     widths = (256, 512, 1024, 2048) if four_bit else (512, 1024) if one_byte else (512,)
@@ -226,6 +232,7 @@ def measure_chain(
                 one_byte=bool(stored_format),
                 lm_head=name == "lm_head",
                 four_bit=stored_format.startswith("int4"),
+                split_k=name in ("o", "down"),  # no norm before them
             ):
                 trial = {**best, name: candidate}
                 try:

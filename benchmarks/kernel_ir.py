@@ -74,7 +74,7 @@ def gemv(args) -> dict:
     types = dict.fromkeys(
         ("x_ptr", "bias_ptr", "norm_w_ptr", "residual_ptr", "out_ptr"), "*bf16"
     ) | dict(w_ptr=weight_type, scale_ptr="*fp16" if weight_kind == 2 else "*fp32")
-    types |= dict(zero_ptr="*u8", eps="fp32", exponent_bits="i32")
+    types |= dict(zero_ptr="*u8", eps="fp32", exponent_bits="i32", k_split="i32", part_ptr="*fp32", arrivals_ptr="*i32")
     types |= dict.fromkeys(
         ("N", "K", "stride_wn", "num_splits", "parts_head", "parts_split", "lse_head", "lse_split"),
         "i32",
@@ -95,6 +95,7 @@ def gemv(args) -> dict:
         WEIGHT=weight_kind,
         GROUP=128,
         K_LOOP=args.prefetch_k < args.k,
+        SPLIT=1,
     )
     return report(compile_for_hopper(_gemv_kernel, types, constexprs, args.warps, args.stages))
 

@@ -48,6 +48,7 @@ from backend.kernels.gemv_int4 import stream_rows_dot_int4
 from backend.kernels.gemv_operand import merged_operand, operand_tile
 from backend.kernels.gemv_weight import ACTIVATION_DTYPES, INT4, StreamedWeight, streamed
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
+from backend.kernels.split_k import add_split_partials, k_per_split, split_buffers
 
 NO_PROLOGUE, NORM, SILU_MUL, MERGE = 0, 1, 2, 3
 ACT_DTYPES = dict(zip(ACTIVATION_DTYPES, (tl.float16, tl.bfloat16)))  # torch -> Triton
@@ -88,6 +89,8 @@ def stream_rows_dot(
     GROUP: tl.constexpr = 1,
     K_LOOP: tl.constexpr = True,
     exponent_bits=0,
+    k_start=0,
+    k_end=0,
 ):
     """float32 [BLOCK_N]: weight rows `rows` (int64) dotted with the operand over all of K, the
     norm's scale applied. Waits for the previous kernel (PDL) after reading the first PREFETCH_K
@@ -99,8 +102,8 @@ def stream_rows_dot(
     rounded to ACT_DTYPE (the activations' dtype).
     WEIGHT (`StreamedWeight.kind`): DENSE values; ROW_SCALED int8 or e4m3 values times a float32
     scale per row (scale_ptr); INT4 packed 4-bit rows with a scale and zero point per GROUP
-    inputs (`backend.kernels.gemv_int4`, which reads nothing before the wait; exponent_bits is
-    its `EXPONENT_2_23`).
+    inputs (`backend.kernels.gemv_int4`: exponent_bits is its `EXPONENT_2_23`; it sums inputs
+    k_start..k_end, 0..K unless K is split).
     K_LOOP is False where PREFETCH_K covers K: with no loop in the kernel, the prefetched tile
     keeps the layout it was loaded in (a loop's tiles take another, and the compiler would move
     the prefetched weights through shared memory to match them)."""
@@ -122,6 +125,8 @@ def stream_rows_dot(
             GROUP,
             SKIP_WAIT,
             exponent_bits,
+            k_start,
+            k_end,
         )
     w_rows = w_ptr + rows[:, None] * stride_wn
     if PDL and EARLY_LAUNCH:
@@ -224,10 +229,16 @@ def _gemv_kernel(
     GROUP: tl.constexpr = 1,
     K_LOOP: tl.constexpr = True,
     exponent_bits=0,
+    SPLIT: tl.constexpr = 1,
+    k_split=0,
+    part_ptr=0,
+    arrivals_ptr=0,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     cols_in = tl.where(col_ok, cols, 0).to(tl.int64)  # masked columns read row 0
+    k_start = tl.program_id(1) * k_split
+    k_end = tl.minimum(k_start + k_split, K) if SPLIT > 1 else K
     acc = stream_rows_dot(
         x_ptr,
         w_ptr,
@@ -257,14 +268,23 @@ def _gemv_kernel(
         GROUP,
         K_LOOP,
         exponent_bits,
+        k_start,
+        k_end,
     )
+    store_ok = col_ok
+    if SPLIT > 1:  # the last of the column block's programs to arrive adds their sums
+        last, total = add_split_partials(
+            acc[:, None], part_ptr, arrivals_ptr, tl.arange(0, 1), cols, 1, N, SPLIT
+        )
+        acc = tl.reshape(total, [BLOCK_N])
+        store_ok = col_ok & (tl.zeros([BLOCK_N], tl.int32) + last.to(tl.int32) > 0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)
     y = acc.to(ACT_DTYPE)  # rounded as the activations are
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + cols, mask=col_ok)
+        residual = tl.load(residual_ptr + cols, mask=store_ok)
         y = (y.to(tl.float32) + residual.to(tl.float32)).to(ACT_DTYPE)
-    tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty), mask=store_ok)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor | StreamedWeight) -> bool:
@@ -345,7 +365,13 @@ def gemv(
     if out is None:
         out = torch.empty((1, n), dtype=dtype, device=values.device)
     assert residual is None or residual.is_contiguous() and out.is_contiguous()
-    _gemv_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
+    # 4-bit rows may split K over programs, where the operand needs no sum over all of K (norm).
+    split = config.get("SPLIT", 1) if weight.kind == INT4 and prologue != NORM else 1
+    k_split = k_per_split(k, split, config["BLOCK_K"])
+    split = triton.cdiv(k, k_split)
+    grid = (triton.cdiv(n, config["BLOCK_N"]), split, 1)
+    partials_buffer, arrivals = split_buffers("gemv", split, 1, n, grid, values.device)
+    _gemv_kernel[grid](
         x,
         weight.kernel_values,
         bias if bias is not None else values,
@@ -363,7 +389,10 @@ def gemv(
         K_LOOP=config["PREFETCH_K"] < k,
         **weight.kernel_args(),
         **merge,
-        **config,
+        **{**config, "SPLIT": split},
+        k_split=k_split,
+        part_ptr=partials_buffer if partials_buffer is not None else out,
+        arrivals_ptr=arrivals if arrivals is not None else out,
         **launch_options(ORDERING[config["EARLY_LAUNCH"]]),
     )
     return out

@@ -32,13 +32,13 @@ def _plane(half_words, p: tl.constexpr, exponent_bits, zero):
 
 
 @triton.jit
-def _tile(word_rows, group_rows, scale_ptr, zero_ptr, k0, K, words_in_tile, GROUP, GROUPS):
+def _tile(word_rows, group_rows, scale_ptr, zero_ptr, k0, k_end, words_in_tile, GROUP, GROUPS):
     """The words [GROUPS, BLOCK_N, WORDS], scales [GROUPS, BLOCK_N] and zero points of the K tile
-    at k0 (none past K). Groups lead: threads then spread over a row's groups before its rows."""
+    at k0 (none past k_end). Groups lead: threads then spread over a row's groups before its rows."""
     word = k0 // 8 + words_in_tile
-    words = tl.load(word_rows + word[:, None, :], mask=(word < K // 8)[:, None, :], other=0)
+    words = tl.load(word_rows + word[:, None, :], mask=(word < k_end // 8)[:, None, :], other=0)
     groups = k0 // GROUP + tl.arange(0, GROUPS)[:, None]
-    in_k = groups < K // GROUP
+    in_k = groups < k_end // GROUP
     scale = tl.load(scale_ptr + group_rows + groups, mask=in_k, other=0).to(tl.float32)
     zero = tl.load(zero_ptr + group_rows + groups, mask=in_k, other=0).to(tl.float32)
     return words, scale, zero
@@ -83,10 +83,13 @@ def stream_rows_dot_int4(
     GROUP: tl.constexpr,
     SKIP_WAIT: tl.constexpr = False,
     exponent_bits=EXPONENT_2_23,
+    k_start=0,
+    k_end=0,
 ):
     """float32 [BLOCK_N]: the 4-bit rows `rows` (int64; words_ptr: the packed bytes as int32)
-    dotted with the operand over all of K, the norm's scale applied (as
-    `backend.kernels.gemv.stream_rows_dot`). BLOCK_K is a multiple of GROUP. The first K tile is
+    dotted with the operand over inputs k_start..k_end (whole K tiles; all of K with the norm,
+    whose scale is applied, as `backend.kernels.gemv.stream_rows_dot`). BLOCK_K is a multiple of
+    GROUP. The first K tile is
     read before the PDL wait (weights are never written by a kernel), and each next one while
     the current one is summed."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP  # groups per K tile
@@ -98,13 +101,13 @@ def stream_rows_dot_int4(
     if PDL and EARLY_LAUNCH:
         gdc_launch_dependents()
     words, scale, zero = _tile(
-        word_rows, group_rows, scale_ptr, zero_ptr, 0, K, words_in_tile, GROUP, GROUPS
+        word_rows, group_rows, scale_ptr, zero_ptr, k_start, k_end, words_in_tile, GROUP, GROUPS
     )
     if PDL and not SKIP_WAIT:
         gdc_wait()
     square_sum = tl.zeros([1], tl.float32)
     acc = tl.zeros([GROUPS, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         a, tile_squares = operand_tile(x_ptr, norm_w_ptr, k0 + inputs, K, PROLOGUE)
         square_sum += tile_squares
         next_words, next_scale, next_zero = _tile(
@@ -113,7 +116,7 @@ def stream_rows_dot_int4(
             scale_ptr,
             zero_ptr,
             k0 + BLOCK_K,
-            K,
+            k_end,
             words_in_tile,
             GROUP,
             GROUPS,

@@ -117,6 +117,8 @@ def _qkv_rope_kernel(
         GROUP=GROUP,
         K_LOOP=K_LOOP,
         exponent_bits=exponent_bits,
+        k_start=0,
+        k_end=K,
     )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)
@@ -186,6 +188,7 @@ def qkv_rope_gemv(
     config = checked_config(
         n, k, {**tile, **(config or {})}, device=values.device, weight_format=weight.format
     )
+    config = {key: value for key, value in config.items() if key != "SPLIT"}  # K is not split
     assert config["BLOCK_N"] >= 2 and (head_dim // 2) % (config["BLOCK_N"] // 2) == 0, (
         "a program's features must be whole rotary pairs within one head"
     )

@@ -218,6 +218,34 @@ def test_one_token_gemv_sums_4bit_groups_over_k_tiles(group):
         _relative_close(gemv(x, weight.streamed(), config=config), expected, rtol=8e-3)
 
 
+@pytest.mark.parametrize("split", [2, 3, 4])
+def test_one_token_gemv_splits_4bit_k_over_programs(split):
+    """K split over programs (3 leaves a shorter last split): the last program of a column block
+    adds the partial sums and writes the result, residual added in place; the same with the
+    silu·mul operand; and the arrival counters are back at zero for the next launch."""
+    from backend.kernels.arrivals import arrival_counters
+
+    n, k = 40, 1024
+    weight = _int4(n, k, 128, seed=7)
+    dense = weight.dequantize(torch.float32)
+    torch.manual_seed(4)
+    x = torch.randn(1, 2 * k, device=DEVICE).to(torch.bfloat16)
+    residual = torch.randn(1, n, device=DEVICE).to(torch.bfloat16)
+    expected = F.linear(x[:, :k].float(), dense) + residual.float()
+    config = dict(BLOCK_N=16, BLOCK_K=256, SPLIT=split)
+    got = gemv(x[:, :k], weight.streamed(), residual=residual, out=residual, config=config)
+    assert got.data_ptr() == residual.data_ptr()
+    _relative_close(got, expected, rtol=1.6e-2)
+    gate, up = x.float().chunk(2, dim=-1)
+    activated = (F.silu(gate).to(torch.bfloat16).float() * up).to(torch.bfloat16).float()
+    _relative_close(
+        gemv(x, weight.streamed(), silu_mul=True, config=config),
+        F.linear(activated, dense),
+        rtol=8e-3,
+    )
+    assert not arrival_counters("gemv", torch.device(DEVICE), 1).any()
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_one_token_gemv_merges_split_attention_into_quantized_rows(fmt):
     """The o projection at batch 1: split partials merged as the operand is read, rounded to the
