@@ -114,7 +114,9 @@ CHAIN_GRID = dict(BLOCK_N=[4, 8], num_warps=[4, 8], num_stages=[2, 4], EARLY_LAU
 # One-byte rows hold twice the values in the same bytes: wider K tiles and row blocks too.
 ONE_BYTE_GRID = dict(CHAIN_GRID, BLOCK_N=[4, 8, 16], EARLY_LAUNCH=[True])
 # 4-bit rows: K tiles of whole groups; more rows a program reuse each thread's operand columns.
-FOUR_BIT_GRID = dict(BLOCK_N=[4, 8, 16, 32], num_warps=[4, 8], num_stages=[2], EARLY_LAUNCH=[False])
+FOUR_BIT_GRID = dict(
+    BLOCK_N=[4, 8, 16, 32], num_warps=[4, 8], num_stages=[2], EARLY_LAUNCH=[False], SPLIT=[1]
+)
 LM_HEAD_GRID = dict(BLOCK_N=[8, 16, 32], num_warps=[4, 8], num_stages=[2, 4], EARLY_LAUNCH=[True])
 
 

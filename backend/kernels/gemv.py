@@ -127,6 +127,14 @@ def stream_rows_dot(
             exponent_bits,
             k_start,
             k_end,
+            num_splits,
+            SPLITS_PAD,
+            HEAD_DIM,
+            parts_head,
+            parts_split,
+            lse_head,
+            lse_split,
+            ACT_DTYPE,
         )
     w_rows = w_ptr + rows[:, None] * stride_wn
     if PDL and EARLY_LAUNCH:
@@ -295,11 +303,13 @@ def supports(x: torch.Tensor, weight: torch.Tensor | StreamedWeight) -> bool:
 
 def takes_partials(weight: torch.Tensor | StreamedWeight, head_dim: int) -> bool:
     """Whether `gemv(partials=...)` can merge heads of `head_dim` for this weight: its K tiles
-    hold whole heads (4-bit rows read their operand in even and odd columns: never)."""
+    hold whole heads."""
     weight = streamed(weight)
-    if weight.shape[1] % 64 or weight.kind == INT4:
+    if weight.shape[1] % 64:
         return False
-    config = checked_config(*weight.shape, None, merge=True, device=weight.device)
+    config = checked_config(
+        *weight.shape, None, merge=True, device=weight.device, weight_format=weight.format
+    )
     return config["BLOCK_K"] % head_dim == 0 and config["PREFETCH_K"] % head_dim == 0
 
 
@@ -343,7 +353,6 @@ def gemv(
         assert x.shape[0] == 1 and heads * head_dim == k and lse.shape == (1, heads, splits)
         assert x.stride(-1) == 1 and not silu_mul and norm_weight is None
         assert config["BLOCK_K"] % head_dim == 0 and config["PREFETCH_K"] % head_dim == 0
-        assert weight.kind != INT4, "4-bit rows read their operand in even and odd columns"
         norm_weight, prologue = lse, MERGE
         merge = dict(
             num_splits=splits,
@@ -365,7 +374,7 @@ def gemv(
     if out is None:
         out = torch.empty((1, n), dtype=dtype, device=values.device)
     assert residual is None or residual.is_contiguous() and out.is_contiguous()
-    # 4-bit rows may split K over programs, where the operand needs no sum over all of K (norm).
+    # 4-bit rows may split K over programs where the operand needs no sum over all of K (norm).
     split = config.get("SPLIT", 1) if weight.kind == INT4 and prologue != NORM else 1
     k_split = k_per_split(k, split, config["BLOCK_K"])
     split = triton.cdiv(k, k_split)

@@ -27,12 +27,13 @@ def default_launch_config(n: int, k: int, merge: bool = False, weight_format=Non
         wide = n > 8192  # gate_up, lm_head: more rows a program, shorter K tiles
         tiles = [b for b in ((256, 128) if wide else (1024, 512, 256, 128)) if b % group == 0]
         return dict(
-            BLOCK_N=32 if wide else 8,
+            BLOCK_N=32 if wide else 16 if merge else 8,  # merging: every program reads partials
             BLOCK_K=widest_k(*tiles) if tiles else group,
-            num_warps=4,
+            num_warps=8 if merge else 4,
             num_stages=2,
-            EARLY_LAUNCH=False,  # nothing to read before the wait: launched early, it would idle
-            PREFETCH_K=0,
+            EARLY_LAUNCH=False,
+            PREFETCH_K=0,  # the 4-bit stream reads its first tile before the wait itself
+            SPLIT=1,  # programs along K (only where the operand needs no norm)
         )
     if n > 32768:  # the vocabulary-wide lm_head: wider tiles
         config = dict(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backend.kernels.gemv_operand import operand_tile
+from backend.kernels.gemv_operand import merged_operand, operand_tile
 from backend.kernels.gemv_weight import EXPONENT_2_23
 from backend.kernels.pdl import gdc_launch_dependents, gdc_wait
 
@@ -85,11 +85,20 @@ def stream_rows_dot_int4(
     exponent_bits=EXPONENT_2_23,
     k_start=0,
     k_end=0,
+    num_splits=1,
+    SPLITS_PAD: tl.constexpr = 1,
+    HEAD_DIM: tl.constexpr = 1,
+    parts_head=0,
+    parts_split=0,
+    lse_head=0,
+    lse_split=0,
+    ACT_DTYPE: tl.constexpr = tl.float16,
 ):
     """float32 [BLOCK_N]: the 4-bit rows `rows` (int64; words_ptr: the packed bytes as int32)
     dotted with the operand over inputs k_start..k_end (whole K tiles; all of K with the norm,
     whose scale is applied, as `backend.kernels.gemv.stream_rows_dot`). BLOCK_K is a multiple of
-    GROUP. The first K tile is
+    GROUP. With the merge prologue (3) the operand is split attention's partials, merged as they
+    are read (`backend.kernels.gemv_operand.merged_operand`). The first K tile is
     read before the PDL wait (weights are never written by a kernel), and each next one while
     the current one is summed."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP  # groups per K tile
@@ -108,8 +117,25 @@ def stream_rows_dot_int4(
     square_sum = tl.zeros([1], tl.float32)
     acc = tl.zeros([GROUPS, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        a, tile_squares = operand_tile(x_ptr, norm_w_ptr, k0 + inputs, K, PROLOGUE)
-        square_sum += tile_squares
+        if PROLOGUE == 3:
+            merged = merged_operand(
+                x_ptr,
+                norm_w_ptr,
+                k0,
+                num_splits,
+                parts_head,
+                parts_split,
+                lse_head,
+                lse_split,
+                BLOCK_K,
+                SPLITS_PAD,
+                HEAD_DIM,
+                ACT_DTYPE,
+            )
+            a = tl.reshape(merged, [GROUPS, WORDS, 8])
+        else:
+            a, tile_squares = operand_tile(x_ptr, norm_w_ptr, k0 + inputs, K, PROLOGUE)
+            square_sum += tile_squares
         next_words, next_scale, next_zero = _tile(
             word_rows,
             group_rows,

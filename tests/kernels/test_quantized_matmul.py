@@ -246,10 +246,11 @@ def test_one_token_gemv_splits_4bit_k_over_programs(split):
     assert not arrival_counters("gemv", torch.device(DEVICE), 1).any()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4g64", "int4g32sym"])
 def test_one_token_gemv_merges_split_attention_into_quantized_rows(fmt):
     """The o projection at batch 1: split partials merged as the operand is read, rounded to the
-    residual's dtype, then times the de-quantized weight. 4-bit rows do not take partials."""
+    residual's dtype, then times the de-quantized weight (4-bit rows: K tiles of whole groups,
+    also with K split over programs)."""
     heads, splits, head_dim, n = 4, 3, 32, 24
     k = heads * head_dim
     weight = ONE_TOKEN_FORMATS[fmt](n, k)
@@ -261,16 +262,19 @@ def test_one_token_gemv_merges_split_attention_into_quantized_rows(fmt):
     merged = (weights[..., None] * torch.nan_to_num(parts)).sum(2).reshape(1, k).half()
     residual = torch.randn(1, n, device=DEVICE).half()
     expected = F.linear(merged.float(), weight.dequantize(torch.float32)) + residual.float()
-    config = dict(BLOCK_N=8, BLOCK_K=64, PREFETCH_K=64)
-    got = gemv(
-        None,
-        weight.streamed(),
-        partials=SplitPartials(parts, lse),
-        residual=residual.clone(),
-        config=config,
-    )
-    _relative_close(got, expected, rtol=2e-3)
-    assert not takes_partials(ONE_TOKEN_FORMATS["int4g64"](n, k).streamed(), head_dim)
+    configs = [dict(BLOCK_N=8, BLOCK_K=64, PREFETCH_K=64)]
+    if fmt.startswith("int4"):
+        configs += [dict(BLOCK_N=16, BLOCK_K=64, SPLIT=2), dict(BLOCK_N=8, BLOCK_K=128)]
+    for config in configs:
+        got = gemv(
+            None,
+            weight.streamed(),
+            partials=SplitPartials(parts, lse),
+            residual=residual.clone(),
+            config=config,
+        )
+        _relative_close(got, expected, rtol=2e-3)
+    assert takes_partials(weight.streamed(), head_dim)
 
 
 @pytest.mark.parametrize("m,k", [(1, 96), (5, 2048), (3, 5000)])
