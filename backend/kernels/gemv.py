@@ -31,6 +31,9 @@ are never written by a kernel), so a kernel's weights stream while its predecess
 Weights may be stored quantized (`backend.kernels.gemv_weight.StreamedWeight`): int8 or e4m3
 values whose float32 sums are scaled per row once, after K, or 4-bit rows
 (`backend.kernels.gemv_int4`); the result is rounded to the activations' dtype (ACT_DTYPE).
+4-bit rows may also split K over programs (config SPLIT, where the operand needs no norm): the
+last program of a column block to arrive adds the partial sums in split order
+(`backend.kernels.split_k`) and runs the epilogue.
 
 Steps of several tokens keep the general layers: a 16-row tensor-core dot with these fusions lost
 to cuBLAS (benchmarks/README.md). Launch configs are per device (`backend.kernels.gemv_config`).

@@ -9,8 +9,11 @@ half-word is shifted down once for nibbles 4-7), masked and ORed with the expone
 leaves q - z. The exponent bits come in as an argument (`exponent_bits`, 2^23's) so that the
 compiler keeps them in a register and the mask and OR are one instruction. The eight planes are
 joined back into input order in registers. Each group's products are summed before its scale
-multiplies them, so a weight costs a mask, a subtract and a multiply-add. The first K tile is
-read before the PDL wait, each next one while the current one is summed.
+multiplies them, so a weight costs a mask, a subtract and a multiply-add. Tiles are [groups,
+rows, words]: with groups leading, a warp's threads spread over a row's groups before its rows,
+so each thread's operand columns serve more rows. The first K tile is read before the PDL wait,
+each next one while the current one is summed. A program may sum only part of K (the GEMV's K
+split).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import triton.language as tl
 from backend.kernels.gemv_operand import merged_operand, operand_tile
 from backend.kernels.gemv_weight import EXPONENT_2_23
 from backend.kernels.pdl import gdc_launch_dependents, gdc_wait
-
 
 
 @triton.jit
