@@ -37,6 +37,7 @@ from backend.config import EngineConfig
 from backend.executor import Executor
 from benchmarks.decode_floor import copy_rate_bytes_per_s, measure
 from benchmarks.provenance import provenance, save_json
+from benchmarks.weight_format_options import add_weight_format_options
 
 
 def _launch_overrides(variant: str) -> dict[str, int]:
@@ -139,8 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--n1", type=int, default=16)
     p.add_argument("--n2", type=int, default=144)
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--quantization", default="none", help="weight format of every variant")
-    p.add_argument("--quantize-lm-head", action="store_true", help="the lm_head quantized too")
+    add_weight_format_options(p, help="weight format of every variant")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     for variant in args.variants:  # unknown names fail before anything is built

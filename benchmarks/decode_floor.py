@@ -35,6 +35,7 @@ from backend.sampling_params import SamplingParams
 from backend.layers.embedding import Embedding
 from backend.quantization import QuantizedWeight
 from benchmarks.provenance import provenance, save_json
+from benchmarks.weight_format_options import add_weight_format_options
 
 
 def copy_rate_bytes_per_s(device: torch.device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
@@ -130,8 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default="none")
-    p.add_argument("--quantize-lm-head", action="store_true", help="the lm_head quantized too")
+    add_weight_format_options(p)
     p.add_argument("--max-attention-window", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--tensor-parallel-size", type=int, default=1)

@@ -74,7 +74,14 @@ def gemv(args) -> dict:
     types = dict.fromkeys(
         ("x_ptr", "bias_ptr", "norm_w_ptr", "residual_ptr", "out_ptr"), "*bf16"
     ) | dict(w_ptr=weight_type, scale_ptr="*fp16" if weight_kind == 2 else "*fp32")
-    types |= dict(zero_ptr="*u8", eps="fp32", exponent_bits="i32", k_split="i32", part_ptr="*fp32", arrivals_ptr="*i32")
+    types |= dict(
+        zero_ptr="*u8",
+        eps="fp32",
+        exponent_bits="i32",
+        k_split="i32",
+        part_ptr="*fp32",
+        arrivals_ptr="*i32",
+    )
     types |= dict.fromkeys(
         ("N", "K", "stride_wn", "num_splits", "parts_head", "parts_split", "lse_head", "lse_split"),
         "i32",

@@ -19,11 +19,12 @@ import time
 
 import torch
 
-from backend.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from backend.config import KV_CACHE_DTYPES, EngineConfig
 from backend.executor import Executor
 from backend.model_paths import resolve_model
 from backend.sampling_params import SamplingParams
 from benchmarks.provenance import provenance, save_json
+from benchmarks.weight_format_options import add_weight_format_options
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -198,13 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default="none",
-        help="weight format (README, Weight formats)",
-    )
-    p.add_argument("--quantize-lm-head", action="store_true", help="the lm_head quantized too")
+    add_weight_format_options(p)
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",

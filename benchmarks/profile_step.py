@@ -19,6 +19,7 @@ from backend.config import EngineConfig
 from backend.model_runner import ModelRunner
 from backend.request import Chunk
 from benchmarks.provenance import provenance, save_json
+from benchmarks.weight_format_options import add_weight_format_options
 
 
 def cuda_ms(fn, repeats: int = 100) -> float:
@@ -146,8 +147,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--isl", type=int, default=128)
-    p.add_argument("--quantization", default="none", help="weight format (runner profile)")
-    p.add_argument("--quantize-lm-head", action="store_true", help="the lm_head quantized too")
+    add_weight_format_options(p, help="weight format (runner profile)")
     p.add_argument("--json", default=None)
     p.add_argument(
         "--engine", action="store_true", help="profile the whole engine instead of the runner"

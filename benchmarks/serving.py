@@ -48,7 +48,8 @@ from benchmarks.serving_load import (
 )
 from benchmarks.sampled_profile import engine_process_pid, sampled_profile
 from benchmarks.serving_perf_analyzer import perf_analyzer_summary
-from backend.config import QUANTIZATIONS, EngineConfig
+from benchmarks.weight_format_options import add_weight_format_options
+from backend.config import EngineConfig
 from backend.engine_outbox import STATS_PERIOD_S
 
 TARGETS = ("ensemble:grpc", "ensemble:http", "tensorrt_llm_bls:grpc", "tensorrt_llm:grpc")
@@ -488,13 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default="default", help="the tokenizer (and vocab) of a preset")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default="none",
-        help="weight format (README, Weight formats)",
-    )
-    p.add_argument("--quantize-lm-head", action="store_true", help="the lm_head quantized too")
+    add_weight_format_options(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--min-requests", type=int, default=32)

@@ -48,7 +48,7 @@ import triton.language as tl
 from backend.attention.split_partials import SplitPartials
 from backend.kernels.gemv_config import checked_config
 from backend.kernels.gemv_int4 import stream_rows_dot_int4
-from backend.kernels.gemv_operand import merged_operand, operand_tile
+from backend.kernels.gemv_operand import operand_at
 from backend.kernels.gemv_weight import ACTIVATION_DTYPES, INT4, StreamedWeight, streamed
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
 from backend.kernels.split_k import add_split_partials, k_per_split, split_buffers
@@ -149,50 +149,48 @@ def stream_rows_dot(
     square_sum = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_N], tl.float32)
     if PREFETCH_K > 0:
-        if PROLOGUE == 3:
-            a_first = merged_operand(
-                x_ptr,
-                norm_w_ptr,
-                0,
-                num_splits,
-                parts_head,
-                parts_split,
-                lse_head,
-                lse_split,
-                PREFETCH_K,
-                SPLITS_PAD,
-                HEAD_DIM,
-                ACT_DTYPE,
-            )
-        else:
-            a_first, first_squares = operand_tile(
-                x_ptr, norm_w_ptr, tl.arange(0, PREFETCH_K), K, PROLOGUE
-            )
-            square_sum += first_squares
+        a_first, first_squares = operand_at(
+            x_ptr,
+            norm_w_ptr,
+            0,
+            tl.arange(0, PREFETCH_K),
+            K,
+            PROLOGUE,
+            PREFETCH_K,
+            num_splits,
+            parts_head,
+            parts_split,
+            lse_head,
+            lse_split,
+            SPLITS_PAD,
+            HEAD_DIM,
+            ACT_DTYPE,
+        )
+        square_sum += first_squares
         acc += tl.sum(w_first.to(tl.float32) * a_first[None, :], 1)
     if K_LOOP:  # a static branch: K goes past the prefetched columns
         ks = tl.arange(0, BLOCK_K)
         partial = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(PREFETCH_K, K, BLOCK_K):
             k = k0 + ks
-            if PROLOGUE == 3:
-                a = merged_operand(
-                    x_ptr,
-                    norm_w_ptr,
-                    k0,
-                    num_splits,
-                    parts_head,
-                    parts_split,
-                    lse_head,
-                    lse_split,
-                    BLOCK_K,
-                    SPLITS_PAD,
-                    HEAD_DIM,
-                    ACT_DTYPE,
-                )
-            else:
-                a, tile_squares = operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE)
-                square_sum += tile_squares
+            a, tile_squares = operand_at(
+                x_ptr,
+                norm_w_ptr,
+                k0,
+                k,
+                K,
+                PROLOGUE,
+                BLOCK_K,
+                num_splits,
+                parts_head,
+                parts_split,
+                lse_head,
+                lse_split,
+                SPLITS_PAD,
+                HEAD_DIM,
+                ACT_DTYPE,
+            )
+            square_sum += tile_squares
             w = tl.load(w_rows + k[None, :])
             partial += w.to(tl.float32) * a[None, :]
         acc += tl.sum(partial, 1)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backend.kernels.gemv_operand import merged_operand, operand_tile
+from backend.kernels.gemv_operand import operand_at
 from backend.kernels.gemv_weight import EXPONENT_2_23
 from backend.kernels.pdl import gdc_launch_dependents, gdc_wait
 
@@ -36,7 +36,7 @@ def _plane(half_words, p: tl.constexpr, exponent_bits, zero):
 @triton.jit
 def _tile(word_rows, group_rows, scale_ptr, zero_ptr, k0, k_end, words_in_tile, GROUP, GROUPS):
     """The words [GROUPS, BLOCK_N, WORDS], scales [GROUPS, BLOCK_N] and zero points of the K tile
-    at k0 (none past k_end). Groups lead: threads then spread over a row's groups before its rows."""
+    at k0 (none past k_end). Groups lead: threads spread over a row's groups before its rows."""
     word = k0 // 8 + words_in_tile
     words = tl.load(word_rows + word[:, None, :], mask=(word < k_end // 8)[:, None, :], other=0)
     groups = k0 // GROUP + tl.arange(0, GROUPS)[:, None]
@@ -119,25 +119,24 @@ def stream_rows_dot_int4(
     square_sum = tl.zeros([1], tl.float32)
     acc = tl.zeros([GROUPS, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if PROLOGUE == 3:
-            merged = merged_operand(
-                x_ptr,
-                norm_w_ptr,
-                k0,
-                num_splits,
-                parts_head,
-                parts_split,
-                lse_head,
-                lse_split,
-                BLOCK_K,
-                SPLITS_PAD,
-                HEAD_DIM,
-                ACT_DTYPE,
-            )
-            a = tl.reshape(merged, [GROUPS, WORDS, 8])
-        else:
-            a, tile_squares = operand_tile(x_ptr, norm_w_ptr, k0 + inputs, K, PROLOGUE)
-            square_sum += tile_squares
+        a, tile_squares = operand_at(
+            x_ptr,
+            norm_w_ptr,
+            k0,
+            k0 + inputs,
+            K,
+            PROLOGUE,
+            BLOCK_K,
+            num_splits,
+            parts_head,
+            parts_split,
+            lse_head,
+            lse_split,
+            SPLITS_PAD,
+            HEAD_DIM,
+            ACT_DTYPE,
+        )
+        square_sum += tile_squares
         next_words, next_scale, next_zero = _tile(
             word_rows,
             group_rows,

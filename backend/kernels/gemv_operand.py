@@ -27,6 +27,47 @@ def operand_tile(x_ptr, norm_w_ptr, k, K, PROLOGUE: tl.constexpr):
 
 
 @triton.jit
+def operand_at(
+    x_ptr,
+    norm_w_ptr,
+    k0,
+    cols,
+    K,
+    PROLOGUE: tl.constexpr,
+    WIDTH: tl.constexpr,
+    num_splits,
+    parts_head,
+    parts_split,
+    lse_head,
+    lse_split,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,
+):
+    """The float32 operand at columns `cols` (k0..k0 + WIDTH, in any shape) and its sum of
+    squares: split partials merged where PROLOGUE is 3 (`merged_operand`'s arguments), else
+    `operand_tile`'s."""
+    if PROLOGUE == 3:
+        merged = merged_operand(
+            x_ptr,
+            norm_w_ptr,
+            k0,
+            num_splits,
+            parts_head,
+            parts_split,
+            lse_head,
+            lse_split,
+            WIDTH,
+            SPLITS_PAD,
+            HEAD_DIM,
+            ACT_DTYPE,
+        )
+        return tl.reshape(merged, cols.shape), 0.0
+    else:
+        return operand_tile(x_ptr, norm_w_ptr, cols, K, PROLOGUE)
+
+
+@triton.jit
 def merged_operand(
     parts_ptr,
     lse_ptr,
