@@ -286,6 +286,7 @@ def _gemv_kernel(
             acc[:, None], part_ptr, arrivals_ptr, tl.arange(0, 1), cols, 1, N, SPLIT
         )
         acc = tl.reshape(total, [BLOCK_N])
+        # `last` widened to the columns: the interpreter takes no scalar in a mask
         store_ok = col_ok & (tl.zeros([BLOCK_N], tl.int32) + last.to(tl.int32) > 0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols_in).to(tl.float32)

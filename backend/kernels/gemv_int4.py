@@ -100,9 +100,9 @@ def stream_rows_dot_int4(
     dotted with the operand over inputs k_start..k_end (whole K tiles; all of K with the norm,
     whose scale is applied, as `backend.kernels.gemv.stream_rows_dot`). BLOCK_K is a multiple of
     GROUP. With the merge prologue (3) the operand is split attention's partials, merged as they
-    are read (`backend.kernels.gemv_operand.merged_operand`). The first K tile is
-    read before the PDL wait (weights are never written by a kernel), and each next one while
-    the current one is summed."""
+    are read (`backend.kernels.gemv_operand.merged_operand`). The first K tile is read before the
+    PDL wait (weights are never written by a kernel), and each next one while the current one is
+    summed."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP  # groups per K tile
     WORDS: tl.constexpr = GROUP // 8  # words per group
     words_in_tile = tl.arange(0, GROUPS)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
