@@ -115,9 +115,15 @@ CHAIN_GRID = dict(BLOCK_N=[4, 8], num_warps=[4, 8], num_stages=[2, 4], EARLY_LAU
 ONE_BYTE_GRID = dict(CHAIN_GRID, BLOCK_N=[4, 8, 16], EARLY_LAUNCH=[True])
 # 4-bit rows: K tiles of whole groups; more rows a program reuse each thread's operand columns.
 FOUR_BIT_GRID = dict(
-    BLOCK_N=[4, 8, 16, 32], num_warps=[4, 8], num_stages=[2], EARLY_LAUNCH=[False], SPLIT=[1]
+    BLOCK_N=[4, 8, 16, 32, 64], num_warps=[4, 8], num_stages=[2], EARLY_LAUNCH=[False], SPLIT=[1]
 )
 LM_HEAD_GRID = dict(BLOCK_N=[8, 16, 32], num_warps=[4, 8], num_stages=[2, 4], EARLY_LAUNCH=[True])
+FOUR_BIT_LM_HEAD_GRID = dict(
+    BLOCK_N=[16, 32, 64, 128], num_warps=[4, 8], num_stages=[2], EARLY_LAUNCH=[True]
+)
+# 4-bit tiles of at most 32 words a thread: the tile, the next one read ahead and the per-word sums
+# stay in registers.
+FOUR_BIT_WORDS_A_THREAD = 32
 
 
 def chain_candidates(
@@ -134,7 +140,7 @@ def chain_candidates(
     prefetch (they read their first tile before the wait whatever PREFETCH_K says), and with
     `split_k` (an operand without the norm) K split over 1, 2 or 4 programs."""
     if lm_head:
-        grid = LM_HEAD_GRID
+        grid = FOUR_BIT_LM_HEAD_GRID if four_bit else LM_HEAD_GRID
     elif four_bit:
         grid = dict(FOUR_BIT_GRID, SPLIT=[1, 2, 4]) if split_k else FOUR_BIT_GRID
     else:
@@ -146,6 +152,8 @@ def chain_candidates(
             config = dict(zip(grid, values), BLOCK_K=block_k)
             for prefetch in [0] if four_bit else sorted({0, min(2048, k), k}):
                 fits = config["BLOCK_N"] * prefetch <= 256 * 32 * config["num_warps"]
+                words = config["BLOCK_N"] * block_k // 8
+                fits &= not four_bit or words <= FOUR_BIT_WORDS_A_THREAD * 32 * config["num_warps"]
                 if fits and prefetch % block_k == 0 and prefetch & (prefetch - 1) == 0:
                     yield {**config, "PREFETCH_K": prefetch}
 

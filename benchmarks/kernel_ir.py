@@ -103,6 +103,7 @@ def gemv(args) -> dict:
         GROUP=128,
         K_LOOP=args.prefetch_k < args.k,
         SPLIT=1,
+        F16X2=weight_kind == 2 and not args.float32_unpack,
     )
     return report(compile_for_hopper(_gemv_kernel, types, constexprs, args.warps, args.stages))
 
@@ -146,6 +147,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("kernel", choices=["gemv", "decode-attention"])
     p.add_argument("--weight", choices=list(WEIGHTS), default="bf16")
     p.add_argument("--prologue", choices=list(PROLOGUES), default="none")
+    p.add_argument(
+        "--float32-unpack", action="store_true", help="gemv int4: the interpreter's float32 path"
+    )
     p.add_argument("--k", type=int, default=2048, help="gemv: the weight's K")
     p.add_argument("--block-n", type=int, default=4)
     p.add_argument("--block-k", type=int, default=512)

@@ -94,6 +94,7 @@ def stream_rows_dot(
     exponent_bits=0,
     k_start=0,
     k_end=0,
+    F16X2: tl.constexpr = False,
 ):
     """float32 [BLOCK_N]: weight rows `rows` (int64) dotted with the operand over all of K, the
     norm's scale applied. Waits for the previous kernel (PDL) after reading the first PREFETCH_K
@@ -106,7 +107,7 @@ def stream_rows_dot(
     WEIGHT (`StreamedWeight.kind`): DENSE values; ROW_SCALED int8 or e4m3 values times a float32
     scale per row (scale_ptr); INT4 packed 4-bit rows with a scale and zero point per GROUP
     inputs (`backend.kernels.gemv_int4`: exponent_bits is its `EXPONENT_2_23`; it sums inputs
-    k_start..k_end, 0..K unless K is split).
+    k_start..k_end, 0..K unless K is split; F16X2 unpacks them in half-precision pairs).
     K_LOOP is False where PREFETCH_K covers K: with no loop in the kernel, the prefetched tile
     keeps the layout it was loaded in (a loop's tiles take another, and the compiler would move
     the prefetched weights through shared memory to match them)."""
@@ -138,6 +139,7 @@ def stream_rows_dot(
             lse_head,
             lse_split,
             ACT_DTYPE,
+            F16X2,
         )
     w_rows = w_ptr + rows[:, None] * stride_wn
     if PDL and EARLY_LAUNCH:
@@ -238,6 +240,7 @@ def _gemv_kernel(
     GROUP: tl.constexpr = 1,
     K_LOOP: tl.constexpr = True,
     exponent_bits=0,
+    F16X2: tl.constexpr = False,
     SPLIT: tl.constexpr = 1,
     k_split=0,
     part_ptr=0,
@@ -279,6 +282,7 @@ def _gemv_kernel(
         exponent_bits,
         k_start,
         k_end,
+        F16X2,
     )
     store_ok = col_ok
     if SPLIT > 1:  # the last of the column block's programs to arrive adds their sums

@@ -5,6 +5,7 @@ quantized weights name theirs without importing Triton."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +69,14 @@ class StreamedWeight:
             args["scale_ptr"] = self.scales
         if self.kind == INT4:
             args.update(zero_ptr=self.zeros, GROUP=self.group_size, exponent_bits=EXPONENT_2_23)
+            args["F16X2"] = compiled_for_cuda(self.values.device)
         return args
+
+
+def compiled_for_cuda(device: torch.device) -> bool:
+    """Whether kernels for `device` compile to PTX (the 4-bit stream's inline PTX needs it): a
+    CUDA device, not the Triton interpreter."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def streamed(weight: torch.Tensor | StreamedWeight) -> StreamedWeight:

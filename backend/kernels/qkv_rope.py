@@ -78,6 +78,7 @@ def _qkv_rope_kernel(
     GROUP: tl.constexpr = 1,
     K_LOOP: tl.constexpr = True,
     exponent_bits=0,
+    F16X2: tl.constexpr = False,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
@@ -119,6 +120,7 @@ def _qkv_rope_kernel(
         exponent_bits=exponent_bits,
         k_start=0,
         k_end=K,
+        F16X2=F16X2,
     )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)

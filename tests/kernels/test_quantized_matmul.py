@@ -218,6 +218,23 @@ def test_one_token_gemv_sums_4bit_groups_over_k_tiles(group):
         _relative_close(gemv(x, weight.streamed(), config=config), expected, rtol=8e-3)
 
 
+def test_one_token_gemv_4bit_operand_of_any_magnitude():
+    """Operand columns from 1e-4 to 3e4, as outlier features make them (a compiled GPU sums each
+    word's products in float16, its eight operand columns scaled by a power of two into range):
+    still de-quantize-then-matmul, with and without the norm."""
+    n, k = 40, 512
+    weight = _int4(n, k, 128, seed=9)
+    dense = weight.dequantize(torch.float32)
+    torch.manual_seed(3)
+    magnitude = 10.0 ** torch.empty(1, k).uniform_(-4, 4.5)
+    x = (torch.randn(1, k) * magnitude).to(DEVICE).to(torch.bfloat16)
+    _relative_close(gemv(x, weight.streamed()), F.linear(x.float(), dense), rtol=8e-3)
+    norm_w = torch.rand(k, device=DEVICE).to(torch.bfloat16) + 0.5
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean() + 1e-5) * norm_w.float()
+    got = gemv(x, weight.streamed(), norm_weight=norm_w, eps=1e-5)
+    _relative_close(got, F.linear(normed, dense), rtol=8e-3)
+
+
 @pytest.mark.parametrize("split", [2, 3, 4])
 def test_one_token_gemv_splits_4bit_k_over_programs(split):
     """K split over programs (3 leaves a shorter last split): the last program of a column block
