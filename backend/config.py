@@ -50,6 +50,10 @@ class EngineConfig:
     # Quantize the lm_head too (into the format's at-load form; a tied one gets its own copy, the
     # embedding stays dense): off by default, as TensorRT-LLM's and vLLM's recipes leave it.
     quantize_lm_head: bool = False
+    # `fp8` GEMMs of many rows (torch's scaled GEMM) keep their sums in the tensor cores' own
+    # accumulator, fewer bits than float32, instead of promoting them: faster, as TensorRT-LLM's
+    # and vLLM's FP8 GEMMs run; off by default (README, "FP8 fast accumulation").
+    fp8_fast_accumulation: bool = False
     seed: int = 0  # engine-wide generator for unseeded sampling
     # Ranks the model is split across (backend/tensor_parallel.py): processes on this host, gloo
     # on CPU, NCCL on CUDA; `gpu_device_ids` ("0,1") picks each rank's GPU (else rank i: GPU i).
@@ -87,6 +91,11 @@ class EngineConfig:
                 "quantize_lm_head needs a weight format quantized at load or from a checkpoint "
                 f"(int8_wo, int4_wo, int4_awq, int4_gptq, fp8, auto), got quantization "
                 f"{self.quantization!r}"
+            )
+        if self.fp8_fast_accumulation and self.quantization not in ("fp8", "auto"):
+            raise ValueError(
+                "fp8_fast_accumulation applies to fp8 weights (quantization fp8, or auto on an "
+                f"FP8 checkpoint), got quantization {self.quantization!r}"
             )
         if self.gpu_device_ids is not None:
             ids = self.gpu_device_ids.split(",")

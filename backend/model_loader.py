@@ -28,6 +28,7 @@ from backend.quantization.checkpoint import (
     quantize_at_load,
     quantize_lm_head,
 )
+from backend.quantization.fp8 import use_fast_accumulation
 from backend.weight_formats import pick_quantization, quantization_config
 from backend.tensor_parallel import TensorParallel
 
@@ -111,11 +112,13 @@ def load_model(
     tp: TensorParallel | None = None,
     exclude: tuple[str, ...] = (),
     lm_head: bool = False,
+    fp8_fast_accumulation: bool = False,
 ) -> torch.nn.Module:
     """Build the model for `model_dir` and fill it: safetensors weights, random ones for a preset,
     or, given `gguf_file`, that file's blocks kept quantized (the directory gives the config).
     `quantization` (the engine parameter, not "gguf"): see `pick_quantization`; `lm_head`
-    (`quantize_lm_head`): the lm_head is quantized too.
+    (`quantize_lm_head`): the lm_head is quantized too; `fp8_fast_accumulation`: its fp8 weights
+    sum without promoting (`backend.quantization.fp8.use_fast_accumulation`).
     With `tp`, this rank's shard: each full tensor is cut as it is read (a preset's random
     weights are drawn per shard, so they differ from one rank's); float weights only."""
     config = config or ModelConfig.from_dir(model_dir)
@@ -145,6 +148,7 @@ def load_model(
         )
         if lm_head:
             _quantize_lm_head(model, quantization)
+        _fast_accumulation(model, fp8_fast_accumulation)
         return model
     if quantization == "none":
         _refuse_exclude(exclude, "not quantized (quantization 'none')")
@@ -165,6 +169,7 @@ def load_model(
         str(dtype).split(".")[-1],
         f"; {quantization} x{quantized}, quantized at load" if quantized else "",
     )
+    _fast_accumulation(model, fp8_fast_accumulation)
     return model
 
 
@@ -182,6 +187,11 @@ def _refuse_lm_head(lm_head: bool, quantization: str) -> None:
             "quantize_lm_head needs a weight format quantized at load or from a checkpoint "
             f"(int8_wo, int4_wo, int4_awq, int4_gptq, fp8); these weights are {quantization!r}"
         )
+
+
+def _fast_accumulation(model: torch.nn.Module, wanted: bool) -> None:
+    if wanted:
+        log.info("fp8_fast_accumulation: %d fp8 weights", use_fast_accumulation(model))
 
 
 def _quantize_lm_head(model: torch.nn.Module, quantization: str) -> None:

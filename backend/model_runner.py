@@ -176,6 +176,7 @@ class ModelRunner:
             self.tp,
             config.excluded_modules(),
             config.quantize_lm_head,
+            config.fp8_fast_accumulation,
         )
         self.weight_bytes = weight_bytes(self.model)  # resident parameters and buffers
         self.kv_layout = KVCacheLayout(

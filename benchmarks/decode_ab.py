@@ -37,7 +37,7 @@ from backend.config import EngineConfig
 from backend.executor import Executor
 from benchmarks.decode_floor import copy_rate_bytes_per_s, measure
 from benchmarks.provenance import provenance, save_json
-from benchmarks.weight_format_options import add_weight_format_options
+from benchmarks.weight_format_options import add_weight_format_options, weight_format_fields
 
 
 def _launch_overrides(variant: str) -> dict[str, int]:
@@ -106,14 +106,11 @@ def _changes(variant: str) -> list:
     raise ValueError(f"unknown variant {variant!r} (see python -m benchmarks.decode_ab --help)")
 
 
-def build(
-    variant: str, model: str, batch: int, isl: int, n2: int, quantization: str, lm_head: bool
-) -> Executor:
+def build(variant: str, model: str, batch: int, isl: int, n2: int, formats: dict) -> Executor:
     seq = isl + n2 + 1
     config = EngineConfig(
         model_path=model,
-        quantization=quantization,
-        quantize_lm_head=lm_head,
+        **formats,
         max_batch_size=batch,
         max_num_tokens=max(2048, batch * isl),
         max_seq_len=seq,
@@ -151,9 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not torch.cuda.is_available():
         p.error("needs a GPU: the variants differ in their decode CUDA graphs")
     executors = {
-        v: build(
-            v, args.model, args.batch, args.isl, args.n2, args.quantization, args.quantize_lm_head
-        )
+        v: build(v, args.model, args.batch, args.isl, args.n2, weight_format_fields(args))
         for v in args.variants
     }
     device = torch.device("cuda")
@@ -175,8 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "batch": args.batch,
         "isl": args.isl,
-        "quantization": args.quantization,
-        "quantize_lm_head": args.quantize_lm_head,
+        **weight_format_fields(args),
         "rounds": args.rounds,
         "floor_ms": round(floor_ms, 4),
         "copy_rate_tb_s": round(rate / 1e12, 3),

@@ -35,7 +35,7 @@ from backend.sampling_params import SamplingParams
 from backend.layers.embedding import Embedding
 from backend.quantization import QuantizedWeight
 from benchmarks.provenance import provenance, save_json
-from benchmarks.weight_format_options import add_weight_format_options
+from benchmarks.weight_format_options import add_weight_format_options, weight_format_fields
 
 
 def copy_rate_bytes_per_s(device: torch.device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
@@ -147,8 +147,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     config = EngineConfig(
         model_path=args.model,
-        quantization=args.quantization,
-        quantize_lm_head=args.quantize_lm_head,
+        **weight_format_fields(args),
         kv_cache_dtype=args.kv_cache_dtype,
         max_attention_window_size=(
             None if args.max_attention_window is None else str(args.max_attention_window)
@@ -178,8 +177,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 **provenance(device),
                 "model": args.model,
                 "dtype": str(executor.runner.dtype).replace("torch.", ""),
-                "quantization": args.quantization,
-                "quantize_lm_head": args.quantize_lm_head,
+                **weight_format_fields(args),
                 "kv_cache_dtype": args.kv_cache_dtype,
                 "tensor_parallel_size": args.tensor_parallel_size,
                 "kv_blocks": executor.runner.num_kv_blocks,

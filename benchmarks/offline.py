@@ -24,7 +24,7 @@ from backend.executor import Executor
 from backend.model_paths import resolve_model
 from backend.sampling_params import SamplingParams
 from benchmarks.provenance import provenance, save_json
-from benchmarks.weight_format_options import add_weight_format_options
+from benchmarks.weight_format_options import add_weight_format_options, weight_format_fields
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -223,8 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     max_seq = args.isl[1] + args.osl[1] + 1
     config = EngineConfig(
         model_path=args.model,
-        quantization=args.quantization,
-        quantize_lm_head=args.quantize_lm_head,
+        **weight_format_fields(args),
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         dtype=args.dtype,
@@ -250,8 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         **provenance(executor.runner.device),
         "model": args.model,
         "dtype": str(executor.runner.dtype).replace("torch.", ""),
-        "quantization": args.quantization,
-        "quantize_lm_head": args.quantize_lm_head,
+        **weight_format_fields(args),
         "kv_cache_dtype": args.kv_cache_dtype,
         "tensor_parallel_size": args.tensor_parallel_size,
         "weight_bytes": executor.runner.weight_bytes,

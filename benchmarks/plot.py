@@ -53,6 +53,8 @@ def plot_decode_floor(path: str) -> str:
 def variant_label(r: dict) -> str:
     """A decode-floor row's weight format, KV dtype and window, where not the default."""
     parts = [r.get("quantization", "none") + (" + lm_head" if r.get("quantize_lm_head") else "")]
+    if r.get("fp8_fast_accumulation"):
+        parts.append("fast accumulation")
     if r.get("kv_cache_dtype", "auto") != "auto":
         parts.append(f"kv {r['kv_cache_dtype']}")
     if r.get("max_attention_window_size"):
@@ -156,6 +158,8 @@ def model_label(r: dict) -> str:
     quantization = r.get("quantization", "none")
     if r.get("quantize_lm_head"):
         quantization += " + lm_head"
+    if r.get("fp8_fast_accumulation"):
+        quantization += ", fast accumulation"
     label = r["model"] if quantization == "none" else f"{r['model']} ({quantization})"
     tp = r.get("tensor_parallel_size", 1)
     return label if tp == 1 else f"{label}, TP {tp}"

@@ -19,7 +19,7 @@ from backend.config import EngineConfig
 from backend.model_runner import ModelRunner
 from backend.request import Chunk
 from benchmarks.provenance import provenance, save_json
-from benchmarks.weight_format_options import add_weight_format_options
+from benchmarks.weight_format_options import add_weight_format_options, weight_format_fields
 
 
 def cuda_ms(fn, repeats: int = 100) -> float:
@@ -179,8 +179,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             max_batch_size=max_batch,
             max_seq_len=seq,
             max_tokens_in_paged_kv_cache=max_batch * seq,
-            quantization=args.quantization,
-            quantize_lm_head=args.quantize_lm_head,
+            **weight_format_fields(args),
         )
     )
     rng = random.Random(0)
@@ -202,8 +201,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "model": args.model,
             "batch": batch,
             "isl": args.isl,
-            "quantization": args.quantization,
-            "quantize_lm_head": args.quantize_lm_head,
+            **weight_format_fields(args),
         }
         if graphs is not None:  # staged each time: a replay reads the slot staged for it
             row["graph_replay_gpu_ms"] = round(

@@ -48,7 +48,7 @@ from benchmarks.serving_load import (
 )
 from benchmarks.sampled_profile import engine_process_pid, sampled_profile
 from benchmarks.serving_perf_analyzer import perf_analyzer_summary
-from benchmarks.weight_format_options import add_weight_format_options
+from benchmarks.weight_format_options import add_weight_format_options, weight_format_fields
 from backend.config import EngineConfig
 from backend.engine_outbox import STATS_PERIOD_S
 
@@ -163,8 +163,7 @@ def settings_for(args, model_dir: str):
         model_path=model_dir,
         device=args.device,
         dtype=args.dtype,
-        quantization=args.quantization,
-        quantize_lm_head=args.quantize_lm_head,
+        **weight_format_fields(args),
         max_batch_size=top,
         max_num_tokens=args.max_num_tokens,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,

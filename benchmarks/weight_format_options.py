@@ -10,6 +10,21 @@ from backend.config import QUANTIZATIONS
 def add_weight_format_options(
     parser: argparse.ArgumentParser, help: str = "weight format (README, Weight formats)"
 ) -> None:
-    """--quantization (one of the engine's formats) and --quantize-lm-head."""
+    """--quantization (one of the engine's formats), --quantize-lm-head and
+    --fp8-fast-accumulation."""
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none", help=help)
     parser.add_argument("--quantize-lm-head", action="store_true", help="the lm_head quantized too")
+    parser.add_argument(
+        "--fp8-fast-accumulation",
+        action="store_true",
+        help="fp8 GEMMs of many rows sum without promoting (README, FP8 fast accumulation)",
+    )
+
+
+def weight_format_fields(args: argparse.Namespace) -> dict:
+    """Those options as EngineConfig fields (and a result's)."""
+    return dict(
+        quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
+        fp8_fast_accumulation=args.fp8_fast_accumulation,
+    )

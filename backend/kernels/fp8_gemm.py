@@ -179,11 +179,14 @@ def fp8_linear(
     out_dtype: torch.dtype,
     config: Fp8GemmConfig | None = None,
     out: torch.Tensor | None = None,
+    fast_accumulation: bool = False,
 ) -> torch.Tensor:
     """Activations already quantized per row (xq e4m3 [M, K], x_scales float32 [M, 1]) ->
     x @ W^T (+ bias) [M, N] in out_dtype (written into `out`, contiguous, where given); qweight
     e4m3 [N, K], w_scales float32 [N]. Config: the given one, the device's tuned one, torch's
-    scaled GEMM where it runs, else the default."""
+    scaled GEMM where it runs, else the default. `fast_accumulation`: torch's scaled GEMM sums
+    in the tensor cores' accumulator without promoting to float32 (the Triton kernel promotes
+    every K tile regardless)."""
     m, (n, k) = xq.shape[0], qweight.shape
     config = config or tuned_config(m, n, k, xq.device)
     if config is None and _takes_scaled_mm(xq, n, out_dtype):
@@ -193,6 +196,7 @@ def fp8_linear(
             scale_a=x_scales.contiguous(),
             scale_b=w_scales.view(1, n),
             out_dtype=out_dtype,
+            use_fast_accum=fast_accumulation,
         )
         product = product if bias is None else product.add_(bias)
         return product if out is None else out.copy_(product)

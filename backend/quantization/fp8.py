@@ -36,6 +36,15 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
 
 
+def use_fast_accumulation(model: torch.nn.Module) -> int:
+    """Let every `fp8` weight of `model` sum without promoting (`fp8_fast_accumulation`); how
+    many there are."""
+    weights = [m for m in model.modules() if isinstance(m, Fp8Weight)]
+    for weight in weights:
+        weight.fast_accumulation = True
+    return len(weights)
+
+
 @dataclass(frozen=True)
 class E4m3Rows:
     """Activation rows already quantized as `quantize_rows` does, by the kernel that produced them
@@ -49,6 +58,8 @@ class E4m3Rows:
 
 class Fp8Weight(QuantizedWeight):
     format = "fp8"
+    # torch's scaled GEMM sums without promoting (the engine's `fp8_fast_accumulation`)
+    fast_accumulation = False
 
     def __init__(self, out_features: int, in_features: int, device: torch.device | None = None):
         super().__init__(out_features, in_features)
@@ -95,7 +106,14 @@ class Fp8Weight(QuantizedWeight):
         """Rows already quantized (xq e4m3 [T, in_features], x_scales float32 [T, 1]) ->
         [T, out_features] in out_dtype (into `out` where given), through the scaled GEMM."""
         return fp8_gemm.fp8_linear(
-            xq, x_scales, self.qweight, self.scales, bias, out_dtype=out_dtype, out=out
+            xq,
+            x_scales,
+            self.qweight,
+            self.scales,
+            bias,
+            out_dtype=out_dtype,
+            out=out,
+            fast_accumulation=self.fast_accumulation,
         )
 
     def _on_fp8_gpu(self, x: torch.Tensor) -> bool:

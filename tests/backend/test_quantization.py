@@ -349,6 +349,24 @@ def test_int8_wo_with_quantized_lm_head_equals_the_dequantized_model(tiny_hf_mod
     assert quantized != _tokens(directory, "int8_wo")  # the head's rounding shows
 
 
+def test_fp8_fast_accumulation_reaches_every_fp8_weight(tiny_hf_model):
+    """The engine parameter marks every fp8 projection and the fp8 head; refused for formats
+    without fp8 weights, naming the field."""
+    _, directory = tiny_hf_model("llama", **WIDE)
+    attention = get_attention_backend("torch", CPU)
+    args = (str(directory), CPU, torch.float32, attention, 256, None, None, "fp8")
+    plain = load_model(*args, lm_head=True)
+    assert not any(getattr(m, "fast_accumulation", False) for m in plain.modules())
+    fast = load_model(*args, lm_head=True, fp8_fast_accumulation=True)
+    weights = [m for m in fast.modules() if isinstance(m, Fp8Weight)]
+    assert len(weights) == 9  # qkv, o, gate|up and down of each of 2 layers, and the head
+    assert all(w.fast_accumulation for w in weights)
+    with pytest.raises(
+        ValueError, match="fp8_fast_accumulation applies to fp8 weights .* 'int8_wo'"
+    ):
+        EngineConfig(quantization="int8_wo", fp8_fast_accumulation=True)
+
+
 @pytest.mark.parametrize("quantization", ["none", "gguf"])
 def test_quantize_lm_head_is_refused_without_a_quantized_format(quantization):
     with pytest.raises(

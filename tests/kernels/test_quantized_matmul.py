@@ -115,6 +115,21 @@ def test_fp8_gemm_is_the_torch_path(m, n, k):
     _relative_close(out.cpu(), expected)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="torch's scaled GEMM runs on a GPU")
+def test_fp8_fast_accumulation_stays_within_the_rounding_of_the_output():
+    """torch's scaled GEMM summing in the tensor cores' accumulator (`fp8_fast_accumulation`) at
+    a long K: within a few bf16 roundings of the promoted sum, and not the same call."""
+    torch.manual_seed(0)
+    m, n, k = 256, 512, 14336
+    weight = Fp8Weight.quantize(torch.randn(n, k)).to(DEVICE)
+    xq, x_scales = quantize_rows(torch.randn(m, k, device=DEVICE))
+    args = (xq, x_scales, weight.qweight, weight.scales, None)
+    promoted = fp8_linear(*args, out_dtype=torch.bfloat16)
+    fast = fp8_linear(*args, out_dtype=torch.bfloat16, fast_accumulation=True)
+    _relative_close(fast, promoted, rtol=1e-2)
+    assert not torch.equal(fast, promoted)
+
+
 def test_every_tuned_fp8_gemm_config_is_the_torch_path():
     """Each distinct config of the devices' tables (tiles, K splits; stages and warps do not
     change the sum), on a product large enough for its tiles, with rows past the edge."""
