@@ -54,6 +54,24 @@ def paged_attention(
             k_scales=k_scales,
             v_scales=v_scales,
         )
+    # A mixed step: the decode kernel attends the requests of one row (a prefill tile would
+    # spend a whole tile of rows on each), the prefill kernel the others.
+    out = decode_attention(
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        _keys_read(meta, window),
+        scale,
+        window=window,
+        sinks=sinks,
+        softcap=softcap,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        single_rows_only=True,
+    )
     return prefill_attention(
         query,
         k_cache,
@@ -62,11 +80,13 @@ def paged_attention(
         meta.seq_lens,
         meta.query_start_loc,
         scale,
+        out=out,
         window=window,
         sinks=sinks,
         softcap=softcap,
         k_scales=k_scales,
         v_scales=v_scales,
+        single_rows_elsewhere=True,
     )
 
 

@@ -340,6 +340,30 @@ def test_prefill_mixed_batch_matches_reference(num_heads, num_kv_heads, tokens_p
     assert_matches_reference(out, query, k_cache, v_cache, meta, scale)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_mixed_step_splits_its_rows_between_the_two_kernels(num_splits):
+    """A mixed step's requests of one row go to the decode kernel and the others to the prefill
+    kernel: each leaves the other's rows as they were, and together they are the reference."""
+    from backend.kernels.arrivals import arrival_counters
+
+    query_lens, seq_lens = MIXED_BATCH
+    k_cache, v_cache, meta = make_batch(
+        query_lens, seq_lens, num_kv_heads=2, head_dim=32, tokens_per_block=16, seed=9
+    )
+    query = random_query(sum(query_lens), 8, 32, seed=10)
+    args = (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+    single = torch.tensor([q == 1 for q in query_lens for _ in range(q)], device=DEVICE)
+    decoded = torch.full_like(query, float("nan"))
+    decode_attention(*args, max(seq_lens), 0.2, num_splits, out=decoded, single_rows_only=True)
+    assert decoded[~single].isnan().all() and not decoded[single].isnan().any()
+    prefilled = torch.full_like(query, float("nan"))
+    prefill_attention(*args, 0.2, out=prefilled, single_rows_elsewhere=True)
+    assert prefilled[single].isnan().all() and not prefilled[~single].isnan().any()
+    both = torch.where(single[:, None, None], decoded, prefilled)
+    assert_matches_reference(both, query, k_cache, v_cache, meta, 0.2)
+    assert not arrival_counters("decode_attention", query.device, 12).any()
+
+
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 32), (16, 64)])
 def test_prefill_small_tiles_cross_pages_and_diagonal(block_m, block_n):
     """Small tiles: many query tiles per request, key tiles spanning several pages."""

@@ -118,6 +118,7 @@ def _decode_kernel(
     PARTIALS: tl.constexpr = False,
     SOFTCAP: tl.constexpr = 0.0,
     KV_SCALED: tl.constexpr = False,
+    SINGLE_ROWS_ONLY: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -138,6 +139,8 @@ def _decode_kernel(
         tl.maximum((window_tiles + MIN_TILES_PER_SPLIT - 1) // MIN_TILES_PER_SPLIT, 1), num_splits
     )
     tiles_per_split = (window_tiles + used - 1) // used
+    if SINGLE_ROWS_ONLY:  # a mixed step: requests of several rows are the prefill kernel's
+        used = tl.where(tl.load(query_start_ptr + seq + 1) - row == 1, used, 0)
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, cached_tiles)
     if split < used:
@@ -403,6 +406,8 @@ def _decode_kernel(
             tl.full([GROUP_PAD], float("-inf"), tl.float32),
             mask=tl.arange(0, GROUP_PAD) < GROUP,
         )
+    elif SINGLE_ROWS_ONLY and PDL:
+        gdc_wait()  # ends no sooner than the kernel before it, even where every request is skipped
 
 
 def decode_attention(
@@ -422,6 +427,7 @@ def decode_attention(
     softcap: float | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    single_rows_only: bool = False,
 ) -> torch.Tensor:
     """One query token per request: query [T, heads, head_dim] -> [T, heads, head_dim].
 
@@ -431,6 +437,8 @@ def decode_attention(
     `min_tiles_per_split` key tiles of its cached context (default MIN_TILES_PER_SPLIT).
     `window`: sliding-window attention with `sinks` (backend.attention.reference's rule).
     `k_scales`/`v_scales` [blocks, tokens_per_block, kv_heads]: a quantized cache's scales.
+    `single_rows_only`: a mixed step; only requests of one query row are attended, the rows of
+    the others left for `prefill_attention(single_rows_elsewhere=True)`.
     """
     num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
     if out is None:
@@ -466,6 +474,7 @@ def decode_attention(
         softcap=softcap,
         k_scales=k_scales,
         v_scales=v_scales,
+        single_rows_only=single_rows_only,
     )
     return out
 
@@ -557,6 +566,7 @@ def _launch(
     softcap: float | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    single_rows_only: bool = False,
 ) -> None:
     num_heads, head_dim = query.shape[1:]
     num_blocks, tokens_per_block, num_kv_heads = k_cache.shape[:3]
@@ -624,6 +634,7 @@ def _launch(
         GROUP_POW2=triton.next_power_of_2(group),
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
         KV_SCALED=scaled,
+        SINGLE_ROWS_ONLY=single_rows_only,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         **launch_options(ORDERING),

@@ -96,6 +96,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
     KV_SCALED: tl.constexpr = False,
+    SINGLE_ROWS_ELSEWHERE: tl.constexpr = False,
 ):
     # Longest first: a request's last tiles see the most keys, so the last wave holds short tiles.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -106,6 +107,9 @@ def _prefill_kernel(
     q_tile = tile_id - (q_start // BLOCK_Q + seq)
     if q_tile * BLOCK_Q >= q_len:
         return
+    if SINGLE_ROWS_ELSEWHERE:  # the decode kernel attends requests of one row
+        if q_len == 1:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_start = seq_len - q_len  # absolute position of the request's first query
 
@@ -344,10 +348,13 @@ def prefill_attention(
     softcap: float | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    single_rows_elsewhere: bool = False,
 ) -> torch.Tensor:
     """query [T, heads, head_dim] -> [T, heads, head_dim]; any mix of query lengths (>= 0).
     `window`: sliding-window attention with `sinks` (backend.attention.reference's rule).
-    `k_scales`/`v_scales` [blocks, tokens_per_block, kv_heads]: a quantized cache's scales."""
+    `k_scales`/`v_scales` [blocks, tokens_per_block, kv_heads]: a quantized cache's scales.
+    `single_rows_elsewhere`: requests of one query row are left unwritten, for
+    `decode_attention(single_rows_only=True)`."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -404,6 +411,7 @@ def prefill_attention(
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
         SOFTCAP=softcap_log2,
         KV_SCALED=scaled,
+        SINGLE_ROWS_ELSEWHERE=single_rows_elsewhere,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
