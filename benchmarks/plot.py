@@ -142,6 +142,28 @@ def plot_fp8_gemm_sweep(path: str) -> str:
     return save_beside(fig, rows, path)
 
 
+def plot_fp8_accumulation(path: str) -> str:
+    """Torch's scaled GEMM per projection and row count, promoted against fast accumulation."""
+    rows = load(path)
+    names = list(dict.fromkeys(r["projection"] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(3.6 * len(names), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        picked = [r for r in rows if r["projection"] == name]
+        x = range(len(picked))
+        for i, mode in enumerate(("promoted", "fast")):
+            ax.bar(
+                [j + (i - 0.5) * 0.4 for j in x], [r[mode]["us"] for r in picked], 0.4, label=mode
+            )
+        ax.set_xticks(list(x), [str(r["rows"]) for r in picked])
+        ax.set(
+            xlabel="rows",
+            ylabel="µs per call",
+            title=f"{name} ({picked[0]['n']} x {picked[0]['k']})",
+        )
+    axes[0][0].legend(fontsize=7)
+    return save_beside(fig, rows, path)
+
+
 def save_beside(fig, rows: list[dict], path: str) -> str:
     """Title `fig` with the rows' device, date and commits, and save it as PNG beside `path`."""
     commits = ", ".join(dict.fromkeys(r["commit"] for r in rows))
@@ -254,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
         print("wrote", plot_attention_sweep(path))
     for path in glob.glob(os.path.join(results_dir, "quantized_matmul_fp8*.json")):
         print("wrote", plot_fp8_gemm_sweep(path))
+    for path in glob.glob(os.path.join(results_dir, "fp8_accumulation*.json")):
+        print("wrote", plot_fp8_accumulation(path))
     for path in glob.glob(os.path.join(results_dir, "all_reduce*.json")):
         print("wrote", plot_all_reduce(path))
     for pattern in ("decode_formats*.json", "decode_window*.json", "decode_tp*.json"):
