@@ -38,23 +38,8 @@ def paged_attention(
     """query [T, heads, head_dim] -> output [T, heads, head_dim] (causal, GQA, paged K/V;
     sliding-window with sinks when `window` is set); scores tanh soft-capped at `softcap` when
     given; `k_scales`/`v_scales`: a quantized cache's scales (backend.attention.kv_dtype)."""
-    if meta.max_query_len == 1:
-        return decode_attention(
-            query,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            _keys_read(meta, window),
-            scale,
-            window=window,
-            sinks=sinks,
-            softcap=softcap,
-            k_scales=k_scales,
-            v_scales=v_scales,
-        )
-    # A mixed step: the decode kernel attends the requests of one row (a prefill tile would
+    mixed = meta.max_query_len > 1
+    # In a mixed step the decode kernel attends the requests of one row (a prefill tile would
     # spend a whole tile of rows on each), the prefill kernel the others.
     out = decode_attention(
         query,
@@ -70,8 +55,10 @@ def paged_attention(
         softcap=softcap,
         k_scales=k_scales,
         v_scales=v_scales,
-        single_rows_only=True,
+        single_rows_only=mixed,
     )
+    if not mixed:
+        return out
     return prefill_attention(
         query,
         k_cache,
