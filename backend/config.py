@@ -51,8 +51,8 @@ class EngineConfig:
     # embedding stays dense): off by default, as TensorRT-LLM's and vLLM's recipes leave it.
     quantize_lm_head: bool = False
     # `fp8` GEMMs of many rows (torch's scaled GEMM) keep their sums in the tensor cores' own
-    # accumulator, fewer bits than float32, instead of promoting them: faster, as TensorRT-LLM's
-    # and vLLM's FP8 GEMMs run; off by default (README, "FP8 fast accumulation").
+    # accumulator, fewer bits than float32, instead of promoting them: faster, as other engines'
+    # FP8 GEMMs commonly run; off by default (README, "FP8 fast accumulation").
     fp8_fast_accumulation: bool = False
     seed: int = 0  # engine-wide generator for unseeded sampling
     # Ranks the model is split across (backend/tensor_parallel.py): processes on this host, gloo
