@@ -186,8 +186,8 @@ def stream_rows_dot_int4(
     PDL wait (weights are never written by a kernel), and each next one while the current one is
     summed. F16X2: words unpacked in half-precision pairs by inline PTX (compiled CUDA only)."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP  # groups per K tile
-    k_start = tl.full([], k_start, tl.int32)  # a tensor for `_tile`'s alignment hint
     WORDS: tl.constexpr = GROUP // 8  # words per group
+    k_start = tl.full([], k_start, tl.int32)  # a tensor for `_tile`'s alignment hint
     words_in_tile = tl.arange(0, GROUPS)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
     # K is a multiple of 64 (`StreamedWeight.takes`): rows start 16-byte aligned, 4 words a load
     word_rows = words_ptr + rows[None, :, None] * tl.multiple_of(K // 8, 8)

@@ -5,10 +5,11 @@ quantized weights name theirs without importing Triton."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from backend.kernels.tuning import device_name
 
 DENSE, ROW_SCALED, INT4 = 0, 1, 2  # `stream_rows_dot`'s WEIGHT
 ROW_SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -69,14 +70,9 @@ class StreamedWeight:
             args["scale_ptr"] = self.scales
         if self.kind == INT4:
             args.update(zero_ptr=self.zeros, GROUP=self.group_size, exponent_bits=EXPONENT_2_23)
-            args["F16X2"] = compiled_for_cuda(self.values.device)
+            # inline PTX where the kernel compiles for a CUDA device (the interpreter runs none)
+            args["F16X2"] = device_name(self.values.device) is not None
         return args
-
-
-def compiled_for_cuda(device: torch.device) -> bool:
-    """Whether kernels for `device` compile to PTX (the 4-bit stream's inline PTX needs it): a
-    CUDA device, not the Triton interpreter."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def streamed(weight: torch.Tensor | StreamedWeight) -> StreamedWeight:
