@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.kernels.tuning import device_name
+from backend.kernels.tuning import compiles_for_gpu
 
 DENSE, ROW_SCALED, INT4 = 0, 1, 2  # `stream_rows_dot`'s WEIGHT
 ROW_SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -71,7 +71,7 @@ class StreamedWeight:
         if self.kind == INT4:
             args.update(zero_ptr=self.zeros, GROUP=self.group_size, exponent_bits=EXPONENT_2_23)
             # inline PTX where the kernel compiles for a CUDA device (the interpreter runs none)
-            args["F16X2"] = device_name(self.values.device) is not None
+            args["F16X2"] = compiles_for_gpu(self.values.device)
         return args
 
 

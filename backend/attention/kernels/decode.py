@@ -25,7 +25,8 @@ before it waits for the previous kernel; after the wait it reads the query and t
 key and value, which that kernel (the KV write, or the fused qkv projection) has just written.
 
 A quantized cache (fp8 / int8, KV_SCALED) has its scales read with each key tile (tile.py) and
-with the step's own key and value.
+with the step's own key and value; under a 16-bit query an fp8 cache's tiles are read as words
+and widened to float16 (F16_TILES, tile.py), with inline PTX on a GPU.
 
 With one split used, the program writes the output itself. Otherwise each split writes a
 normalised partial output and its log-sum-exp, and counts itself in on an arrival counter of its
@@ -119,6 +120,8 @@ def _decode_kernel(
     SOFTCAP: tl.constexpr = 0.0,
     KV_SCALED: tl.constexpr = False,
     SINGLE_ROWS_ONLY: tl.constexpr = False,
+    F16_TILES: tl.constexpr = False,
+    PTX: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -168,6 +171,8 @@ def _decode_kernel(
             HEAD_DIM=HEAD_DIM,
             MASK_KEYS=True,
             KV_SCALED=KV_SCALED,
+            F16_TILES=F16_TILES,
+            PTX=PTX,
         )
         newest_page = tl.load(block_table_row + cached // TOKENS_PER_BLOCK).to(
             tl.int64
@@ -184,7 +189,9 @@ def _decode_kernel(
             mask=head_ok[:, None],
             other=0.0,
         )
-        if not KV_SCALED:  # a quantized cache's values convert to the query's dtype instead
+        if (
+            not KV_SCALED
+        ):  # a quantized cache's values convert to the query's dtype (or float16) instead
             q = q.to(k_cache_ptr.dtype.element_ty)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.full([GROUP_PAD], 0, tl.float32)
@@ -210,6 +217,7 @@ def _decode_kernel(
                 DOT_PRECISION=DOT_PRECISION,
                 SOFTCAP=SOFTCAP,
                 KV_SCALED=KV_SCALED,
+                F16_TILES=F16_TILES,
             )
         for tile in range(tile_lo + 1, tile_hi):
             m_i, l_i, acc = attend_key_tile(
@@ -245,6 +253,8 @@ def _decode_kernel(
                 DOT_PRECISION=DOT_PRECISION,
                 SOFTCAP=SOFTCAP,
                 KV_SCALED=KV_SCALED,
+                F16_TILES=F16_TILES,
+                PTX=PTX,
             )
         sink_end = tl.minimum(sinks, key_lo)  # sinks before the window
         if split == 0:
@@ -282,6 +292,8 @@ def _decode_kernel(
                     DOT_PRECISION=DOT_PRECISION,
                     SOFTCAP=SOFTCAP,
                     KV_SCALED=KV_SCALED,
+                    F16_TILES=F16_TILES,
+                    PTX=PTX,
                 )
         if (split == 0) & (seq_len > 0):
             # The step's own token (position `cached`): the previous kernel wrote its key and value.
@@ -635,7 +647,10 @@ def _launch(
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
         KV_SCALED=scaled,
         SINGLE_ROWS_ONLY=single_rows_only,
+        F16_TILES=k_cache.dtype == torch.float8_e4m3fn and query.element_size() == 2,
+        PTX=tuning.compiles_for_gpu(query.device),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
+        **decode_launch.register_cap(config),
         **launch_options(ORDERING),
     )

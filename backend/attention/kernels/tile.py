@@ -23,6 +23,14 @@ KV_SCALED: the cache holds fp8 / int8 values with a scale per token and kv head
 (`backend.attention.kv_dtype`), loaded with the tile. The values convert exactly to the query's
 dtype for the dots, and the scales multiply the [M, BLOCK_N] scores and probabilities instead of
 the [BLOCK_N, head_dim] tiles: (q . k) * k_scale, and (p * v_scale) @ v.
+
+F16_TILES (an e4m3 cache): the tiles are read as int32 words of four values and widened to
+float16 in registers, two values an instruction with PTX (`cvt.rn.f16x2.e4m3x2`, exact) on a
+GPU, with Triton's casts under the interpreter; the dots then run in float16. Read as bytes,
+each 8-bit tile reached the dot's layout through shared memory one element at a time, and the
+kernel was bound by those instructions, not by the bytes it read (benchmarks/README.md). The
+probabilities are scaled by v_scale / max(v_scale) (the max multiplies the tile's product) so
+they stay in float16's normal range.
 """
 
 from __future__ import annotations
@@ -31,6 +39,51 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _widen_e4m3_words(words, PTX: tl.constexpr):
+    """[rows, W] int32 words, four e4m3 values each -> [rows, 4 W] float16 in memory order."""
+    if PTX:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
+            "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+            "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r",
+            [words],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        b0 = _e4m3_byte(words, 0)
+        b1 = _e4m3_byte(words, 8)
+        b2 = _e4m3_byte(words, 16)
+        b3 = _e4m3_byte(words, 24)
+    # join adds the minor axis: [W, 2 (b0|b1 vs b2|b3), 2 (b0|b2 vs b1|b3)] flattens to b0 b1 b2 b3
+    quads = tl.join(tl.join(b0, b2), tl.join(b1, b3))
+    return tl.reshape(quads, (words.shape[0], 4 * words.shape[1]))
+
+
+@triton.jit
+def _e4m3_byte(words, shift: tl.constexpr):
+    byte = ((words >> shift) & 0xFF).to(tl.uint8)
+    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _load_e4m3_tile(
+    cache_ptr, offsets, key_ok, HEAD_DIM: tl.constexpr, MASK_KEYS: tl.constexpr, PTX: tl.constexpr
+):
+    """One e4m3 [BLOCK_N, HEAD_DIM] tile as float16; `offsets` [BLOCK_N] each row's first
+    value, a multiple of 4."""
+    words_ptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    ptrs = words_ptr + (offsets // 4)[:, None] + tl.arange(0, HEAD_DIM // 4)[None, :]
+    if MASK_KEYS:
+        words = tl.load(ptrs, mask=key_ok[:, None], other=0)
+    else:
+        words = tl.load(ptrs)
+    return _widen_e4m3_words(words, PTX)
 
 
 @triton.jit
@@ -57,10 +110,13 @@ def load_key_tile(
     HEAD_DIM: tl.constexpr,
     MASK_KEYS: tl.constexpr,
     KV_SCALED: tl.constexpr = False,
+    F16_TILES: tl.constexpr = False,
+    PTX: tl.constexpr = False,
 ):
     """Keys and values [BLOCK_N, HEAD_DIM] of context tokens tile_start.. (zeros outside
-    [key_start, key_end) when MASK_KEYS), which tokens are real ([BLOCK_N] bool), and the keys'
-    and values' scales ([BLOCK_N] float32; ones when not KV_SCALED)."""
+    [key_start, key_end) when MASK_KEYS; float16 with F16_TILES), which tokens are real
+    ([BLOCK_N] bool), and the keys' and values' scales ([BLOCK_N] float32; ones when not
+    KV_SCALED)."""
     tokens = tile_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     key_ok = (tokens < key_end) & (tokens >= key_start)
@@ -85,7 +141,12 @@ def load_key_tile(
         + kv_head * stride_vc_head
         + dims[None, :]
     )
-    if MASK_KEYS:
+    if F16_TILES:
+        k_rows = page * stride_kc_block + in_page * stride_kc_offset + kv_head * stride_kc_head
+        v_rows = page * stride_vc_block + in_page * stride_vc_offset + kv_head * stride_vc_head
+        k = _load_e4m3_tile(k_cache_ptr, k_rows, key_ok, HEAD_DIM, MASK_KEYS, PTX)
+        v = _load_e4m3_tile(v_cache_ptr, v_rows, key_ok, HEAD_DIM, MASK_KEYS, PTX)
+    elif MASK_KEYS:
         k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
     else:
@@ -143,9 +204,13 @@ def attend_loaded_tile(
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
     KV_SCALED: tl.constexpr = False,
+    F16_TILES: tl.constexpr = False,
 ):
     """The online-softmax update with one loaded tile (`load_key_tile`)."""
-    if KV_SCALED:
+    if F16_TILES:
+        qk = tl.dot(q.to(tl.float16), tl.trans(k), input_precision=DOT_PRECISION)
+        qk = qk * k_scale[None, :]
+    elif KV_SCALED:
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         qk = qk * k_scale[None, :]
     else:
@@ -165,7 +230,14 @@ def attend_loaded_tile(
     alpha = tl.exp2(m_i - m_base)
     p = tl.exp2(scores - m_base[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if KV_SCALED:
+    if F16_TILES:
+        v_top = tl.max(v_scale, 0)
+        v_top = tl.where(v_top > 0, v_top, 1.0)
+        pv = tl.dot(
+            (p * (v_scale / v_top)[None, :]).to(tl.float16), v, input_precision=DOT_PRECISION
+        )
+        pv = pv * v_top
+    elif KV_SCALED:
         pv = tl.dot(
             (p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
         )
@@ -209,6 +281,8 @@ def attend_key_tile(
     DOT_PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
     KV_SCALED: tl.constexpr = False,
+    F16_TILES: tl.constexpr = False,
+    PTX: tl.constexpr = False,
 ):
     """Load one tile and update the state with it."""
     k, v, key_ok, k_scale, v_scale = load_key_tile(
@@ -234,6 +308,8 @@ def attend_key_tile(
         HEAD_DIM=HEAD_DIM,
         MASK_KEYS=MASK_KEYS,
         KV_SCALED=KV_SCALED,
+        F16_TILES=F16_TILES,
+        PTX=PTX,
     )
     return attend_loaded_tile(
         q,
@@ -255,4 +331,5 @@ def attend_key_tile(
         DOT_PRECISION=DOT_PRECISION,
         SOFTCAP=SOFTCAP,
         KV_SCALED=KV_SCALED,
+        F16_TILES=F16_TILES,
     )
