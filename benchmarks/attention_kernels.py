@@ -152,21 +152,25 @@ def bench_decode(s: Setup, shapes, sweep, rows: list | None = None) -> dict[str,
     configs = [None]
     if sweep:
         configs += [
-            dict(BLOCK_N=n, num_warps=w, num_stages=st)
-            for n, w, st in [
-                (32, 4, 3),
-                (64, 4, 2),
-                (64, 4, 4),
-                (128, 4, 3),
-                (64, 8, 3),
-                (128, 8, 3),
-                (32, 2, 1),
-                (32, 4, 1),
-                (64, 4, 1),
-                (64, 2, 1),
-                (128, 4, 1),
-                (32, 2, 2),
-                (64, 2, 2),
+            dict(BLOCK_N=n, num_warps=w, num_stages=st) | ({"maxnreg": r} if r else {})
+            for n, w, st, r in [
+                (32, 4, 3, None),
+                (64, 4, 2, None),
+                (64, 4, 4, None),
+                (128, 4, 3, None),
+                (64, 8, 3, None),
+                (128, 8, 3, None),
+                (32, 2, 1, None),
+                (32, 4, 1, None),
+                (64, 4, 1, None),
+                (64, 2, 1, None),
+                (128, 4, 1, None),
+                (32, 2, 2, None),
+                (64, 2, 2, None),
+                (32, 2, 2, 128),
+                (32, 2, 1, 128),
+                (32, 4, 1, 96),
+                (64, 4, 1, 96),
             ]
         ]
     for bs, ctx in shapes:
@@ -211,6 +215,7 @@ def bench_decode(s: Setup, shapes, sweep, rows: list | None = None) -> dict[str,
                 "default"
                 if cfg is None
                 else f"N{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
+                + (f" r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
             )
             mark = "*" if (cfg is None and splits == chosen) else " "
             print(

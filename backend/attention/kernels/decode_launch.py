@@ -72,6 +72,12 @@ def tuning_key(head_dim: int, few_programs: bool, scaled_cache: bool = False) ->
     return tuning.shape_key(head_dim=head_dim, few_programs=few_programs)
 
 
+def register_cap(config: Mapping) -> dict:
+    """The launch's `maxnreg` where the config caps registers a thread (so more programs fit
+    an SM: the kernel is bound by its programs' dependent loads, not by bytes), else nothing."""
+    return {"maxnreg": config["maxnreg"]} if config.get("maxnreg") else {}
+
+
 @functools.lru_cache(maxsize=None)
 def launch_config(
     head_dim: int, few_programs: bool, device_name: str | None = None, scaled_cache: bool = False
