@@ -190,14 +190,16 @@ def fp8_linear(
     m, (n, k) = xq.shape[0], qweight.shape
     config = config or tuned_config(m, n, k, xq.device)
     if config is None and _takes_scaled_mm(xq, n, out_dtype):
-        product = torch._scaled_mm(
-            xq.contiguous(),
-            qweight.t(),  # column-major [K, N], as the GEMM wants its second operand
+        operands = dict(
             scale_a=x_scales.contiguous(),
             scale_b=w_scales.view(1, n),
             out_dtype=out_dtype,
             use_fast_accum=fast_accumulation,
         )
+        # column-major [K, N] weight, as the GEMM wants its second operand
+        if out is not None and bias is None:  # straight into `out`: no copy of the logits
+            return torch._scaled_mm(xq.contiguous(), qweight.t(), **operands, out=out)
+        product = torch._scaled_mm(xq.contiguous(), qweight.t(), **operands)
         product = product if bias is None else product.add_(bias)
         return product if out is None else out.copy_(product)
     c = config or Fp8GemmConfig(block_m=min(64, rows_bucket(m)))

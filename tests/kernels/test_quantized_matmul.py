@@ -113,6 +113,10 @@ def test_fp8_gemm_is_the_torch_path(m, n, k):
     out = torch.empty(m, n, device=DEVICE)
     assert fp8_linear(*args, out_dtype=out.dtype, out=out) is out
     _relative_close(out.cpu(), expected)
+    # without a bias torch's scaled GEMM (on a GPU) writes `out` itself, as a float32 head does
+    out = torch.empty(m, n, dtype=torch.float32, device=DEVICE)
+    assert fp8_linear(*args[:4], out_dtype=torch.float32, out=out) is out
+    _relative_close(out.cpu(), expected - bias.cpu())
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="torch's scaled GEMM runs on a GPU")
