@@ -105,7 +105,9 @@ def plot_attention_sweep(path: str) -> str:
             few = "1" if 8 * batch * 8 <= 132 else "0"  # decode_launch.FEW_PAIRS_PER_SM, H100 SMs
             key, table = f"head_dim={head_dim},few_programs={few}", run["table_after"]
             new = table.get(f"{key},scaled_cache=1", table.get(key))  # an fp8 cache's sweep
-            label = f"N{new['BLOCK_N']} w{new['num_warps']} s{new['num_stages']}"
+            label = f"N{new['BLOCK_N']} w{new['num_warps']} s{new['num_stages']}" + (
+                f" r{new['maxnreg']}" if new.get("maxnreg") else ""
+            )
             here = [r for r in rows if (r["batch"], r["context"]) == (batch, context)]
             before.append(next(r["us"] for r in here if r["heuristic_splits"]))
             after.append(next((r["us"] for r in here if r["config"] == label), before[-1]))
