@@ -261,16 +261,30 @@ def test_half_precision_query_over_an_fp8_cache(query_lens, seq_lens):
     torch.testing.assert_close(out.cpu().float(), want, atol=2e-3, rtol=0)
 
 
-@pytest.mark.skipif(
+INTERPRETER_BF16_E4M3_DOT = pytest.mark.skipif(
     DEVICE == "cpu",
     reason="the interpreter's tl.dot of e4m3 values converted to bfloat16 returns garbage "
     "(a two-line kernel shows it; float16 and float32 are right)",
 )
+
+
 @pytest.mark.parametrize("v_scale_factor", [1.0, 1e-4])
-def test_bfloat16_query_over_an_fp8_cache_keeps_small_values_exact(v_scale_factor):
+@pytest.mark.parametrize(
+    "query_lens,seq_lens",
+    [
+        # decodes alone: the decode kernel reads the tiles as words widened to float16 (inline
+        # PTX on a GPU, Triton's casts under the interpreter) and dots in float16
+        ([1, 1, 1], [20, 45, 70]),
+        # a prompt chunk too: the prefill kernel converts the values to bfloat16
+        pytest.param([1, 1, 5], [20, 45, 30], marks=INTERPRETER_BF16_E4M3_DOT),
+    ],
+)
+def test_bfloat16_query_over_an_fp8_cache_keeps_small_values_exact(
+    query_lens, seq_lens, v_scale_factor
+):
     """A bf16 query over an fp8 cache (what bf16 models serve with) scores as the reference, and
-    values of 1e-4 the size (small value scales) stay as exact as unit ones."""
-    query_lens, seq_lens = [1, 1, 5], [20, 45, 30]
+    values of 1e-4 the size (small value scales) stay as exact as unit ones (in float16 dots the
+    probabilities are scaled by v_scale over its tile max, clear of float16's subnormals)."""
     k_values, v_values, meta, scales = quantized_batch(
         torch.float8_e4m3fn, query_lens, seq_lens, num_kv_heads=2, head_dim=32, tokens_per_block=16
     )
@@ -298,22 +312,3 @@ def test_quantized_attention_stays_close_to_float(dtype, most):
     got = expected(query, k_values, v_values, meta, scales, 0.2)
     difference = (got - exact).abs().mean().item()
     assert 0 < difference < most
-
-
-@pytest.mark.parametrize("v_scale_factor", [1.0, 1e-4])
-def test_fp8_cache_decode_in_float16_keeps_small_values_exact(v_scale_factor):
-    """One-token decodes over an fp8 cache read its tiles as words widened to float16 (inline
-    PTX on a GPU, Triton's casts under the interpreter) and take the dots in float16: a bf16
-    query scores as the reference, and values of 1e-4 the size stay as exact as unit ones (the
-    probabilities are scaled by v_scale / its tile max, clear of float16's subnormals)."""
-    query_lens, seq_lens = [1, 1, 1], [20, 45, 70]
-    k_values, v_values, meta, scales = quantized_batch(
-        torch.float8_e4m3fn, query_lens, seq_lens, num_kv_heads=2, head_dim=32, tokens_per_block=16
-    )
-    scales["v_scales"] = scales["v_scales"] * v_scale_factor
-    query = random_query(sum(query_lens), 4, 32, dtype=torch.bfloat16, seed=41)
-    out = triton_backend.paged_attention(query, k_values, v_values, meta, 32**-0.5, **scales)
-    assert out.dtype == torch.bfloat16
-    want = expected(query, k_values, v_values, meta, scales, 32**-0.5)
-    got = out.cpu().float() / v_scale_factor
-    torch.testing.assert_close(got, want / v_scale_factor, atol=1e-2, rtol=0)
