@@ -21,7 +21,7 @@ from backend.model_config import ModelConfig
 from backend.models import FAMILIES
 from backend.models.null import NullModel
 from backend.presets import init_random_weights, random_weights_spec
-from backend.quantization.checkpoint import (
+from backend.quantized_checkpoint import (
     FORMATS,
     load_quantized_weights,
     prepare_quantized,

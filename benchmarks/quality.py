@@ -8,7 +8,7 @@ GGUF; `gguf` serves those Q4_1 blocks kept quantized (the same values, so the sa
 last two decoder layers, `quantization_exclude`); `int4_awq` loads an AWQ-format
 checkpoint written from the baseline by the round-to-nearest packer
 (`backend.quantization.int4_packing.awq_tensors`: AWQ's layout without its activation-aware
-scaling search); `int4_gptq` loads a GPTQ checkpoint calibrated by `backend.quantization.gptq`
+scaling search); `int4_gptq` loads a GPTQ checkpoint calibrated by `backend.gptq_calibration`
 on other pages of the same documentation (`quality_corpus.CALIBRATION`), and `fp8_gptq`
 (`fp8_gptq_ends`: the end layers kept float) an FP8 checkpoint calibrated the same way.
 SmolLM2's hidden size 576 is not a multiple of 128, so the int4 group is 64.
@@ -50,7 +50,7 @@ ROWS = {
     "int8_wo": ("int8_wo", "auto"),
     "int4_awq": ("int4_awq", "auto"),
     "int4_gptq": ("int4_gptq", "auto"),
-    "fp8_gptq": ("fp8", "auto"),  # an FP8 checkpoint calibrated by backend.quantization.gptq
+    "fp8_gptq": ("fp8", "auto"),  # an FP8 checkpoint calibrated by backend.gptq_calibration
     "fp8_gptq_ends": ("fp8", "auto"),  # the same with the END_LAYERS kept float
     "fp8": ("fp8", "auto"),
     "fp8_ends": ("fp8", "auto"),  # the first and last END_LAYERS decoder layers kept float
@@ -103,11 +103,11 @@ def awq_checkpoint(float_dir: str, group_size: int) -> str:
 
 def gptq_checkpoint(group_size: int, weights: str = "int4", exclude: str | None = None) -> str:
     """A checkpoint of the default model calibrated on the Django calibration text (cached;
-    `backend.quantization.gptq`): GPTQ 4-bit, or FP8 with `weights` "fp8"; `exclude`: the
+    `backend.gptq_calibration`): GPTQ 4-bit, or FP8 with `weights` "fp8"; `exclude`: the
     `quantization_exclude` fragments kept float."""
     import hashlib
 
-    from backend.quantization.gptq import quantize_model
+    from backend.gptq_calibration import quantize_model
 
     text = quality_corpus.CALIBRATION.read_text()
     tag = hashlib.sha256(f"{text}{exclude}".encode()).hexdigest()[:8]

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from backend.attention.metadata import AttentionMetadata
-from backend.attention.split_partials import SplitPartials
+from backend.kernels.split_partials import SplitPartials
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from backend.attention.kernels.decode import decode_attention, decode_attention_
 from backend.attention.kernels.kv_write import write_kv
 from backend.attention.kernels.prefill import prefill_attention
 from backend.attention.metadata import AttentionMetadata
-from backend.attention.split_partials import SplitPartials
+from backend.kernels.split_partials import SplitPartials
 
 __all__ = ["write_kv", "paged_attention", "decode_partials"]
 

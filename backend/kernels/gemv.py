@@ -16,7 +16,7 @@ Fusions, each saving a kernel launch and a round trip of the activations:
 - prologue "silu_mul": x is [1, 2K] = gate | up and the operand is silu(gate) * up, rounded as
   `backend.kernels.activation.silu_and_mul` rounds.
 - prologue "merge": the operand is split-K decode attention's output, still in its splits
-  (`backend.attention.split_partials.SplitPartials`, read through its strides): each head's
+  (`backend.kernels.split_partials.SplitPartials`, read through its strides): each head's
   splits are merged as the operand is read (`backend.kernels.split_merge`) and rounded to the
   activation dtype as the merged attention output would be. This is the o
   projection at batch 1: the attention kernel then needs no merge of its own.
@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.attention.split_partials import SplitPartials
+from backend.kernels.split_partials import SplitPartials
 from backend.kernels.gemv_config import checked_config
 from backend.kernels.gemv_int4 import stream_rows_dot_int4
 from backend.kernels.gemv_operand import operand_at

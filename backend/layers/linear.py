@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.attention.split_partials import SplitPartials
+from backend.kernels.split_partials import SplitPartials
 from backend.kernels.gemv_weight import StreamedWeight
 from backend.layers.norm import RMSNorm
 from backend.quantization import E4m3Rows, GGUFWeight, QuantizedWeight

@@ -1,6 +1,7 @@
-"""GPTQ (backend/quantization/gptq.py): without input correlations it is round to nearest; with
-them it leaves a layer's outputs closer than round to nearest does; its checkpoint loads as
-int4_gptq, and the engine serves exactly the de-quantized weights it wrote."""
+"""GPTQ (backend/quantization/gptq.py, calibrated by backend/gptq_calibration.py): without input
+correlations it is round to nearest; with them it leaves a layer's outputs closer than round to
+nearest does; its checkpoint loads as int4_gptq, and the engine serves exactly the de-quantized
+weights it wrote."""
 
 from __future__ import annotations
 
@@ -8,12 +9,8 @@ import pytest
 import torch
 
 from backend.quantization import Fp8Weight
-from backend.quantization.gptq import (
-    calibrate,
-    gptq_fp8,
-    gptq_quantize,
-    write_gptq_checkpoint,
-)
+from backend.gptq_calibration import calibrate
+from backend.quantization.gptq import gptq_fp8, gptq_quantize, write_gptq_checkpoint
 from backend.quantization.int4_packing import quantize_groups
 from backend.weight_formats import declared_quantization
 from tests.backend.test_quantization import WIDE, _load, _projections, _tokens

@@ -498,7 +498,7 @@ def test_fp8_mlp_with_silu_writing_e4m3_rows_equals_the_unfused_path(monkeypatch
     and the scaled GEMM run apart, bit for bit."""
     from backend.layers import mlp as mlp_module
     from backend.layers.mlp import GatedMLP
-    from backend.quantization.checkpoint import quantize_at_load
+    from backend.quantized_checkpoint import quantize_at_load
 
     torch.manual_seed(0)
     mlp = GatedMLP(512, 1024).to("cuda", torch.bfloat16)

@@ -157,7 +157,7 @@ def test_one_token_layers_match_the_general_layers(model_type, attention, quanti
     )
     init_random_weights(model, seed=3)
     if quantization != "none":
-        from backend.quantization.checkpoint import quantize_at_load
+        from backend.quantized_checkpoint import quantize_at_load
 
         assert quantize_at_load(model, quantization) == 8  # qkv, o, gate_up, down of 2 layers
     input_ids = torch.tensor([99], device=DEVICE)

@@ -15,7 +15,7 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 
 pytest.importorskip("triton")
 
-from backend.attention.split_partials import SplitPartials  # noqa: E402
+from backend.kernels.split_partials import SplitPartials  # noqa: E402
 from backend.kernels import fp8_gemm  # noqa: E402
 from backend.kernels.arrivals import arrival_counters  # noqa: E402
 from backend.kernels.fp8_gemm import Fp8GemmConfig, fp8_linear  # noqa: E402

@@ -1,0 +1,135 @@
+"""GPTQ calibration: a float checkpoint's layers quantized with GPTQ (backend/quantization/gptq.py)
+against the input products of calibration text run through the engine, written as a GPTQ
+checkpoint (4-bit, `int4_gptq`) or an FP8 one (e4m3, `fp8`).
+
+    python -m backend.gptq_calibration --model default --calibration TEXT_FILE --out DIR \
+        [--weights int4|fp8] [--group-size 128] [--exclude layers.0.,layers.29.]
+
+reads the float checkpoint, runs the calibration text through the engine with a hook on every
+projection's input (a fused q|k|v or gate|up layer has one input, so one H for its parts), then
+writes every decoder projection as GPTQ tensors (asymmetric, groups of `--group-size` input
+channels, no reordering) or as e4m3 with a scale per output channel, and copies the rest. The
+engine loads the result like any GPTQ or FP8 checkpoint. Each layer's H is taken from the float
+model (not from the layers already quantized before it, as GPTQ's reference code does), which
+keeps this to one pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from backend.config import EngineConfig
+from backend.executor import Executor
+from backend.layers.linear import Linear
+from backend.model_paths import resolve_model
+from backend.models.hf_weights import weight_targets
+from backend.quantization.gptq import write_gptq_checkpoint
+from backend.sampling_params import SamplingParams
+from preprocessing.tokenizer import load_tokenizer
+
+
+def collect_hessians(executor, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    """H = X^T X / tokens of every Linear's input (but the lm_head), by module name, over the
+    prompts run through `executor` (a CPU Executor of the float model)."""
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def observe(name: str):
+        def hook(module, inputs) -> None:
+            x = inputs[0].detach().reshape(-1, module.in_features).double()
+            sums[name] = sums.get(name, 0) + x.t() @ x
+            counts[name] = counts.get(name, 0) + x.shape[0]
+
+        return hook
+
+    model = executor.runner.model
+    handles = [
+        module.register_forward_pre_hook(observe(name))
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and name != "lm_head"
+    ]
+    try:
+        executor.generate(prompts, SamplingParams(max_tokens=1))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: sums[name] / counts[name] for name in sums}
+
+
+def calibration_prompts(tokenizer, text: str, num: int, length: int) -> list[list[int]]:
+    """`num` windows of `length` tokens, evenly spread over the calibration text."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) < length:
+        raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than {length}")
+    step = max((len(ids) - length) // max(num - 1, 1), 1)
+    starts = range(0, len(ids) - length + 1, step)
+    return [ids[s : s + length] for s in list(starts)[:num]]
+
+
+def quantize_model(
+    model: str,
+    calibration_text: str,
+    out_dir: str,
+    group_size: int,
+    num: int,
+    length: int,
+    weights: str = "int4",
+    exclude: tuple[str, ...] = (),
+) -> str:
+    """Calibrate and write the GPTQ checkpoint of `model` (a name or directory); returns out_dir."""
+
+    float_dir = resolve_model(model)
+    prompts = calibration_prompts(load_tokenizer(float_dir), calibration_text, num, length)
+    hessians, targets = calibrate(float_dir, prompts, max_seq_len=length + 8)
+    write_gptq_checkpoint(float_dir, out_dir, hessians, targets, group_size, weights, exclude)
+    return out_dir
+
+
+def calibrate(float_dir: str, prompts: list[list[int]], max_seq_len: int) -> tuple[dict, dict]:
+    """(H of every layer's input over `prompts`, the Hugging Face names' targets) of the float
+    model in `float_dir`, run on the CPU in float32: what `write_gptq_checkpoint` takes."""
+    config = EngineConfig(
+        model_path=str(float_dir), device="cpu", dtype="float32", max_seq_len=max_seq_len, seed=0
+    )
+    executor = Executor(config)
+    try:
+        return collect_hessians(executor, prompts), weight_targets(executor.runner.model)
+    finally:
+        executor.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default", help="default, a preset, a HF dir or a .gguf")
+    p.add_argument("--calibration", required=True, help="a text file to calibrate on")
+    p.add_argument("--out", required=True, help="the GPTQ checkpoint's directory")
+    p.add_argument("--weights", choices=("int4", "fp8"), default="int4", help="the format")
+    p.add_argument("--group-size", type=int, default=128, help="int4 groups")
+    p.add_argument(
+        "--exclude",
+        default="",
+        help="comma-separated fragments of module names kept float (e.g. 'layers.0.,layers.1.')",
+    )
+    p.add_argument("--num-windows", type=int, default=64, help="calibration windows")
+    p.add_argument("--window", type=int, default=512, help="tokens per calibration window")
+    args = p.parse_args(argv)
+    with open(args.calibration) as f:
+        text = f.read()
+    exclude = tuple(fragment for fragment in args.exclude.split(",") if fragment)
+    out = quantize_model(
+        args.model,
+        text,
+        args.out,
+        args.group_size,
+        args.num_windows,
+        args.window,
+        args.weights,
+        exclude,
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
