@@ -56,11 +56,12 @@ ROWS = {
     "fp8_ends": ("fp8", "auto"),  # the first and last END_LAYERS decoder layers kept float
     "int8_wo_lm_head": ("int8_wo", "auto"),  # int8_wo with the lm_head quantized too
     "fp8_gptq_lm_head": ("fp8", "auto"),  # fp8_gptq with the lm_head quantized (at load) too
+    "int4_gptq_lm_head": ("int4_gptq", "auto"),  # int4_gptq with a 4-bit lm_head (at load) too
     "kv_fp8": ("none", "fp8"),
     "kv_int8": ("none", "int8"),
 }
 END_LAYERS = 2
-HEAD_QUANTIZED = ("int8_wo_lm_head", "fp8_gptq_lm_head")  # quantize_lm_head
+HEAD_QUANTIZED = ("int8_wo_lm_head", "fp8_gptq_lm_head", "int4_gptq_lm_head")  # quantize_lm_head
 GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS = 64, 512  # calibration: 64 windows of 512 tokens
 FORMATS = tuple(ROWS)
 PROMPTS = [
@@ -184,8 +185,8 @@ def run(args) -> dict:
     prompts = [tokenizer.encode(p) for p in PROMPTS] + [list(c) for c in chat]
     models = {f: "default" for f in FORMATS}
     models["int4_awq"] = awq_checkpoint(float_dir, args.group_size)
-    if "int4_gptq" in args.formats:
-        models["int4_gptq"] = gptq_checkpoint(args.group_size)
+    if {"int4_gptq", "int4_gptq_lm_head"} & set(args.formats):
+        models["int4_gptq"] = models["int4_gptq_lm_head"] = gptq_checkpoint(args.group_size)
     if "fp8_gptq" in args.formats or "fp8_gptq_lm_head" in args.formats:
         models["fp8_gptq"] = models["fp8_gptq_lm_head"] = gptq_checkpoint(args.group_size, "fp8")
     if "fp8_gptq_ends" in args.formats:
