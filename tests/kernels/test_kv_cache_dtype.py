@@ -261,30 +261,22 @@ def test_half_precision_query_over_an_fp8_cache(query_lens, seq_lens):
     torch.testing.assert_close(out.cpu().float(), want, atol=2e-3, rtol=0)
 
 
-INTERPRETER_BF16_E4M3_DOT = pytest.mark.skipif(
-    DEVICE == "cpu",
-    reason="the interpreter's tl.dot of e4m3 values converted to bfloat16 returns garbage "
-    "(a two-line kernel shows it; float16 and float32 are right)",
-)
-
-
 @pytest.mark.parametrize("v_scale_factor", [1.0, 1e-4])
 @pytest.mark.parametrize(
     "query_lens,seq_lens",
     [
-        # decodes alone: the decode kernel reads the tiles as words widened to float16 (inline
-        # PTX on a GPU, Triton's casts under the interpreter) and dots in float16
-        ([1, 1, 1], [20, 45, 70]),
-        # a prompt chunk too: the prefill kernel converts the values to bfloat16
-        pytest.param([1, 1, 5], [20, 45, 30], marks=INTERPRETER_BF16_E4M3_DOT),
+        ([1, 1, 1], [20, 45, 70]),  # decodes alone: the decode kernel
+        ([1, 1, 5], [20, 45, 30]),  # a prompt chunk too: the prefill kernel
     ],
 )
 def test_bfloat16_query_over_an_fp8_cache_keeps_small_values_exact(
     query_lens, seq_lens, v_scale_factor
 ):
     """A bf16 query over an fp8 cache (what bf16 models serve with) scores as the reference, and
-    values of 1e-4 the size (small value scales) stay as exact as unit ones (in float16 dots the
-    probabilities are scaled by v_scale over its tile max, clear of float16's subnormals)."""
+    values of 1e-4 the size (small value scales) stay as exact as unit ones. The kernels read
+    the tiles as words widened to float16 (inline PTX on a GPU, Triton's casts under the
+    interpreter) and dot in float16, the probabilities scaled by v_scale over its tile max,
+    clear of float16's subnormals."""
     k_values, v_values, meta, scales = quantized_batch(
         torch.float8_e4m3fn, query_lens, seq_lens, num_kv_heads=2, head_dim=32, tokens_per_block=16
     )

@@ -16,7 +16,8 @@ T // BLOCK_Q + num_seqs programs cover any batch; a program finds its request by
 over query_start_loc and exits if its tile is past the request's end.
 
 Keys are walked in tiles of BLOCK_N tokens gathered through the block table, with an fp32 online
-softmax (see tile.py; a quantized cache's scales are read with each tile). Key tiles below the
+softmax (see tile.py; a quantized cache's scales are read with each tile, and under a 16-bit
+query an fp8 cache's tiles are read as words and widened to float16). Key tiles below the
 first query's position need no mask; the last few, up to the tile's last query position, get the
 causal mask; tiles fully above the diagonal are never visited.
 
@@ -97,6 +98,8 @@ def _prefill_kernel(
     SOFTCAP: tl.constexpr = 0.0,
     KV_SCALED: tl.constexpr = False,
     SINGLE_ROWS_ELSEWHERE: tl.constexpr = False,
+    F16_TILES: tl.constexpr = False,
+    PTX: tl.constexpr = False,
 ):
     # Longest first: a request's last tiles see the most keys, so the last wave holds short tiles.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -178,6 +181,8 @@ def _prefill_kernel(
             DOT_PRECISION=DOT_PRECISION,
             SOFTCAP=SOFTCAP,
             KV_SCALED=KV_SCALED,
+            F16_TILES=F16_TILES,
+            PTX=PTX,
         )
     for start in range(window_start, window_masked_end, BLOCK_N):
         m_i, l_i, acc = attend_key_tile(
@@ -213,6 +218,8 @@ def _prefill_kernel(
             DOT_PRECISION=DOT_PRECISION,
             SOFTCAP=SOFTCAP,
             KV_SCALED=KV_SCALED,
+            F16_TILES=F16_TILES,
+            PTX=PTX,
         )
     for start in range(window_masked_end, unmasked_end, BLOCK_N):
         m_i, l_i, acc = attend_key_tile(
@@ -248,6 +255,8 @@ def _prefill_kernel(
             DOT_PRECISION=DOT_PRECISION,
             SOFTCAP=SOFTCAP,
             KV_SCALED=KV_SCALED,
+            F16_TILES=F16_TILES,
+            PTX=PTX,
         )
     for start in range(unmasked_end, key_end, BLOCK_N):
         m_i, l_i, acc = attend_key_tile(
@@ -283,6 +292,8 @@ def _prefill_kernel(
             DOT_PRECISION=DOT_PRECISION,
             SOFTCAP=SOFTCAP,
             KV_SCALED=KV_SCALED,
+            F16_TILES=F16_TILES,
+            PTX=PTX,
         )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # idle rows (l_i = 0) store zeros
@@ -412,6 +423,8 @@ def prefill_attention(
         SOFTCAP=softcap_log2,
         KV_SCALED=scaled,
         SINGLE_ROWS_ELSEWHERE=single_rows_elsewhere,
+        F16_TILES=k_cache.dtype == torch.float8_e4m3fn and query.element_size() == 2,
+        PTX=tuning.compiles_for_gpu(query.device),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
