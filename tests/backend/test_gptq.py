@@ -5,17 +5,21 @@ weights it wrote."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
 from backend.quantization import Fp8Weight
-from backend.gptq_calibration import calibrate
+from backend.gptq_calibration import calibrate, main
 from backend.quantization.gptq import gptq_fp8, gptq_quantize, write_gptq_checkpoint
 from backend.quantization.int4_packing import quantize_groups
 from backend.weight_formats import declared_quantization
 from tests.backend.test_quantization import WIDE, _load, _projections, _tokens
 from tests.quantized_checkpoints import dequantized_checkpoint
 from tests.tiny_models import random_prompts
+from tests.tokenizer_fixtures import sentencepiece_tokenizer_dir
 
 
 def dequantize(q, z, scales, group_size: int) -> torch.Tensor:
@@ -127,3 +131,28 @@ def test_an_fp8_checkpoint_keeps_the_excluded_layers_float(tiny_hf_model, tmp_pa
             str(directory), str(tmp_path / "x"), hessians, targets, 64, "fp8", ("nope",)
         )
     assert _tokens(checkpoint, "fp8")  # it serves
+
+
+def test_the_command_line_writes_the_asked_format_and_keeps_the_excluded_layers(
+    tiny_hf_model, tmp_path
+):
+    """`python -m backend.gptq_calibration` passes --weights and --exclude on (it once wrote a
+    4-bit checkpoint whatever --weights said)."""
+    _, directory = tiny_hf_model("llama", vocab_size=700, **WIDE)
+    tokenizer_dir = sentencepiece_tokenizer_dir("metaspace")  # under 700 tokens
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), directory)
+    text = tmp_path / "calibration.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog near the river bank. " * 40)
+    out = tmp_path / "fp8"
+    main(
+        [
+            *("--model", str(directory), "--calibration", str(text), "--out", str(out)),
+            *("--weights", "fp8", "--exclude", "layers.1.", "--num-windows", "2", "--window", "32"),
+        ]
+    )
+    assert declared_quantization(out) == "fp8"
+    for name, layer in _projections(_load(out, "fp8")).items():
+        assert (layer.quantized is None) == ("layers.1." in name), name
+        if layer.quantized is not None:
+            assert isinstance(layer.quantized, Fp8Weight), name
