@@ -151,27 +151,13 @@ def bench_decode(s: Setup, shapes, sweep, rows: list | None = None) -> dict[str,
     timings: dict[str, dict[str, dict]] = {}
     configs = [None]
     if sweep:
+        uncapped = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (64, 8, 3), (128, 8, 3)]
+        uncapped += [(32, 2, 1), (32, 4, 1), (64, 4, 1), (64, 2, 1), (128, 4, 1), (32, 2, 2)]
+        uncapped += [(64, 2, 2)]
+        capped = [(32, 2, 2, 128), (32, 2, 1, 128), (32, 4, 1, 96), (64, 4, 1, 96)]  # maxnreg
+        configs += [dict(BLOCK_N=n, num_warps=w, num_stages=st) for n, w, st in uncapped]
         configs += [
-            dict(BLOCK_N=n, num_warps=w, num_stages=st) | ({"maxnreg": r} if r else {})
-            for n, w, st, r in [
-                (32, 4, 3, None),
-                (64, 4, 2, None),
-                (64, 4, 4, None),
-                (128, 4, 3, None),
-                (64, 8, 3, None),
-                (128, 8, 3, None),
-                (32, 2, 1, None),
-                (32, 4, 1, None),
-                (64, 4, 1, None),
-                (64, 2, 1, None),
-                (128, 4, 1, None),
-                (32, 2, 2, None),
-                (64, 2, 2, None),
-                (32, 2, 2, 128),
-                (32, 2, 1, 128),
-                (32, 4, 1, 96),
-                (64, 4, 1, 96),
-            ]
+            dict(BLOCK_N=n, num_warps=w, num_stages=st, maxnreg=r) for n, w, st, r in capped
         ]
     for bs, ctx in shapes:
         nbytes = bs * ctx * s.kv_heads * s.vector_bytes() * 2

@@ -35,6 +35,13 @@ def is_scaled(dtype: torch.dtype) -> bool:
     return dtype in QMAX
 
 
+def widens_to_float16(cache_dtype: torch.dtype, query_dtype: torch.dtype) -> bool:
+    """Whether the attention kernels read the cache's tiles as words widened to float16 and dot
+    in float16 (`F16_TILES`, backend/attention/kernels/tile.py): an fp8 cache under a 16-bit
+    query."""
+    return cache_dtype == torch.float8_e4m3fn and query_dtype.itemsize == 2
+
+
 def vector_bytes(head_dim: int, dtype: torch.dtype) -> int:
     """Bytes of one token's key (or value) of one kv head, its scale included."""
     scale = KV_SCALE_DTYPE.itemsize if is_scaled(dtype) else 0

@@ -30,13 +30,13 @@ def shape_key(**fields) -> str:
     )
 
 
-@functools.lru_cache(maxsize=None)
 def compiles_for_gpu(device: torch.device) -> bool:
     """Whether kernels on `device` are compiled for a CUDA GPU (where inline PTX runs), not run
     by the interpreter."""
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
+@functools.lru_cache(maxsize=None)
 def device_name(device: torch.device) -> str | None:
     """The table key for `device`: the CUDA device's name; None on CPU or in the interpreter."""
     return torch.cuda.get_device_name(device) if compiles_for_gpu(device) else None

@@ -61,7 +61,7 @@ from backend.attention.kernels.tile import (
     load_key_tile,
     scaled_scores,
 )
-from backend.attention.kv_dtype import is_scaled
+from backend.attention.kv_dtype import is_scaled, widens_to_float16
 from backend.kernels import tuning
 from backend.kernels.arrivals import arrival_counters
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
@@ -189,9 +189,7 @@ def _decode_kernel(
             mask=head_ok[:, None],
             other=0.0,
         )
-        if (
-            not KV_SCALED
-        ):  # a quantized cache's values convert to the query's dtype (or float16) instead
+        if not KV_SCALED:  # a quantized cache's values convert to q's dtype (or float16) instead
             q = q.to(k_cache_ptr.dtype.element_ty)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.full([GROUP_PAD], 0, tl.float32)
@@ -647,7 +645,7 @@ def _launch(
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",
         KV_SCALED=scaled,
         SINGLE_ROWS_ONLY=single_rows_only,
-        F16_TILES=k_cache.dtype == torch.float8_e4m3fn and query.element_size() == 2,
+        F16_TILES=widens_to_float16(k_cache.dtype, query.dtype),
         PTX=tuning.compiles_for_gpu(query.device),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from backend.attention.kernels.kv_write import check_scales
 from backend.attention.kernels.tile import attend_key_tile, exp2_scales
-from backend.attention.kv_dtype import is_scaled
+from backend.attention.kv_dtype import is_scaled, widens_to_float16
 from backend.kernels import tuning
 
 
@@ -423,7 +423,7 @@ def prefill_attention(
         SOFTCAP=softcap_log2,
         KV_SCALED=scaled,
         SINGLE_ROWS_ELSEWHERE=single_rows_elsewhere,
-        F16_TILES=k_cache.dtype == torch.float8_e4m3fn and query.element_size() == 2,
+        F16_TILES=widens_to_float16(k_cache.dtype, query.dtype),
         PTX=tuning.compiles_for_gpu(query.device),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
