@@ -13,14 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.fp8_gemm import e4m3_row, row_warps
+from backend.kernels.fp8_gemm import e4m3_row
 
 
 @triton.jit
 def silu_mul(gate, up):
     """silu(gate) rounded to up's dtype, times up (gate in float32): torch's bf16 silu, then the
-    multiply."""
-    return (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
+    multiply. The float32 product of two 16-bit values is exact, so rounding it once is the
+    16-bit multiply (which Triton's interpreter gets wrong for bfloat16)."""
+    silu = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
+    return (silu * up.to(tl.float32)).to(up.dtype)
 
 
 @triton.jit
@@ -60,10 +62,12 @@ def _silu_and_mul_e4m3_kernel(gate_up_ptr, q_ptr, scale_ptr, stride_in, size, BL
     tl.store(scale_ptr + row, scale)
 
 
-def silu_and_mul_e4m3(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_e4m3(
+    gate_up: torch.Tensor, num_warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [T, 2 * I] -> silu(gate) * up as e4m3 rows [T, I] and float32 scales [T, 1]: what
     `silu_and_mul` then `fp8_gemm.quantize_rows` give, bit for bit, in one pass (for the scaled
-    e4m3 GEMM of an `fp8` down projection)."""
+    e4m3 GEMM of an `fp8` down projection). One program a row, the whole row in registers."""
     num_tokens, double = gate_up.shape
     size = double // 2
     assert gate_up.stride(-1) == 1
@@ -78,6 +82,12 @@ def silu_and_mul_e4m3(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
             gate_up.stride(0),
             size,
             BLOCK=block,
-            num_warps=row_warps(block),
+            num_warps=num_warps or silu_row_warps(block),
         )
     return q, scales
+
+
+def silu_row_warps(block: int) -> int:
+    """Warps for a program over a row of `block` values: 32 values a thread, up to 32 warps
+    (benchmarks/README.md, "Element-wise kernels")."""
+    return min(32, max(4, block // 512))

@@ -60,6 +60,13 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def norm_warps(block: int) -> int:
+    """Warps for one program over a row of `block` (a power of two) values: up to 4, which
+    the sweep found within 5% of the best at every row count (benchmarks/README.md,
+    "Element-wise kernels")."""
+    return min(4, max(1, block // 512))
+
+
 TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -69,9 +76,11 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     e4m3: bool = False,
+    num_warps: int | None = None,
 ):
     """x [T, hidden] -> out, or (out, x + residual) when `residual` is given. With `e4m3`, out is
-    (e4m3 values [T, hidden], float32 scales [T, 1]), as `fp8_gemm.quantize_rows` of the rows."""
+    (e4m3 values [T, hidden], float32 scales [T, 1]), as `fp8_gemm.quantize_rows` of the rows.
+    `num_warps` a program (one row): by default `norm_warps`."""
     num_rows, hidden = x.shape
     assert x.stride(-1) == 1 and weight.shape == (hidden,)
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
@@ -99,7 +108,7 @@ def rms_norm(
             BLOCK=block,
             OUT_DTYPE=TL_DTYPES[out_dtype],
             E4M3=e4m3,
-            num_warps=min(16, max(1, block // 512)),
+            num_warps=num_warps or norm_warps(block),
         )
     normed = (out, scales) if e4m3 else out
     return normed if residual is None else (normed, new_residual)
