@@ -130,14 +130,13 @@ class Rotation:
         self, q, k, v, k_cache, v_cache, slot_mapping, write_kv, **scales
     ) -> torch.Tensor:
         """-> rotated q; the rotated k and v are in the cache afterwards. `scales`: a quantized
-        cache's (`k_scales`, `v_scales`), for `write_kv`, which quantizes whole head vectors."""
+        cache's (`k_scales`, `v_scales`); the fused kernel quantizes each head vector as
+        `write_kv` does."""
         if self.cos is None:
-            if not scales:
-                kv_write = (v, k_cache, v_cache, slot_mapping)
-                fused_rope(q, k, self.cos_sin, self.positions, kv_write)
-                return q
-            fused_rope(q, k, self.cos_sin, self.positions)
-        else:
-            q, k = apply_rotary(q, k, self.cos, self.sin)
+            kv_write = (v, k_cache, v_cache, slot_mapping)
+            kv_scales = (scales["k_scales"], scales["v_scales"]) if scales else None
+            fused_rope(q, k, self.cos_sin, self.positions, kv_write, kv_scales)
+            return q
+        q, k = apply_rotary(q, k, self.cos, self.sin)
         write_kv(k, v, k_cache, v_cache, slot_mapping, **scales)
         return q

@@ -17,6 +17,7 @@ from backend.kernels.embedding import BLOCK as EMBEDDING_BLOCK, embedding  # noq
 from backend.kernels.fp8_gemm import quantize_rows  # noqa: E402
 from backend.kernels.rmsnorm import rms_norm  # noqa: E402
 from backend.kernels.rope import apply_rotary_  # noqa: E402
+from backend.attention.kernels.kv_write import write_kv  # noqa: E402
 from backend.model_config import RopeConfig  # noqa: E402
 from backend.layers.norm import RMSNorm  # noqa: E402
 from backend.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
@@ -182,6 +183,47 @@ def test_rotary_with_kv_write_stores_rotated_keys_and_values_at_their_slots():
     written = set(s for s in slots.tolist() if s >= 0)
     untouched = [s for s in range(flat_k.shape[0]) if s not in written]
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("num_kv_heads", [2, 3])  # 3: heads padded to 4
+def test_rotary_with_quantized_kv_write_stores_what_the_kv_write_kernel_stores(
+    cache_dtype, num_kv_heads
+):
+    """Into an fp8 / int8 cache, the fused rotation stores the values and scales that rotating
+    and then the KV-write kernel store, bit for bit; padded rows and other slots untouched."""
+    torch.manual_seed(4)
+    num_heads, head_dim, tokens_per_block, tokens = 6, 32, 4, 5
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 64, 64)
+    rotary.build_cache(DEVICE)
+    positions = torch.tensor([0, 5, 9, 3, 17], device=DEVICE)
+    slots = torch.tensor([6, 1, -1, 10, 2], device=DEVICE)
+    widths = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    qkv = torch.randn(tokens, sum(widths), device=DEVICE).bfloat16() * 3
+    qkv[4, widths[0] : widths[0] + head_dim] = 0  # an all-zero key vector: the smallest scale
+
+    def caches():
+        values = torch.zeros(3, tokens_per_block, num_kv_heads, head_dim, device=DEVICE)
+        scales = torch.zeros(3, tokens_per_block, num_kv_heads, device=DEVICE).bfloat16()
+        return [values.to(cache_dtype), values.to(cache_dtype), scales, scales.clone()]
+
+    def views(buffer):
+        q, k, v = buffer.split(widths, -1)
+        return (t.view(tokens, -1, head_dim) for t in (q, k, v))
+
+    fused, separate = caches(), caches()
+    q, k, v = views(qkv.clone())
+    apply_rotary_(q, k, rotary.cos_sin, positions, (v, *fused[:2], slots), tuple(fused[2:]))
+    want_q, want_k, want_v = views(qkv.clone())
+    apply_rotary_(want_q, want_k, rotary.cos_sin, positions)
+    write_kv(want_k, want_v, *separate[:2], slots, *separate[2:])
+    assert torch.equal(q, want_q)
+    for got, want in zip(fused, separate):
+        assert torch.equal(
+            got.view(torch.uint8 if got.element_size() == 1 else torch.int16),
+            want.view(torch.uint8 if want.element_size() == 1 else torch.int16),
+        )
+    assert fused[0].view(torch.uint8).any() and fused[2].any()  # something was written
 
 
 def test_argmax_matches_torch_with_ties_inside_and_across_chunks():

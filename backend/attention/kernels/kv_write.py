@@ -26,17 +26,30 @@ _MIN_SCALE = tl.constexpr(MIN_SCALE)
 def quantize_vectors(x, QMAX: tl.constexpr, TO_INT: tl.constexpr):
     """x [heads, head_dim] float32 -> (x / scale [heads, head_dim] within +-QMAX, rounded half
     up when TO_INT; scale [heads] float32, exact in bfloat16)."""
-    amax = tl.max(tl.abs(x), 1)
+    scale = vector_scales(tl.max(tl.abs(x), 1), QMAX)
+    return quantize_by(x, scale, QMAX, TO_INT), scale
+
+
+@triton.jit
+def vector_scales(amax, QMAX: tl.constexpr):
+    """Each vector's largest magnitude [heads] -> its scale: amax / QMAX, rounded up to
+    bfloat16 (so the cache's bfloat16 scales hold it exactly)."""
     scale = tl.maximum(tl.math.div_rn(amax, QMAX), _MIN_SCALE)
     bits = scale.to(tl.int32, bitcast=True)
-    scale = ((bits + 0xFFFF) & -0x10000).to(tl.float32, bitcast=True)  # up to bfloat16
+    return ((bits + 0xFFFF) & -0x10000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quantize_by(x, scale, QMAX: tl.constexpr, TO_INT: tl.constexpr):
+    """x [heads, dims] float32 over its heads' scales [heads], within +-QMAX, rounded as the
+    cache dtype stores it."""
     y = tl.math.div_rn(x, scale[:, None])
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if TO_INT:
         y = tl.floor(y + 0.5)
     else:
         y = round_to_e4m3(y)
-    return y, scale
+    return y
 
 
 @triton.jit
