@@ -19,12 +19,16 @@ import time
 
 import torch
 
-from backend.config import KV_CACHE_DTYPES, EngineConfig
+from backend.config import EngineConfig
 from backend.executor import Executor
 from backend.model_paths import resolve_model
 from backend.sampling_params import SamplingParams
 from benchmarks.provenance import provenance, save_json
-from benchmarks.weight_format_options import add_weight_format_options, weight_format_fields
+from benchmarks.weight_format_options import (
+    add_kv_cache_dtype_option,
+    add_weight_format_options,
+    weight_format_fields,
+)
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -200,12 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     add_weight_format_options(p)
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="what the KV cache stores (README, KV cache dtype); auto: the model dtype",
-    )
+    add_kv_cache_dtype_option(p)
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="GPUs the model is split across"
     )

@@ -48,7 +48,11 @@ from benchmarks.serving_load import (
 )
 from benchmarks.sampled_profile import engine_process_pid, sampled_profile
 from benchmarks.serving_perf_analyzer import perf_analyzer_summary
-from benchmarks.weight_format_options import add_weight_format_options, weight_format_fields
+from benchmarks.weight_format_options import (
+    add_kv_cache_dtype_option,
+    add_weight_format_options,
+    weight_format_fields,
+)
 from backend.config import EngineConfig
 from backend.engine_outbox import STATS_PERIOD_S
 
@@ -164,6 +168,7 @@ def settings_for(args, model_dir: str):
         device=args.device,
         dtype=args.dtype,
         **weight_format_fields(args),
+        kv_cache_dtype=args.kv_cache_dtype,
         max_batch_size=top,
         max_num_tokens=args.max_num_tokens,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
@@ -489,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     add_weight_format_options(p)
+    add_kv_cache_dtype_option(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--min-requests", type=int, default=32)

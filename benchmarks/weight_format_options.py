@@ -1,10 +1,11 @@
-"""The weight-format options the benchmarks share (README, "Weight formats")."""
+"""The weight-format and KV-cache-dtype options the benchmarks share (README, "Weight formats",
+"KV cache dtype")."""
 
 from __future__ import annotations
 
 import argparse
 
-from backend.config import QUANTIZATIONS
+from backend.config import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def add_weight_format_options(
@@ -27,4 +28,13 @@ def weight_format_fields(args: argparse.Namespace) -> dict:
         quantization=args.quantization,
         quantize_lm_head=args.quantize_lm_head,
         fp8_fast_accumulation=args.fp8_fast_accumulation,
+    )
+
+
+def add_kv_cache_dtype_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores (README, KV cache dtype); auto: the model dtype",
     )
