@@ -312,6 +312,42 @@ def test_choose_num_splits():
     assert choose_num_splits(4, 8, 1024, 132) == 16
     assert choose_num_splits(32, 8, 1024, 132) == 2  # rounded down to a power of two
     assert choose_num_splits(64, 8, 2048, 132) == 1  # 512 programs: close enough to 528
+    # a config of 8 programs an SM (registers capped) fills 1,056 programs
+    assert choose_num_splits(64, 8, 2048, 132, programs_per_sm=8) == 2
+    assert choose_num_splits(128, 8, 2048, 132, programs_per_sm=8) == 1
+
+
+def test_programs_per_sm_follow_a_register_cap():
+    assert decode_launch.programs_per_sm(dict(BLOCK_N=64, num_warps=2, num_stages=1)) == 4
+    capped = dict(BLOCK_N=32, num_warps=2, num_stages=1, maxnreg=128)
+    assert decode_launch.programs_per_sm(capped) == 8  # 65,536 / (128 x 64 threads)
+    assert decode_launch.programs_per_sm(dict(capped, num_warps=4, maxnreg=96)) == 5
+
+
+@pytest.mark.parametrize("maxnreg,splits", [(None, 1), (128, 2)])
+def test_the_split_count_counts_the_programs_an_sm_holds(maxnreg, splits, monkeypatch):
+    """With 10 SMs, 8 requests x 5 kv heads (40 programs) fill 4 an SM but not 8: a config that
+    caps registers so that 8 fit takes 2 splits, and still matches the reference."""
+    monkeypatch.setattr(decode_launch, "num_sms", lambda device: 10)
+    config = dict(BLOCK_N=32, num_warps=2, num_stages=1) | ({"maxnreg": maxnreg} if maxnreg else {})
+    monkeypatch.setattr(decode_launch, "launch_config", lambda *args: config)
+    k_cache, v_cache, meta = make_batch(
+        [1] * 8, [300] * 8, num_kv_heads=5, head_dim=32, tokens_per_block=16
+    )
+    query = random_query(8, 10, 32)
+    part_out, part_lse = decode.decode_attention_partials(
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.max_seq_len,
+        0.3,
+    )
+    assert part_out.shape[2] == splits
+    merged = merge_partials(part_out.cpu(), part_lse.cpu())
+    assert_matches_reference(merged, query, k_cache, v_cache, meta, 0.3)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -456,9 +456,7 @@ def decode_attention(
     if num_seqs == 0:
         return out
     if num_splits is None:
-        num_splits = decode_launch.choose_num_splits(
-            num_seqs, num_kv_heads, max_seq_len, decode_launch.num_sms(query.device)
-        )
+        num_splits = num_splits_for(query, k_cache, num_seqs, max_seq_len)
     if num_splits == 1:
         part_out = part_lse = arrivals = out  # unused
     else:
@@ -512,11 +510,9 @@ def decode_attention_partials(
     in base 2 [requests, heads, splits], float32; -inf marks a split without keys (its output is
     unset). The splits merge as out = sum_s exp2(lse_s - m) o_s / sum_s exp2(lse_s - m),
     m = max lse."""
-    num_kv_heads, num_seqs = k_cache.shape[2], seq_lens.shape[0]
+    num_seqs = seq_lens.shape[0]
     if num_splits is None:
-        num_splits = decode_launch.choose_num_splits(
-            num_seqs, num_kv_heads, max_seq_len, decode_launch.num_sms(query.device)
-        )
+        num_splits = num_splits_for(query, k_cache, num_seqs, max_seq_len)
     part_out, part_lse = _partials(query, num_seqs, num_splits)
     if num_seqs:
         _launch(
@@ -556,6 +552,30 @@ def _partials(
     return part_out, part_lse
 
 
+def _launch_config(query: torch.Tensor, k_cache: torch.Tensor, num_seqs: int):
+    """The device's tile, warps and stages for this grid (`decode_launch`)."""
+    num_kv_heads = k_cache.shape[2]
+    return decode_launch.launch_config(
+        query.shape[2],
+        decode_launch.has_few_programs(num_seqs, num_kv_heads, query.device),
+        tuning.device_name(query.device),
+        is_scaled(k_cache.dtype),
+    )
+
+
+def num_splits_for(query, k_cache, num_seqs: int, max_seq_len: int) -> int:
+    """The heuristic's split count for this grid, with as many programs an SM as its config
+    lets run at once (`decode_launch.choose_num_splits`)."""
+    config = _launch_config(query, k_cache, num_seqs)
+    return decode_launch.choose_num_splits(
+        num_seqs,
+        k_cache.shape[2],
+        max_seq_len,
+        decode_launch.num_sms(query.device),
+        decode_launch.programs_per_sm(config),
+    )
+
+
 def _launch(
     query,
     k_cache,
@@ -585,12 +605,7 @@ def _launch(
     assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     group = num_heads // num_kv_heads
     scaled = is_scaled(k_cache.dtype)
-    config = decode_launch.launch_config(
-        head_dim,
-        decode_launch.has_few_programs(num_seqs, num_kv_heads, query.device),
-        tuning.device_name(query.device),
-        scaled,
-    )
+    config = _launch_config(query, k_cache, num_seqs)
     qk_scale, softcap_log2 = exp2_scales(scale, softcap)
     if scaled:
         check_scales(k_cache, k_scales, v_scales)

@@ -1,9 +1,10 @@
 """How a paged decode-attention launch is shaped (`backend.attention.kernels.decode`): how many
 splits each (request, kv head) gets, the key tile, and the warps and stages per device.
 
-`choose_num_splits` adds splits only while (requests x kv heads x splits) is short of about
-PROGRAMS_PER_SM programs per SM, and keeps at least MIN_TOKENS_PER_SPLIT context tokens per
-split; the count is rounded down to a power of two so only a few kernel variants are compiled.
+`choose_num_splits` adds splits only while (requests x kv heads x splits) is short of the
+programs an SM holds at once (`programs_per_sm`: PROGRAMS_PER_SM, or what a register cap allows)
+on every SM, and keeps at least MIN_TOKENS_PER_SPLIT context tokens per split; the count is
+rounded down to a power of two so only a few kernel variants are compiled.
 Grids of few (request, kv head) pairs take their own tile (`few_programs`). Measurements behind
 these choices: benchmarks/README.md, "Paged decode attention".
 """
@@ -21,6 +22,7 @@ from backend.kernels import tuning
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
+REGISTERS_PER_SM = 65536  # 32-bit registers of an SM (sm_80 and later)
 CPU_NOMINAL_SMS = 8  # interpreter runs: keep the heuristic meaningful
 FEW_PAIRS_PER_SM = 8  # grids of at most SMs / 8 (request, kv head) pairs take the few-programs tile
 
@@ -36,10 +38,16 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
+def choose_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    sm_count: int,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+) -> int:
     """Splits per (request, kv head): enough programs to fill the GPU, enough work per split."""
     programs = num_seqs * num_kv_heads
-    target = PROGRAMS_PER_SM * sm_count
+    target = programs_per_sm * sm_count
     if programs >= target:
         return 1
     splits = min(target // programs, max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS)
@@ -70,6 +78,14 @@ def tuning_key(head_dim: int, few_programs: bool, scaled_cache: bool = False) ->
     if scaled_cache:
         return tuning.shape_key(head_dim=head_dim, few_programs=few_programs, scaled_cache=1)
     return tuning.shape_key(head_dim=head_dim, few_programs=few_programs)
+
+
+def programs_per_sm(config: Mapping) -> int:
+    """Programs of `config` an SM holds at once: where it caps registers, as many as the register
+    file takes (65,536 / (cap x threads): 8 for 128 registers and 2 warps); else PROGRAMS_PER_SM."""
+    if not config.get("maxnreg"):
+        return PROGRAMS_PER_SM
+    return max(1, REGISTERS_PER_SM // (config["maxnreg"] * 32 * config["num_warps"]))
 
 
 def register_cap(config: Mapping) -> dict:
