@@ -141,16 +141,19 @@ def bench_kv_write(s: Setup):
     print(f"== kv write {s.name()}: {num_tokens} tokens {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s")
 
 
-def bench_decode(s: Setup, shapes, sweep, rows: list | None = None) -> dict[str, dict[str, dict]]:
+def bench_decode(
+    s: Setup, shapes, sweep, rows: list | None = None, configs_too: bool = True
+) -> dict[str, dict[str, dict]]:
     """Prints the timings (and appends them to `rows`, as dicts); returns shape key -> config as
-    JSON -> case -> us (at the chosen splits)."""
+    JSON -> case -> us (at the chosen splits). `sweep`: other split counts, and other configs
+    with `configs_too`."""
     print(f"== decode {s.name()} (CUDA graph replays)")
     print(f"  {'bs':>4} {'ctx':>6} {'splits':>6} {'config':>12} {'us':>8} {'GB/s':>7}")
     default = decode_launch.launch_config
     device_name = tuning.device_name(torch.device("cuda"))
     timings: dict[str, dict[str, dict]] = {}
     configs = [None]
-    if sweep:
+    if sweep and configs_too:
         uncapped = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (64, 8, 3), (128, 8, 3)]
         uncapped += [(32, 2, 1), (32, 4, 1), (64, 4, 1), (64, 2, 1), (128, 4, 1), (32, 2, 2)]
         uncapped += [(64, 2, 2)]
@@ -164,9 +167,7 @@ def bench_decode(s: Setup, shapes, sweep, rows: list | None = None) -> dict[str,
         sets = max(2, min(32, math.ceil(512e6 / nbytes)))
         metas = [s.meta([1] * bs, [ctx] * bs) for _ in range(sets)]
         query = s.query(bs)
-        chosen = decode_launch.choose_num_splits(
-            bs, s.kv_heads, ctx, decode_launch.num_sms(query.device)
-        )
+        chosen = decode.num_splits_for(query, s.k_cache, bs, ctx)
         few = decode_launch.has_few_programs(bs, s.kv_heads, query.device)
         scaled = s.kv_dtype != "bf16"
         key = decode_launch.tuning_key(s.head_dim, few, scaled)
@@ -389,6 +390,12 @@ def parse_shape(text: str) -> tuple[int, int]:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--sweep-splits",
+        action="store_true",
+        help="with --decode-only: every split count, the table's config only (is the heuristic's "
+        "count the fastest?)",
+    )
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--fused-only", action="store_true")
     parser.add_argument(
@@ -429,7 +436,8 @@ def main():
         for heads, kv_heads, head_dim in [(32, 8, 128), (32, 8, 64)]:
             setup = Setup(heads, kv_heads, head_dim, args.kv_dtype)
             shapes = args.decode_shapes or [(512, 192)]
-            decode_timings |= bench_decode(setup, shapes, args.sweep, rows)
+            sweep = args.sweep or args.sweep_splits
+            decode_timings |= bench_decode(setup, shapes, sweep, rows, not args.sweep_splits)
             del setup
             torch.cuda.empty_cache()
         if args.write_tuning:

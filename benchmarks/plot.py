@@ -120,6 +120,29 @@ def plot_attention_sweep(path: str) -> str:
     return save_beside(fig, [run], path)
 
 
+def plot_decode_splits(path: str) -> str:
+    """Decode attention per batch shape at one split, at the heuristic's count and at the
+    fastest count (`attention_kernels.py --sweep-splits`), one panel per setup."""
+    run = load(path)[0]
+    setups = list(dict.fromkeys(r["setup"] for r in run["rows"]))
+    fig, axes = plt.subplots(1, len(setups), figsize=(6 * len(setups), 4.5), squeeze=False)
+    for ax, setup in zip(axes[0], setups):
+        rows = [r for r in run["rows"] if r["setup"] == setup]
+        shapes = list(dict.fromkeys((r["batch"], r["context"]) for r in rows))
+        picks = {"1 split": [], "heuristic": [], "fastest": []}
+        for shape in shapes:
+            here = [r for r in rows if (r["batch"], r["context"]) == shape]
+            picks["1 split"].append(next(r["us"] for r in here if r["splits"] == 1))
+            picks["heuristic"].append(next(r["us"] for r in here if r["heuristic_splits"]))
+            picks["fastest"].append(min(r["us"] for r in here))
+        for i, (label, values) in enumerate(picks.items()):
+            ax.bar([j + (i - 1) * 0.27 for j in range(len(shapes))], values, 0.27, label=label)
+        ax.set_xticks(range(len(shapes)), [f"{b}x{c}" for b, c in shapes], rotation=45, fontsize=7)
+        ax.set(ylabel="µs per call", xlabel="batch x context", title=setup)
+        ax.legend(fontsize=7)
+    return save_beside(fig, [run], path)
+
+
 def plot_fp8_gemm_sweep(path: str) -> str:
     """FP8 projections per row count: the fastest W8A16 config, torch's scaled GEMM and the fastest
     Triton FP8 GEMM config (both on rows quantized beforehand), one panel per projection."""
@@ -276,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
         print("wrote", plot_decode_floor(path))
     for path in glob.glob(os.path.join(results_dir, "decode_attention_sweep*.json")):
         print("wrote", plot_attention_sweep(path))
+    for path in glob.glob(os.path.join(results_dir, "decode_attention_splits*.json")):
+        print("wrote", plot_decode_splits(path))
     for path in glob.glob(os.path.join(results_dir, "quantized_matmul_fp8*.json")):
         print("wrote", plot_fp8_gemm_sweep(path))
     for path in glob.glob(os.path.join(results_dir, "fp8_accumulation*.json")):
