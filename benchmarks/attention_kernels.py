@@ -318,7 +318,7 @@ def write_tuning(kernel: str, timings: dict[str, dict[str, dict]]) -> None:
 
 def bench_fused():
     from backend.kernels.rmsnorm import rms_norm
-    from backend.kernels.rope import apply_rotary_
+    from backend.attention.kernels.rope import apply_rotary_
     from backend.model_config import RopeConfig
     from backend.layers.norm import RMSNorm
     from backend.layers.rotary import RotaryEmbedding, apply_rotary

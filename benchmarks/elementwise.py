@@ -17,7 +17,7 @@ import torch
 from backend.attention.kernels.kv_write import write_kv
 from backend.kernels.activation import silu_and_mul_e4m3
 from backend.kernels.rmsnorm import rms_norm
-from backend.kernels.rope import apply_rotary_
+from backend.attention.kernels.rope import apply_rotary_
 from backend.layers.rotary import RotaryEmbedding
 from backend.model_config import ModelConfig
 from backend.model_paths import resolve_model

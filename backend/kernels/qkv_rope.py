@@ -5,10 +5,11 @@ layer for 4 KB of data. Here the projection (`backend.kernels.gemv`'s weight-str
 the input RMSNorm as its prologue) computes each program's features in rotary pairs: a program of
 BLOCK_N features of a query or key head owns BLOCK_N / 2 dims of the head's first half and the
 same dims of its second half, so it can rotate them itself ("rotate half", as
-`backend.kernels.rope`), with the cos/sin of the token's position from the float32 cache. Value
-heads are taken in plain contiguous runs. The rotated keys and the values also go to the paged
-cache at the token's slot (slot -1 is skipped), unless no cache is given (a quantized cache, whose
-write needs whole head vectors: `backend.attention.kernels.kv_write` then stores them).
+`backend.attention.kernels.rope`), with the cos/sin of the token's position from the float32
+cache. Value heads are taken in plain contiguous runs. The rotated keys and the values also go to
+the paged cache at the token's slot (slot -1 is skipped), unless no cache is given (a quantized
+cache, whose write needs whole head vectors: `backend.attention.kernels.kv_write` then stores
+them).
 
 Rounding is the unfused path's: the product (plus bias) is rounded to the activation dtype, then
 rotated in float32 and rounded again.

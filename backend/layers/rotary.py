@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 try:  # the fused GPU kernel; CPU-only installs without Triton use the torch path
-    from backend.kernels.rope import apply_rotary_ as fused_rope
+    from backend.attention.kernels.rope import apply_rotary_ as fused_rope
 except ImportError:
     fused_rope = None
 

@@ -16,7 +16,7 @@ from backend.kernels.argmax import CHUNK, argmax_rows  # noqa: E402
 from backend.kernels.embedding import BLOCK as EMBEDDING_BLOCK, embedding  # noqa: E402
 from backend.kernels.fp8_gemm import quantize_rows  # noqa: E402
 from backend.kernels.rmsnorm import rms_norm  # noqa: E402
-from backend.kernels.rope import apply_rotary_  # noqa: E402
+from backend.attention.kernels.rope import apply_rotary_  # noqa: E402
 from backend.attention.kernels.kv_write import write_kv  # noqa: E402
 from backend.model_config import RopeConfig  # noqa: E402
 from backend.layers.norm import RMSNorm  # noqa: E402
