@@ -455,8 +455,9 @@ def decode_attention(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
+    config = _launch_config(query, k_cache, num_seqs)
     if num_splits is None:
-        num_splits = num_splits_for(query, k_cache, num_seqs, max_seq_len)
+        num_splits = _num_splits(config, query, k_cache, num_seqs, max_seq_len)
     if num_splits == 1:
         part_out = part_lse = arrivals = out  # unused
     else:
@@ -477,6 +478,7 @@ def decode_attention(
         arrivals,
         min_tiles_per_split,
         partials=False,
+        config=config,
         window=window,
         sinks=sinks,
         softcap=softcap,
@@ -511,8 +513,9 @@ def decode_attention_partials(
     unset). The splits merge as out = sum_s exp2(lse_s - m) o_s / sum_s exp2(lse_s - m),
     m = max lse."""
     num_seqs = seq_lens.shape[0]
+    config = _launch_config(query, k_cache, num_seqs)
     if num_splits is None:
-        num_splits = num_splits_for(query, k_cache, num_seqs, max_seq_len)
+        num_splits = _num_splits(config, query, k_cache, num_seqs, max_seq_len)
     part_out, part_lse = _partials(query, num_seqs, num_splits)
     if num_seqs:
         _launch(
@@ -530,6 +533,7 @@ def decode_attention_partials(
             part_lse,
             None,
             partials=True,
+            config=config,
             window=window,
             sinks=sinks,
             softcap=softcap,
@@ -567,6 +571,10 @@ def num_splits_for(query, k_cache, num_seqs: int, max_seq_len: int) -> int:
     """The heuristic's split count for this grid, with as many programs an SM as its config
     lets run at once (`decode_launch.choose_num_splits`)."""
     config = _launch_config(query, k_cache, num_seqs)
+    return _num_splits(config, query, k_cache, num_seqs, max_seq_len)
+
+
+def _num_splits(config, query, k_cache, num_seqs: int, max_seq_len: int) -> int:
     return decode_launch.choose_num_splits(
         num_seqs,
         k_cache.shape[2],
@@ -591,6 +599,7 @@ def _launch(
     arrivals,
     min_tiles_per_split,
     partials: bool,
+    config,
     window: int | None = None,
     sinks: int = 0,
     softcap: float | None = None,
@@ -605,7 +614,6 @@ def _launch(
     assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     group = num_heads // num_kv_heads
     scaled = is_scaled(k_cache.dtype)
-    config = _launch_config(query, k_cache, num_seqs)
     qk_scale, softcap_log2 = exp2_scales(scale, softcap)
     if scaled:
         check_scales(k_cache, k_scales, v_scales)

@@ -227,9 +227,8 @@ def apply_rotary_(
         v, k_cache, v_cache, slot_mapping = k, k, k, positions  # unused
     scaled = kv_write is not None and is_scaled(k_cache.dtype)
     if scaled:
-        assert kv_scales is not None, "a quantized cache needs its scales"
-        check_scales(k_cache, *kv_scales)
-        k_scales, v_scales = kv_scales
+        k_scales, v_scales = kv_scales or (None, None)
+        check_scales(k_cache, k_scales, v_scales)
     else:
         k_scales = v_scales = slot_mapping  # unused
     if num_tokens:
