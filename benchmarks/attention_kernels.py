@@ -167,7 +167,8 @@ def bench_decode(
         sets = max(2, min(32, math.ceil(512e6 / nbytes)))
         metas = [s.meta([1] * bs, [ctx] * bs) for _ in range(sets)]
         query = s.query(bs)
-        chosen = decode.num_splits_for(query, s.k_cache, bs, ctx)
+        config = decode_launch.config_for(query, s.k_cache, bs)
+        chosen = decode_launch.splits_for(config, query, s.k_cache, bs, ctx)
         few = decode_launch.has_few_programs(bs, s.kv_heads, query.device)
         scaled = s.kv_dtype != "bf16"
         key = decode_launch.tuning_key(s.head_dim, few, scaled)

@@ -455,9 +455,9 @@ def decode_attention(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
-    config = _launch_config(query, k_cache, num_seqs)
+    config = decode_launch.config_for(query, k_cache, num_seqs)
     if num_splits is None:
-        num_splits = _num_splits(config, query, k_cache, num_seqs, max_seq_len)
+        num_splits = decode_launch.splits_for(config, query, k_cache, num_seqs, max_seq_len)
     if num_splits == 1:
         part_out = part_lse = arrivals = out  # unused
     else:
@@ -513,9 +513,9 @@ def decode_attention_partials(
     unset). The splits merge as out = sum_s exp2(lse_s - m) o_s / sum_s exp2(lse_s - m),
     m = max lse."""
     num_seqs = seq_lens.shape[0]
-    config = _launch_config(query, k_cache, num_seqs)
+    config = decode_launch.config_for(query, k_cache, num_seqs)
     if num_splits is None:
-        num_splits = _num_splits(config, query, k_cache, num_seqs, max_seq_len)
+        num_splits = decode_launch.splits_for(config, query, k_cache, num_seqs, max_seq_len)
     part_out, part_lse = _partials(query, num_seqs, num_splits)
     if num_seqs:
         _launch(
@@ -554,34 +554,6 @@ def _partials(
         (num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device
     )
     return part_out, part_lse
-
-
-def _launch_config(query: torch.Tensor, k_cache: torch.Tensor, num_seqs: int):
-    """The device's tile, warps and stages for this grid (`decode_launch`)."""
-    num_kv_heads = k_cache.shape[2]
-    return decode_launch.launch_config(
-        query.shape[2],
-        decode_launch.has_few_programs(num_seqs, num_kv_heads, query.device),
-        tuning.device_name(query.device),
-        is_scaled(k_cache.dtype),
-    )
-
-
-def num_splits_for(query, k_cache, num_seqs: int, max_seq_len: int) -> int:
-    """The heuristic's split count for this grid, with as many programs an SM as its config
-    lets run at once (`decode_launch.choose_num_splits`)."""
-    config = _launch_config(query, k_cache, num_seqs)
-    return _num_splits(config, query, k_cache, num_seqs, max_seq_len)
-
-
-def _num_splits(config, query, k_cache, num_seqs: int, max_seq_len: int) -> int:
-    return decode_launch.choose_num_splits(
-        num_seqs,
-        k_cache.shape[2],
-        max_seq_len,
-        decode_launch.num_sms(query.device),
-        decode_launch.programs_per_sm(config),
-    )
 
 
 def _launch(

@@ -5,7 +5,8 @@ splits each (request, kv head) gets, the key tile, and the warps and stages per 
 programs an SM holds at once (`programs_per_sm`: PROGRAMS_PER_SM, or what a register cap allows)
 on every SM, and keeps at least MIN_TOKENS_PER_SPLIT context tokens per split; the count is
 rounded down to a power of two so only a few kernel variants are compiled.
-Grids of few (request, kv head) pairs take their own tile (`few_programs`). Measurements behind
+Grids of few (request, kv head) pairs take their own tile (`few_programs`). `config_for` and
+`splits_for` answer both for one launch's tensors. Measurements behind
 these choices: benchmarks/README.md, "Paged decode attention".
 """
 
@@ -17,6 +18,7 @@ from types import MappingProxyType
 
 import torch
 
+from backend.attention.kv_dtype import is_scaled
 from backend.kernels import tuning
 
 MIN_TOKENS_PER_SPLIT = 64
@@ -108,3 +110,20 @@ def launch_config(
         if config is not None:
             return MappingProxyType(config)
     return MappingProxyType(default_launch_config(head_dim, few_programs))
+
+
+def config_for(query: torch.Tensor, k_cache: torch.Tensor, num_seqs: int) -> Mapping:
+    """`launch_config` for this grid on the query's device."""
+    return launch_config(
+        query.shape[2],
+        has_few_programs(num_seqs, k_cache.shape[2], query.device),
+        tuning.device_name(query.device),
+        is_scaled(k_cache.dtype),
+    )
+
+
+def splits_for(config: Mapping, query, k_cache, num_seqs: int, max_seq_len: int) -> int:
+    """`choose_num_splits` for this grid, with as many programs an SM as `config` lets run."""
+    return choose_num_splits(
+        num_seqs, k_cache.shape[2], max_seq_len, num_sms(query.device), programs_per_sm(config)
+    )
