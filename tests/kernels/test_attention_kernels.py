@@ -193,6 +193,34 @@ def test_decode_matches_reference(
     assert_matches_reference(out, query, k_cache, v_cache, meta, scale)
 
 
+@pytest.mark.parametrize("tokens_per_block,block_n", [(16, 16), (32, 16), (32, 32)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_tiles_within_one_page_match_reference(
+    tokens_per_block, block_n, num_splits, monkeypatch
+):
+    """Where the key tile divides the page, each tile reads one page number (tile.py): the
+    tiles of every request, split or not, still read their own pages."""
+    config = dict(BLOCK_N=block_n, num_warps=2, num_stages=1)
+    monkeypatch.setattr(decode_launch, "launch_config", lambda *args: config)
+    n = len(DECODE_SEQ_LENS)
+    k_cache, v_cache, meta = make_batch(
+        [1] * n, DECODE_SEQ_LENS, num_kv_heads=2, head_dim=32, tokens_per_block=tokens_per_block
+    )
+    query = random_query(n, 4, 32)
+    out = decode_attention(
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.max_seq_len,
+        0.2,
+        num_splits=num_splits,
+    )
+    assert_matches_reference(out, query, k_cache, v_cache, meta, 0.2)
+
+
 @pytest.mark.parametrize("most_values", [8192, 0], ids=["group at once", "head by head"])
 def test_decode_split_merge_leaves_its_counters_at_zero(most_values, monkeypatch):
     """The last split of a request to finish merges the partial results (all the group's heads at

@@ -194,6 +194,53 @@ def test_decode_reads_a_quantized_cache_as_the_reference(dtype, num_splits, wind
     torch.testing.assert_close(out.cpu(), want, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "dtype,query_dtype",
+    [
+        (torch.float8_e4m3fn, torch.float32),
+        (torch.int8, torch.float32),
+        (torch.float8_e4m3fn, torch.bfloat16),  # not int8: the interpreter's bf16 dot is wrong
+    ],
+    ids=["fp8", "int8", "fp8-bf16-query"],
+)
+def test_decode_tiles_within_one_page_read_a_quantized_cache_as_the_reference(
+    dtype, query_dtype, monkeypatch
+):
+    """The H100's fp8-cache entry: 32-key tiles in 32-token pages, one page number a tile, the
+    scales read beside the values (a bf16 query over fp8 takes the words path)."""
+    config = dict(BLOCK_N=32, num_warps=2, num_stages=1)
+    monkeypatch.setattr(decode_launch, "launch_config", lambda *args: config)
+    k_values, v_values, meta, scales = quantized_batch(
+        dtype,
+        [1] * len(DECODE_SEQ_LENS),
+        DECODE_SEQ_LENS,
+        48,
+        4,
+        num_kv_heads=2,
+        head_dim=32,
+        tokens_per_block=32,
+        seed=41,
+    )
+    query = random_query(len(DECODE_SEQ_LENS), 4, 32, dtype=query_dtype, seed=42)
+    out = decode.decode_attention(
+        query,
+        k_values,
+        v_values,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.max_seq_len,
+        0.2,
+        num_splits=2,
+        window=48,
+        sinks=4,
+        **scales,
+    )
+    want = expected(query, k_values, v_values, meta, scales, 0.2, 48, 4)
+    atol = ATOL if query_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.cpu().float(), want, atol=atol, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=["fp8", "int8"])
 def test_decode_partials_of_a_quantized_cache_merge_to_the_reference(dtype, monkeypatch):
     monkeypatch.setattr(decode_launch, "choose_num_splits", lambda *args: 4)

@@ -7,9 +7,10 @@ running state of the online (streaming) softmax, in fp32 and in base 2:
     acc  [M, head_dim]  running sum of exp2(score - m_i) * value.
 `attend_key_tile` gathers BLOCK_N consecutive context tokens from the paged cache (token j lives
 in physical block `block_table[j // TOKENS_PER_BLOCK]` at offset `j % TOKENS_PER_BLOCK`, so a tile
-may span several pages), scores them, rescales the state to the new max and adds the tile's
-contribution. The caller divides acc by l_i at the end (or keeps m_i + log2(l_i) as the
-log-sum-exp of a split).
+may span several pages; tiles start at multiples of BLOCK_N, so where BLOCK_N divides
+TOKENS_PER_BLOCK a tile lies in one page), scores them, rescales the state to the new max and
+adds the tile's contribution. The caller divides acc by l_i at the end (or keeps m_i + log2(l_i)
+as the log-sum-exp of a split).
 `load_key_tile` and `attend_loaded_tile` are the two halves, for a caller that loads a tile early
 (the decode kernel reads its first tile before waiting for the previous kernel).
 
@@ -73,12 +74,18 @@ def _e4m3_byte(words, shift: tl.constexpr):
 
 @triton.jit
 def _load_e4m3_tile(
-    cache_ptr, offsets, key_ok, HEAD_DIM: tl.constexpr, MASK_KEYS: tl.constexpr, PTX: tl.constexpr
+    cache_ptr,
+    first,
+    rows,
+    key_ok,
+    HEAD_DIM: tl.constexpr,
+    MASK_KEYS: tl.constexpr,
+    PTX: tl.constexpr,
 ):
-    """One e4m3 [BLOCK_N, HEAD_DIM] tile as float16; `offsets` [BLOCK_N] each row's first
-    value, a multiple of 4."""
-    words_ptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    ptrs = words_ptr + (offsets // 4)[:, None] + tl.arange(0, HEAD_DIM // 4)[None, :]
+    """One e4m3 [BLOCK_N, HEAD_DIM] tile as float16; each row's first value at int32 word
+    `first + rows` (`first` a scalar or [BLOCK_N], `rows` [BLOCK_N])."""
+    words_ptr = cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + first
+    ptrs = (words_ptr + rows)[:, None] + tl.arange(0, HEAD_DIM // 4)[None, :]
     if MASK_KEYS:
         words = tl.load(ptrs, mask=key_ok[:, None], other=0)
     else:
@@ -120,46 +127,51 @@ def load_key_tile(
     tokens = tile_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     key_ok = (tokens < key_end) & (tokens >= key_start)
-    if MASK_KEYS:
-        page = tl.load(block_table_row + tokens // TOKENS_PER_BLOCK, mask=key_ok, other=0).to(
-            tl.int64
-        )
+    if TOKENS_PER_BLOCK % BLOCK_N == 0:
+        # The tile lies in one page: one page number, so each address is that page's base plus
+        # a 32-bit offset, not a 64-bit product per token.
+        page = tl.load(
+            block_table_row + tile_start // TOKENS_PER_BLOCK, mask=tile_start < key_end, other=0
+        ).to(tl.int64)
+        in_page = tile_start % TOKENS_PER_BLOCK + tl.arange(0, BLOCK_N)
     else:
-        page = tl.load(block_table_row + tokens // TOKENS_PER_BLOCK).to(tl.int64)
-    in_page = tokens % TOKENS_PER_BLOCK
-    k_ptrs = (
-        k_cache_ptr
-        + page[:, None] * stride_kc_block
-        + in_page[:, None] * stride_kc_offset
-        + kv_head * stride_kc_head
-        + dims[None, :]
-    )
-    v_ptrs = (
-        v_cache_ptr
-        + page[:, None] * stride_vc_block
-        + in_page[:, None] * stride_vc_offset
-        + kv_head * stride_vc_head
-        + dims[None, :]
-    )
-    if F16_TILES:
-        k_rows = page * stride_kc_block + in_page * stride_kc_offset + kv_head * stride_kc_head
-        v_rows = page * stride_vc_block + in_page * stride_vc_offset + kv_head * stride_vc_head
-        k = _load_e4m3_tile(k_cache_ptr, k_rows, key_ok, HEAD_DIM, MASK_KEYS, PTX)
-        v = _load_e4m3_tile(v_cache_ptr, v_rows, key_ok, HEAD_DIM, MASK_KEYS, PTX)
-    elif MASK_KEYS:
-        k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    if KV_SCALED:
-        s_ptrs = page * stride_s_block + in_page * stride_s_offset + kv_head
         if MASK_KEYS:
-            k_scale = tl.load(k_scale_ptr + s_ptrs, mask=key_ok, other=0.0).to(tl.float32)
-            v_scale = tl.load(v_scale_ptr + s_ptrs, mask=key_ok, other=0.0).to(tl.float32)
+            page = tl.load(block_table_row + tokens // TOKENS_PER_BLOCK, mask=key_ok, other=0)
         else:
-            k_scale = tl.load(k_scale_ptr + s_ptrs).to(tl.float32)
-            v_scale = tl.load(v_scale_ptr + s_ptrs).to(tl.float32)
+            page = tl.load(block_table_row + tokens // TOKENS_PER_BLOCK)
+        page = page.to(tl.int64)
+        in_page = tokens % TOKENS_PER_BLOCK
+    # Each token's first value: its page's row 0 for this head (one offset when the tile lies in
+    # one page) plus its row in the page.
+    k_first = page * stride_kc_block + kv_head * stride_kc_head
+    v_first = page * stride_vc_block + kv_head * stride_vc_head
+    if F16_TILES:  # in int32 words of four values
+        k_words = in_page * (stride_kc_offset // 4)
+        v_words = in_page * (stride_vc_offset // 4)
+        k = _load_e4m3_tile(k_cache_ptr, k_first // 4, k_words, key_ok, HEAD_DIM, MASK_KEYS, PTX)
+        v = _load_e4m3_tile(v_cache_ptr, v_first // 4, v_words, key_ok, HEAD_DIM, MASK_KEYS, PTX)
+    else:
+        k_rows = in_page * stride_kc_offset
+        v_rows = in_page * stride_vc_offset
+        k_ptrs = (k_cache_ptr + k_first + k_rows)[:, None] + dims[None, :]
+        v_ptrs = (v_cache_ptr + v_first + v_rows)[:, None] + dims[None, :]
+        if MASK_KEYS:
+            k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+    if KV_SCALED:
+        s_first = page * stride_s_block + kv_head
+        s_rows = in_page * stride_s_offset
+        k_scale_ptrs = k_scale_ptr + s_first + s_rows
+        v_scale_ptrs = v_scale_ptr + s_first + s_rows
+        if MASK_KEYS:
+            k_scale = tl.load(k_scale_ptrs, mask=key_ok, other=0.0).to(tl.float32)
+            v_scale = tl.load(v_scale_ptrs, mask=key_ok, other=0.0).to(tl.float32)
+        else:
+            k_scale = tl.load(k_scale_ptrs).to(tl.float32)
+            v_scale = tl.load(v_scale_ptrs).to(tl.float32)
     else:
         k_scale = tl.full([BLOCK_N], 1.0, tl.float32)
         v_scale = tl.full([BLOCK_N], 1.0, tl.float32)
