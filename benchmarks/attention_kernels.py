@@ -156,8 +156,9 @@ def bench_decode(
     if sweep and configs_too:
         uncapped = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (64, 8, 3), (128, 8, 3)]
         uncapped += [(32, 2, 1), (32, 4, 1), (64, 4, 1), (64, 2, 1), (128, 4, 1), (32, 2, 2)]
-        uncapped += [(64, 2, 2)]
+        uncapped += [(64, 2, 2), (16, 2, 1)]
         capped = [(32, 2, 2, 128), (32, 2, 1, 128), (32, 4, 1, 96), (64, 4, 1, 96)]  # maxnreg
+        capped += [(16, 2, 1, 96), (16, 2, 2, 96), (32, 4, 1, 128)]
         configs += [dict(BLOCK_N=n, num_warps=w, num_stages=st) for n, w, st in uncapped]
         configs += [
             dict(BLOCK_N=n, num_warps=w, num_stages=st, maxnreg=r) for n, w, st, r in capped
