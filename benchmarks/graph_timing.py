@@ -18,7 +18,8 @@ def graph_us_per_call(calls, replays: int = 20) -> float:
             for call in calls:
                 call()
     torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
+    for _ in range(replays):  # untimed: after one replay, a process's first timing ran slow
+        graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
