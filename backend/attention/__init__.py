@@ -4,7 +4,9 @@ Every implementation is a module with
     write_kv(key, value, k_cache, v_cache, slot_mapping) -> None
     paged_attention(query, k_cache, v_cache, meta, scale, window=None, sinks=0) -> output
 and optionally, for decode-only steps whose consumer merges split-K attention itself,
-    decode_partials(query, k_cache, v_cache, meta, scale, window=None, sinks=0) -> SplitPartials
+    decode_partials(query, k_cache, v_cache, meta, scale, window=None, sinks=0, new_kv=None)
+        -> SplitPartials (`new_kv`: the step's keys and values, for it to write into a
+        quantized cache itself)
 `window` (tokens, None = global) and `sinks` are a sliding-window layer's (reference.py's rule).
 A quantized cache (`kv_dtype.py`: fp8 / int8) passes its scales to all three as `k_scales=`,
 `v_scales=` ([blocks, tokens_per_block, kv_heads]); the functions quantize when they write and

@@ -88,9 +88,11 @@ def decode_partials(
     softcap: float | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> SplitPartials:
     """Decode-only steps: query [T, heads, head_dim] -> each split's output and log-sum-exp,
-    unmerged (the one-token o projection merges them as it reads them)."""
+    unmerged (the one-token o projection merges them as it reads them). `new_kv`: the step's own
+    keys and values, which the kernel writes into a quantized cache itself."""
     outputs, lse = decode_attention_partials(
         query,
         k_cache,
@@ -105,6 +107,7 @@ def decode_partials(
         softcap=softcap,
         k_scales=k_scales,
         v_scales=v_scales,
+        new_kv=new_kv,
     )
     return SplitPartials(outputs, lse)
 

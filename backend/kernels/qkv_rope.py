@@ -8,8 +8,8 @@ same dims of its second half, so it can rotate them itself ("rotate half", as
 `backend.attention.kernels.rope`), with the cos/sin of the token's position from the float32
 cache. Value heads are taken in plain contiguous runs. The rotated keys and the values also go to
 the paged cache at the token's slot (slot -1 is skipped), unless no cache is given (a quantized
-cache, whose write needs whole head vectors: `backend.attention.kernels.kv_write` then stores
-them).
+cache, whose write needs whole head vectors: the decode-attention kernel after it quantizes and
+stores them, or `backend.attention.kernels.kv_write`).
 
 Rounding is the unfused path's: the product (plus bias) is rounded to the activation dtype, then
 rotated in float32 and rounded again.

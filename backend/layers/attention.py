@@ -162,13 +162,20 @@ class SelfAttention(nn.Module):
             v_cache=None if scales else v_cache,
             slot_mapping=meta.slot_mapping,
         )
+        partials = self.backend.decode_partials is not None and self.o_proj.merges_splits(
+            self.head_dim
+        )
+        new_kv = None
         if scales:  # a quantized cache: its write needs whole head vectors, so it runs after
-            k, v = qkv[:, self.q_size :].view(2, -1, self.num_kv_heads, self.head_dim)
-            self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
+            new_kv = tuple(qkv[:, self.q_size :].view(2, -1, self.num_kv_heads, self.head_dim))
+            if not partials:  # else the attention kernel writes them
+                self.backend.write_kv(*new_kv, k_cache, v_cache, meta.slot_mapping, **scales)
         q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
         options = {**self.attention_options, **scales}
-        if self.backend.decode_partials is not None and self.o_proj.merges_splits(self.head_dim):
-            out = self.backend.decode_partials(q, k_cache, v_cache, meta, self.scale, **options)
+        if partials:
+            out = self.backend.decode_partials(
+                q, k_cache, v_cache, meta, self.scale, new_kv=new_kv, **options
+            )
         else:
             out = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale, **options)
             out = out.reshape(-1, self.q_size)

@@ -180,9 +180,10 @@ def test_self_attention_one_token_form_equals_the_general_form(backend):
     [("torch", torch.float8_e4m3fn), ("triton", torch.float8_e4m3fn), ("triton", torch.int8)],
 )
 def test_self_attention_over_a_quantized_cache(backend, cache_dtype):
-    """With an fp8 / int8 cache, the one-token form (its qkv kernel leaves the write to the
-    quantizing `write_kv`) and the general form with the fused rotary kernel (likewise) add to
-    the residual what the general form with torch's rotary does, and store the same token."""
+    """With an fp8 / int8 cache, the one-token form (its qkv kernel leaves the quantizing write to
+    the attention: the Triton decode kernel, or `write_kv` before the torch one) and the general
+    form with the fused rotary kernel (which quantizes as it writes) add to the residual what the
+    general form with torch's rotary does, and store the same token."""
     from backend.attention import kv_dtype
 
     config = ModelConfig.from_dict(

@@ -18,7 +18,7 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 pytest.importorskip("triton")
 
 from backend.attention import kv_dtype, reference, triton_backend  # noqa: E402
-from backend.attention.kernels import decode, decode_launch  # noqa: E402
+from backend.attention.kernels import decode, decode_launch, kv_write  # noqa: E402
 from backend.attention.kernels.prefill import prefill_attention  # noqa: E402
 from tests.kernels.test_attention_kernels import (  # noqa: E402
     MIXED_BATCH,
@@ -254,6 +254,35 @@ def test_decode_partials_of_a_quantized_cache_merge_to_the_reference(dtype, monk
     merged = merge_partials(partials.outputs.cpu(), partials.lse.cpu())
     want = expected(query, k_values, v_values, meta, scales, 0.25, 48, 4)
     torch.testing.assert_close(merged, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=["fp8", "int8"])
+def test_decode_partials_write_the_steps_own_keys_and_values(dtype, monkeypatch):
+    """Given the step's keys and values (`new_kv`, the one-token path's), split 0 of each request
+    and kv head quantizes them into the cache: the cache then holds what the KV-write kernel
+    stores, bit for bit, and the merged splits are the reference's attention over it."""
+    monkeypatch.setattr(decode_launch, "choose_num_splits", lambda *args: 4)
+    seq_lens = [130, 40, 1, 17]
+    k_values, v_values, meta, scales = quantized_batch(
+        dtype, [1] * 4, seq_lens, num_kv_heads=2, head_dim=32, tokens_per_block=16, seed=43
+    )
+    gen = torch.Generator().manual_seed(44)
+    new_k = (torch.randn(4, 2, 32, generator=gen) * 3).to(DEVICE)
+    new_v = torch.randn(4, 2, 32, generator=gen).to(DEVICE)
+    want = [k_values.clone(), v_values.clone(), scales["k_scales"].clone()]
+    want.append(scales["v_scales"].clone())
+    kv_write.write_kv(new_k, new_v, *want[:2], meta.slot_mapping, *want[2:])
+    query = random_query(4, 4, 32, seed=45)
+    partials = triton_backend.decode_partials(
+        query, k_values, v_values, meta, 0.25, new_kv=(new_k, new_v), **scales
+    )
+    got = [k_values, v_values, scales["k_scales"], scales["v_scales"]]
+    for g, w in zip(got, want):  # bytes: the scales of empty slots are NaN
+        assert torch.equal(g.cpu().view(torch.uint8), w.cpu().view(torch.uint8))
+    merged = merge_partials(partials.outputs.cpu(), partials.lse.cpu())
+    torch.testing.assert_close(
+        merged, expected(query, k_values, v_values, meta, scales, 0.25), atol=ATOL, rtol=0
+    )
 
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=["fp8", "int8"])

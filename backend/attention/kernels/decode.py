@@ -26,7 +26,11 @@ key and value, which that kernel (the KV write, or the fused qkv projection) has
 
 A quantized cache (fp8 / int8, KV_SCALED) has its scales read with each key tile (tile.py) and
 with the step's own key and value; under a 16-bit query an fp8 cache's tiles are read as words
-and widened to float16 (F16_TILES, tile.py), with inline PTX on a GPU.
+and widened to float16 (F16_TILES, tile.py), with inline PTX on a GPU. Where the one-token path
+hands over the step's keys and values unwritten (WRITES_NEW_KV: its fused qkv kernel holds only
+parts of a head vector, too little to scale it), split 0 of each (request, kv head) quantizes
+them into the cache by the KV-write rule and attends the stored values, so no KV-write launch
+runs before it.
 
 With one split used, the program writes the output itself. Otherwise each split writes a
 normalised partial output and its log-sum-exp, and counts itself in on an arrival counter of its
@@ -46,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.attention.kernels.kv_write import check_scales
+from backend.attention.kernels.kv_write import check_scales, store_quantized_vector
 from backend.attention.kernels import decode_launch
 from backend.attention.kernels.decode_partials import (
     merge_group_splits,
@@ -61,7 +65,7 @@ from backend.attention.kernels.tile import (
     load_key_tile,
     scaled_scores,
 )
-from backend.attention.kv_dtype import is_scaled, widens_to_float16
+from backend.attention.kv_dtype import QMAX, is_scaled, widens_to_float16
 from backend.kernels import tuning
 from backend.kernels.arrivals import arrival_counters
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
@@ -85,6 +89,8 @@ def _decode_kernel(
     part_out_ptr,
     part_lse_ptr,
     arrivals_ptr,
+    new_k_ptr,
+    new_v_ptr,
     qk_scale,
     recent,
     sinks,
@@ -93,6 +99,8 @@ def _decode_kernel(
     stride_q_h,
     stride_o_t,
     stride_o_h,
+    stride_new_t,
+    stride_new_h,
     stride_kc_block,
     stride_kc_offset,
     stride_kc_head,
@@ -122,6 +130,9 @@ def _decode_kernel(
     SINGLE_ROWS_ONLY: tl.constexpr = False,
     F16_TILES: tl.constexpr = False,
     PTX: tl.constexpr = False,
+    WRITES_NEW_KV: tl.constexpr = False,
+    QMAX: tl.constexpr = 0.0,
+    TO_INT: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -294,28 +305,46 @@ def _decode_kernel(
                     PTX=PTX,
                 )
         if (split == 0) & (seq_len > 0):
-            # The step's own token (position `cached`): the previous kernel wrote its key and value.
+            # The step's own token (position `cached`): the previous kernel wrote its key and
+            # value, or (WRITES_NEW_KV) this program quantizes them into the cache now.
             in_page = cached % TOKENS_PER_BLOCK
-            k_new = tl.load(
+            k_slot = (
                 k_cache_ptr
                 + newest_page * stride_kc_block
                 + in_page * stride_kc_offset
                 + kv_head * stride_kc_head
-                + dims
             )
-            v_new = tl.load(
+            v_slot = (
                 v_cache_ptr
                 + newest_page * stride_vc_block
                 + in_page * stride_vc_offset
                 + kv_head * stride_vc_head
-                + dims
             )
-            k_new = k_new.to(tl.float32)
-            v_new = v_new.to(tl.float32)
-            if KV_SCALED:
-                in_scales = newest_page * stride_s_block + in_page * stride_s_offset + kv_head
-                k_new = k_new * tl.load(k_scale_ptr + in_scales).to(tl.float32)
-                v_new = v_new * tl.load(v_scale_ptr + in_scales).to(tl.float32)
+            in_scales = newest_page * stride_s_block + in_page * stride_s_offset + kv_head
+            if WRITES_NEW_KV:
+                new_rows = row * stride_new_t + kv_head * stride_new_h + dims
+                k_new = store_quantized_vector(
+                    tl.load(new_k_ptr + new_rows).to(tl.float32),
+                    k_slot,
+                    k_scale_ptr + in_scales,
+                    HEAD_DIM,
+                    QMAX,
+                    TO_INT,
+                )
+                v_new = store_quantized_vector(
+                    tl.load(new_v_ptr + new_rows).to(tl.float32),
+                    v_slot,
+                    v_scale_ptr + in_scales,
+                    HEAD_DIM,
+                    QMAX,
+                    TO_INT,
+                )
+            else:
+                k_new = tl.load(k_slot + dims).to(tl.float32)
+                v_new = tl.load(v_slot + dims).to(tl.float32)
+                if KV_SCALED:
+                    k_new = k_new * tl.load(k_scale_ptr + in_scales).to(tl.float32)
+                    v_new = v_new * tl.load(v_scale_ptr + in_scales).to(tl.float32)
             qk = tl.sum(q.to(tl.float32) * k_new[None, :], 1)
             score = scaled_scores(qk, qk_scale, SOFTCAP)
             m_new = tl.maximum(m_i, score)
@@ -504,10 +533,14 @@ def decode_attention_partials(
     softcap: float | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_attention` with the splits left unmerged, for a consumer that merges them as it
     reads them (the one-token o projection, `backend.kernels.gemv`): that saves the merge's
     arrival counter and second round trip.
+    `new_kv`: the step's own keys and values [T, kv_heads, head_dim], not yet in a quantized
+    cache; the kernel quantizes them into it (split 0 of each request and kv head), which saves
+    the KV-write launch before it.
     Returns each split's normalised output [requests, heads, splits, head_dim] and its log-sum-exp
     in base 2 [requests, heads, splits], float32; -inf marks a split without keys (its output is
     unset). The splits merge as out = sum_s exp2(lse_s - m) o_s / sum_s exp2(lse_s - m),
@@ -539,6 +572,7 @@ def decode_attention_partials(
             softcap=softcap,
             k_scales=k_scales,
             v_scales=v_scales,
+            new_kv=new_kv,
         )
     return part_out, part_lse
 
@@ -578,6 +612,7 @@ def _launch(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     single_rows_only: bool = False,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     num_heads, head_dim = query.shape[1:]
     num_blocks, tokens_per_block, num_kv_heads = k_cache.shape[:3]
@@ -592,6 +627,13 @@ def _launch(
     else:
         k_scales = v_scales = k_cache  # unused
     compute = query.dtype if scaled else k_cache.dtype  # the dots' operand dtype
+    if new_kv is None:
+        new_k = new_v = query  # unused
+    else:
+        new_k, new_v = new_kv
+        assert scaled, "only a quantized cache takes the step's keys and values here"
+        assert new_k.shape == new_v.shape == (query.shape[0], num_kv_heads, head_dim)
+        assert new_k.stride() == new_v.stride() and new_k.stride(-1) == 1
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
@@ -605,6 +647,8 @@ def _launch(
         part_out,
         part_lse,
         arrivals,
+        new_k,
+        new_v,
         qk_scale,
         *window_bounds(window, sinks),
         num_splits,
@@ -612,6 +656,8 @@ def _launch(
         query.stride(1),
         out.stride(0),
         out.stride(1),
+        new_k.stride(0),
+        new_k.stride(1),
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
@@ -642,6 +688,9 @@ def _launch(
         SINGLE_ROWS_ONLY=single_rows_only,
         F16_TILES=widens_to_float16(k_cache.dtype, query.dtype),
         PTX=tuning.compiles_for_gpu(query.device),
+        WRITES_NEW_KV=new_kv is not None,
+        QMAX=QMAX[k_cache.dtype] if scaled else 0.0,
+        TO_INT=scaled and not k_cache.dtype.is_floating_point,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         **decode_launch.register_cap(config),

@@ -8,7 +8,8 @@ batches are padded to a captured size) and is skipped.
 A quantized cache (fp8 / int8, with k_scales / v_scales [blocks, tokens_per_block, kv_heads])
 gets each head vector quantized with its own scale, `backend.attention.kv_dtype`'s rule: the
 scale amax / QMAX rounded up to bfloat16, the values x / scale (fp8: to nearest even; int8: half
-up).
+up). The rule's helpers serve the kernels that write the cache in their own epilogue too (the
+rotary kernel, and the decode kernel for the step's own token).
 """
 
 from __future__ import annotations
@@ -50,6 +51,21 @@ def quantize_by(x, scale, QMAX: tl.constexpr, TO_INT: tl.constexpr):
     else:
         y = round_to_e4m3(y)
     return y
+
+
+@triton.jit
+def store_quantized_vector(
+    x, cache_ptr, scale_ptr, HEAD_DIM: tl.constexpr, QMAX: tl.constexpr, TO_INT: tl.constexpr
+):
+    """One head vector x [HEAD_DIM] float32, quantized by the rule above and stored at
+    cache_ptr[0:HEAD_DIM], its scale at scale_ptr -> its de-quantized values, as a read of the
+    cache gives them."""
+    scale = vector_scales(tl.max(tl.abs(x), 0), QMAX)
+    scales = tl.full([1], 1.0, tl.float32) * scale
+    y = tl.reshape(quantize_by(x[None, :], scales, QMAX, TO_INT), (HEAD_DIM,))
+    tl.store(cache_ptr + tl.arange(0, HEAD_DIM), y.to(cache_ptr.dtype.element_ty))
+    tl.store(scale_ptr, scale.to(scale_ptr.dtype.element_ty))
+    return y * scale
 
 
 @triton.jit
