@@ -27,10 +27,8 @@ key and value, which that kernel (the KV write, or the fused qkv projection) has
 A quantized cache (fp8 / int8, KV_SCALED) has its scales read with each key tile (tile.py) and
 with the step's own key and value; under a 16-bit query an fp8 cache's tiles are read as words
 and widened to float16 (F16_TILES, tile.py), with inline PTX on a GPU. Where the one-token path
-hands over the step's keys and values unwritten (WRITES_NEW_KV: its fused qkv kernel holds only
-parts of a head vector, too little to scale it), split 0 of each (request, kv head) quantizes
-them into the cache by the KV-write rule and attends the stored values, so no KV-write launch
-runs before it.
+hands over the step's keys and values unwritten (WRITES_NEW_KV), split 0 of each (request, kv
+head) quantizes them into the cache itself (own_token.py), so no KV-write launch runs before it.
 
 With one split used, the program writes the output itself. Otherwise each split writes a
 normalised partial output and its log-sum-exp, and counts itself in on an arrival counter of its
@@ -50,7 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.attention.kernels.kv_write import check_scales, store_quantized_vector
+from backend.attention.kernels.kv_write import check_scales
+from backend.attention.kernels.own_token import own_key_value
 from backend.attention.kernels import decode_launch
 from backend.attention.kernels.decode_partials import (
     merge_group_splits,
@@ -305,46 +304,34 @@ def _decode_kernel(
                     PTX=PTX,
                 )
         if (split == 0) & (seq_len > 0):
-            # The step's own token (position `cached`): the previous kernel wrote its key and
-            # value, or (WRITES_NEW_KV) this program quantizes them into the cache now.
-            in_page = cached % TOKENS_PER_BLOCK
-            k_slot = (
-                k_cache_ptr
-                + newest_page * stride_kc_block
-                + in_page * stride_kc_offset
-                + kv_head * stride_kc_head
+            # The step's own token (position `cached`), own_token.py
+            k_new, v_new = own_key_value(
+                k_cache_ptr,
+                v_cache_ptr,
+                k_scale_ptr,
+                v_scale_ptr,
+                new_k_ptr,
+                new_v_ptr,
+                newest_page,
+                cached % TOKENS_PER_BLOCK,
+                kv_head,
+                row,
+                stride_new_t,
+                stride_new_h,
+                stride_kc_block,
+                stride_kc_offset,
+                stride_kc_head,
+                stride_vc_block,
+                stride_vc_offset,
+                stride_vc_head,
+                stride_s_block,
+                stride_s_offset,
+                HEAD_DIM,
+                KV_SCALED,
+                WRITES_NEW_KV,
+                QMAX,
+                TO_INT,
             )
-            v_slot = (
-                v_cache_ptr
-                + newest_page * stride_vc_block
-                + in_page * stride_vc_offset
-                + kv_head * stride_vc_head
-            )
-            in_scales = newest_page * stride_s_block + in_page * stride_s_offset + kv_head
-            if WRITES_NEW_KV:
-                new_rows = row * stride_new_t + kv_head * stride_new_h + dims
-                k_new = store_quantized_vector(
-                    tl.load(new_k_ptr + new_rows).to(tl.float32),
-                    k_slot,
-                    k_scale_ptr + in_scales,
-                    HEAD_DIM,
-                    QMAX,
-                    TO_INT,
-                )
-                v_new = store_quantized_vector(
-                    tl.load(new_v_ptr + new_rows).to(tl.float32),
-                    v_slot,
-                    v_scale_ptr + in_scales,
-                    HEAD_DIM,
-                    QMAX,
-                    TO_INT,
-                )
-            else:
-                k_new = tl.load(k_slot + dims).to(tl.float32)
-                v_new = tl.load(v_slot + dims).to(tl.float32)
-                if KV_SCALED:
-                    k_new = k_new * tl.load(k_scale_ptr + in_scales).to(tl.float32)
-                    v_new = v_new * tl.load(v_scale_ptr + in_scales).to(tl.float32)
             qk = tl.sum(q.to(tl.float32) * k_new[None, :], 1)
             score = scaled_scores(qk, qk_scale, SOFTCAP)
             m_new = tl.maximum(m_i, score)
