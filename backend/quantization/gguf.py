@@ -1,5 +1,6 @@
-"""GGUF blocks kept as a GGUF file stores them (`backend.gguf_blocks`). One row on GPU, Q8_0 and
-Q4_1 run the GEMV over blocks (`backend.kernels.gguf_gemv`); the rest de-quantize, then matmul."""
+"""GGUF blocks kept as a GGUF file stores them (`backend.gguf_blocks`). One row on GPU runs the
+GEMV over blocks (`backend.kernels.gguf_gemv`: every type here); other steps de-quantize, then
+matmul."""
 
 from __future__ import annotations
 

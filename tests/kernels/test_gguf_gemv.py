@@ -1,5 +1,6 @@
-"""The one-row kernel over GGUF blocks kept quantized (Q8_0, Q4_1) against the torch path
-(de-quantize, then matmul), within 1e-3 relative."""
+"""The one-row kernel over GGUF blocks kept quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K) against
+the torch path (the gguf package's de-quantization, bit for bit, then matmul), within 1e-3
+relative."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 
 pytest.importorskip("triton")
 
-from backend.gguf_blocks import dequantize  # noqa: E402
+from backend.gguf_blocks import BLOCK_TYPES, dequantize  # noqa: E402
 from backend.kernels.gguf_gemv import KERNEL_TYPES, gguf_gemv  # noqa: E402
 from backend.layers import Linear  # noqa: E402
 from tests.gguf_random import random_rows  # noqa: E402
@@ -34,7 +35,7 @@ def test_kernel_is_dequantize_then_matmul(quant_type, n, blocks_per_row):
     """Rows and blocks that do not fill the last tile are masked."""
     qweight = torch.from_numpy(random_rows(quant_type, n, blocks_per_row, seed=n)).to(DEVICE)
     torch.manual_seed(0)
-    x = torch.randn(1, blocks_per_row * 32, device=DEVICE)
+    x = torch.randn(1, blocks_per_row * BLOCK_TYPES[quant_type].block_size, device=DEVICE)
     bias = torch.randn(n, device=DEVICE)
     dense = dequantize(qweight.cpu(), quant_type).to(DEVICE)
     _relative_close(gguf_gemv(x, qweight, quant_type), F.linear(x, dense), 1e-3)
@@ -46,11 +47,12 @@ def test_kernel_is_dequantize_then_matmul(quant_type, n, blocks_per_row):
 
 @pytest.mark.parametrize("quant_type", list(KERNEL_TYPES))
 def test_kernel_equals_the_layers_torch_path_in_half_precision(quant_type):
-    layer = Linear(64, 24).to(DEVICE)
+    in_features = 2 * BLOCK_TYPES[quant_type].block_size
+    layer = Linear(in_features, 24).to(DEVICE)
     layer.keep_quantized(quant_type)
     layer.qweight.copy_(torch.from_numpy(random_rows(quant_type, 24, 2, seed=5)))
     torch.manual_seed(1)
-    x = torch.randn(1, 64, device=DEVICE)
+    x = torch.randn(1, in_features, device=DEVICE)
     expected = layer(x)  # float32, de-quantized then multiplied
     _relative_close(gguf_gemv(x, layer.qweight, quant_type), expected, 1e-3)
     half = gguf_gemv(x.half(), layer.qweight, quant_type)
