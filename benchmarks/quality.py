@@ -16,6 +16,8 @@ SmolLM2's hidden size 576 is not a multiple of 128, so the int4 group is 64.
 quantized too (`quantize_lm_head`: an e4m3 or int8 copy, a scale per vocabulary row).
 `kv_fp8` and `kv_int8` keep the baseline's weights and store the KV cache as fp8 / int8 with a
 dynamic scale per token and kv head (`kv_cache_dtype`, backend/attention/kv_dtype.py).
+`gguf_q8_0`, `gguf_q5_0` and `gguf_q4_0` serve the GGUF with its blocks re-quantized to that type
+by the gguf package (`gguf_requantize.py`: a second rounding of the Q4_1 values), kept quantized.
 
 Perplexity: windows of `--window` tokens every `--stride` tokens, each scoring the tokens the
 previous window did not reach (the first scores all but its first), through the engine's prompt
@@ -41,6 +43,7 @@ from backend.model_config import ModelConfig
 from backend.model_paths import resolve_model
 from backend.sampling_params import SamplingParams
 from benchmarks import quality_corpus
+from benchmarks.gguf_requantize import requantized_gguf
 from benchmarks.provenance import provenance, save_json
 
 # Each row: (quantization, kv_cache_dtype), compared with `none`.
@@ -57,6 +60,9 @@ ROWS = {
     "int8_wo_lm_head": ("int8_wo", "auto"),  # int8_wo with the lm_head quantized too
     "fp8_gptq_lm_head": ("fp8", "auto"),  # fp8_gptq with the lm_head quantized (at load) too
     "int4_gptq_lm_head": ("int4_gptq", "auto"),  # int4_gptq with a 4-bit lm_head (at load) too
+    "gguf_q8_0": ("gguf", "auto"),  # the GGUF's blocks re-quantized to Q8_0 (gguf_requantize.py)
+    "gguf_q5_0": ("gguf", "auto"),
+    "gguf_q4_0": ("gguf", "auto"),
     "kv_fp8": ("none", "fp8"),
     "kv_int8": ("none", "int8"),
 }
@@ -185,6 +191,9 @@ def run(args) -> dict:
     prompts = [tokenizer.encode(p) for p in PROMPTS] + [list(c) for c in chat]
     models = {f: "default" for f in FORMATS}
     models["int4_awq"] = awq_checkpoint(float_dir, args.group_size)
+    for fmt in args.formats:
+        if fmt.startswith("gguf_"):
+            models[fmt] = requantized_gguf(fmt.removeprefix("gguf_").upper())
     if {"int4_gptq", "int4_gptq_lm_head"} & set(args.formats):
         models["int4_gptq"] = models["int4_gptq_lm_head"] = gptq_checkpoint(args.group_size)
     if "fp8_gptq" in args.formats or "fp8_gptq_lm_head" in args.formats:
@@ -248,6 +257,8 @@ def run(args) -> dict:
             "tokens of benchmarks/data/django_calibration.txt (Django docs/howto, intro, ref: "
             "no paragraph of the corpus)",
             "fp8_gptq": "the same calibration, e4m3 weights with per-channel scales",
+            "gguf_*": "the shipped GGUF's blocks de-quantized and quantized again to that type "
+            "by the gguf package (gguf.quants)",
         },
         "greedy_prompts": len(prompts),
         "greedy_max_tokens": args.max_tokens,

@@ -39,3 +39,34 @@ def test_the_corpus_is_english_prose_of_the_stated_size():
     assert len(paragraphs) > 500 and not any(p.startswith((" ", "..", ">>>")) for p in paragraphs)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("default"))
     assert 50_000 <= len(tokenizer.encode(text, add_special_tokens=False)) < 60_000
+
+
+@pytest.mark.parametrize("quant_type", ["Q8_0", "Q5_0", "Q4_0"])
+def test_requantized_gguf_holds_the_default_model_in_the_new_blocks(quant_type):
+    """Each block tensor of the shipped GGUF is re-quantized (the norms copied), and de-quantizes
+    to the original values within the new type's rounding: half a step (Q8_0: amax / 127), or a
+    whole one where Q4_0 / Q5_0 clip the end opposite the signed max (d = max / -8, -16), plus
+    the float16 rounding of d."""
+    gguf = pytest.importorskip("gguf")
+
+    from backend.model_paths import default_gguf_path
+    from benchmarks.gguf_requantize import requantized_gguf
+
+    source = {t.name: t for t in gguf.GGUFReader(default_gguf_path()).tensors}
+    written = {t.name: t for t in gguf.GGUFReader(requantized_gguf(quant_type)).tensors}
+    assert written.keys() == source.keys()
+    for name, tensor in written.items():
+        old = source[name]
+        if old.tensor_type.name in ("F32", "F16"):
+            assert tensor.tensor_type == old.tensor_type and (tensor.data == old.data).all()
+            continue
+        assert tensor.tensor_type.name == quant_type
+        before = gguf.quants.dequantize(old.data, old.tensor_type)
+        after = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        assert after.shape == before.shape
+        step = (
+            abs(before.reshape(-1, 32)).max(axis=1)
+            / {"Q8_0": 127, "Q5_0": 16, "Q4_0": 8}[quant_type]
+        )
+        error = abs(after - before).reshape(-1, 32).max(axis=1)
+        assert (error <= step * (0.56 if quant_type == "Q8_0" else 1.01) + 1e-6).all(), name
