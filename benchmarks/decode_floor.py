@@ -35,7 +35,11 @@ from backend.sampling_params import SamplingParams
 from backend.layers.embedding import Embedding
 from backend.quantization import QuantizedWeight
 from benchmarks.provenance import provenance, save_json
-from benchmarks.weight_format_options import add_weight_format_options, weight_format_fields
+from benchmarks.weight_format_options import (
+    add_kv_cache_dtype_option,
+    add_weight_format_options,
+    weight_format_fields,
+)
 
 
 def copy_rate_bytes_per_s(device: torch.device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
@@ -133,7 +137,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dtype", default="auto")
     add_weight_format_options(p)
     p.add_argument("--max-attention-window", type=int, default=None)
-    p.add_argument("--kv-cache-dtype", default="auto")
+    add_kv_cache_dtype_option(p)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--eager", action="store_true", help="no decode CUDA graphs")
     p.add_argument("--json", default=None)

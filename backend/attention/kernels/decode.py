@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.attention.kernels.kv_write import check_scales
+from backend.attention.kernels.kv_write import check_scales, quantize_rule
 from backend.attention.kernels.own_token import own_key_value
 from backend.attention.kernels import decode_launch
 from backend.attention.kernels.decode_partials import (
@@ -64,7 +64,7 @@ from backend.attention.kernels.tile import (
     load_key_tile,
     scaled_scores,
 )
-from backend.attention.kv_dtype import QMAX, is_scaled, widens_to_float16
+from backend.attention.kv_dtype import is_scaled, widens_to_float16
 from backend.kernels import tuning
 from backend.kernels.arrivals import arrival_counters
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
@@ -676,8 +676,7 @@ def _launch(
         F16_TILES=widens_to_float16(k_cache.dtype, query.dtype),
         PTX=tuning.compiles_for_gpu(query.device),
         WRITES_NEW_KV=new_kv is not None,
-        QMAX=QMAX[k_cache.dtype] if scaled else 0.0,
-        TO_INT=scaled and not k_cache.dtype.is_floating_point,
+        **quantize_rule(k_cache.dtype),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         **decode_launch.register_cap(config),

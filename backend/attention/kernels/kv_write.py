@@ -23,6 +23,16 @@ from backend.attention.kv_dtype import MIN_SCALE, QMAX, is_scaled
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
+def quantize_rule(cache_dtype: torch.dtype) -> dict:
+    """The rule's constexprs for a cache of `cache_dtype`, as the kernels that write it take them:
+    QMAX (0.0: the cache is not quantized) and TO_INT (an int8 cache rounds half up)."""
+    scaled = is_scaled(cache_dtype)
+    return dict(
+        QMAX=QMAX[cache_dtype] if scaled else 0.0,
+        TO_INT=scaled and not cache_dtype.is_floating_point,
+    )
+
+
 @triton.jit
 def quantize_vectors(x, QMAX: tl.constexpr, TO_INT: tl.constexpr):
     """x [heads, head_dim] float32 -> (x / scale [heads, head_dim] within +-QMAX, rounded half
@@ -60,12 +70,10 @@ def store_quantized_vector(
     """One head vector x [HEAD_DIM] float32, quantized by the rule above and stored at
     cache_ptr[0:HEAD_DIM], its scale at scale_ptr -> its de-quantized values, as a read of the
     cache gives them."""
-    scale = vector_scales(tl.max(tl.abs(x), 0), QMAX)
-    scales = tl.full([1], 1.0, tl.float32) * scale
-    y = tl.reshape(quantize_by(x[None, :], scales, QMAX, TO_INT), (HEAD_DIM,))
-    tl.store(cache_ptr + tl.arange(0, HEAD_DIM), y.to(cache_ptr.dtype.element_ty))
-    tl.store(scale_ptr, scale.to(scale_ptr.dtype.element_ty))
-    return y * scale
+    y, scale = quantize_vectors(x[None, :], QMAX, TO_INT)  # [1, HEAD_DIM], [1]
+    tl.store(cache_ptr + tl.arange(0, HEAD_DIM)[None, :], y.to(cache_ptr.dtype.element_ty))
+    tl.store(scale_ptr + tl.arange(0, 1), scale.to(scale_ptr.dtype.element_ty))
+    return tl.reshape(y * scale[:, None], (HEAD_DIM,))
 
 
 @triton.jit
@@ -193,8 +201,7 @@ def write_kv(
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
-        QMAX=QMAX[k_cache.dtype] if scaled else 0.0,
-        TO_INT=not k_cache.dtype.is_floating_point,
+        **quantize_rule(k_cache.dtype),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 2,
     )
 

@@ -23,10 +23,11 @@ import triton.language as tl
 from backend.attention.kernels.kv_write import (
     check_scales,
     quantize_by,
+    quantize_rule,
     quantize_vectors,
     vector_scales,
 )
-from backend.attention.kv_dtype import QMAX, is_scaled
+from backend.attention.kv_dtype import is_scaled
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
 
 ORDERING = Ordering("apply_rotary_", releases="after_wait")
@@ -259,8 +260,7 @@ def apply_rotary_(
             KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
             HALF=head_dim // 2,
             WRITE_KV=kv_write is not None,
-            QMAX=QMAX[k_cache.dtype] if scaled else 0.0,
-            TO_INT=scaled and not k_cache.dtype.is_floating_point,
+            **quantize_rule(k_cache.dtype),
             TOKENS_PER_BLOCK=k_cache.shape[1] if kv_write is not None else 1,
             num_warps=num_warps,
             **launch_options(ORDERING),
