@@ -3,18 +3,21 @@
 Times what a layer runs (`QuantizedWeight.matmul`; `F.linear` for bf16) for x of M rows, over as
 many distinct weight copies as the model has layers, inside one CUDA graph (benchmarks/gemv.py's
 method): M = 1 is the one-token GEMV, larger M the format's GEMM (fp8: the row quantizer plus the
-scaled GEMM). Reports µs per call and the weight-read rate. `--sweep` also times, at each M > 1,
-the W8A16 GEMM's launch configs for int8 and e4m3 weights (tiles, K tiles, K splits, stages),
-the FP8 W8A8 Triton GEMM's (`fp8_gemm`) against torch's scaled GEMM on quantized rows, and the
-4-bit GEMM's (tiles, K splits, stages), and reports the fastest. `--write-tuning` keeps for this
-device, in `backend/kernels/tuning/`: every int8 W8A16 and every 4-bit winner; the FP8 Triton
-GEMM's winner where it beats the scaled GEMM; and an e4m3 W8A16 winner only where it beats the
-faster e4m3 product plus, for the projections whose rows no fused kernel quantizes (o,
-lm_head), the row quantizer (an e4m3 entry that no longer wins is dropped).
+scaled GEMM). `gguf_*` formats are random blocks of that GGUF type: M = 1 the GEMV over blocks,
+larger M the GEMM over blocks up to `GEMM_MAX_ROWS`, then de-quantize + cuBLAS (`dequantize_us`:
+that torch path's time at every M). Reports µs per call and the weight-read rate. `--sweep` also
+times, at each M > 1, the W8A16 GEMM's launch configs for int8 and e4m3 weights (tiles, K tiles,
+K splits, stages), the FP8 W8A8 Triton GEMM's (`fp8_gemm`) against torch's scaled GEMM on
+quantized rows, the 4-bit GEMM's (tiles, K splits, stages) and the GEMM over GGUF blocks' (at
+M = 1 the GEMV over blocks': rows, blocks and warps a program), and reports the fastest.
+`--write-tuning` keeps for this device, in `backend/kernels/tuning/`: every
+int8 W8A16, 4-bit and GGUF winner; the FP8 Triton GEMM's winner where it beats the scaled GEMM;
+and an e4m3 W8A16 winner only where it beats the faster e4m3 product plus, for the projections
+whose rows no fused kernel quantizes (o, lm_head), the row quantizer (an e4m3 entry that no
+longer wins is dropped).
 
     python -m benchmarks.quantized_matmul --model llama-3.2-1b --rows 1 16 64 256 [--sweep] \
-        [--write-tuning] [--projections qkv o gate_up down lm_head] --json OUT
-"""
+        [--write-tuning] [--projections qkv o gate_up down lm_head] --json OUT"""
 
 from __future__ import annotations
 
@@ -25,16 +28,22 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
-from backend.kernels import int4_matmul
+from backend.kernels import gguf_gemv as gguf_gemv_kernel
+from backend.kernels import gguf_matmul, int4_matmul
+from backend.kernels.gguf_gemv import GGUFGemvConfig, gguf_gemv
+from backend.kernels.gguf_matmul import GGUFGemmConfig, gguf_gemm
+from backend.kernels.gguf_values import KERNEL_TYPES as GGUF_TYPES
 from backend.kernels.int4_matmul import int4_gemm
 from backend.kernels import fp8_gemm, tuning
 from backend.kernels.split_k import SwappedGemmConfig
 from backend.kernels.tuning import rows_bucket
 from backend.kernels.w8a16_gemm import GemmConfig, config_key, w8a16_gemm
+from backend.gguf_blocks import BLOCK_TYPES
 from backend.model_config import ModelConfig
 from backend.model_paths import resolve_model
-from backend.quantization import Fp8Weight, Int4Weight, Int8Weight
+from backend.quantization import Fp8Weight, GGUFWeight, Int4Weight, Int8Weight, QuantizedWeight
 from benchmarks.gemv import projection_shapes
+from benchmarks.gguf_random import random_rows
 from benchmarks.graph_timing import graph_us_per_call
 from benchmarks.provenance import provenance, save_json
 
@@ -46,11 +55,21 @@ FORMATS = {
 W8A16_SPACE = dict(block_n=[32, 64, 128], block_k=[128, 256], split=[1, 2, 4], num_stages=[3, 4])
 SWAPPED_SPACE = dict(block_n=[64, 128], split=[1, 2, 4, 8], num_stages=[3, 4])  # FP8, 4-bit
 ROWS_QUANTIZED_BY_A_FUSED_KERNEL = ("qkv", "gate_up", "down")  # RMSNorm, silu·mul
+GGUF_FORMATS = {f"gguf_{t.lower()}": t for t in GGUF_TYPES}  # random blocks, as a GGUF holds them
+GGUF_SPACE = dict(block_n=[32, 64, 128], split=[1, 4, 8], num_stages=[2])
+GGUF_GEMV_SPACE = dict(block_n=[16, 32, 64], blocks_times=[1, 2, 4], num_warps=[4, 8])
 
 
 def _weights(fmt: str, n: int, k: int, copies: int) -> list:
+    if fmt in GGUF_FORMATS:
+        return [_random_gguf(GGUF_FORMATS[fmt], n, k, seed) for seed in range(copies)]
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
     return dense if fmt == "bf16" else [FORMATS[fmt](w) for w in dense]
+
+
+def _random_gguf(quant_type: str, n: int, k: int, seed: int) -> GGUFWeight:
+    blocks = random_rows(quant_type, n, k // BLOCK_TYPES[quant_type].block_size, seed)
+    return GGUFWeight(n, k, quant_type, torch.from_numpy(blocks).cuda())
 
 
 def _nbytes(weight) -> int:
@@ -102,6 +121,30 @@ def _best(configs, product, weights: list) -> tuple[float, object]:
         except Exception as exc:  # e.g. more shared memory than the device has
             print(f"skipped {config}: {type(exc).__name__}", flush=True)
     return min(timings, key=lambda timing: timing[0])
+
+
+def _sweep_gguf(x: torch.Tensor, weights: list) -> dict:
+    """The fastest GEMM-over-blocks config at x's rows."""
+    quant_type = weights[0].quant_type
+    blocks = gguf_matmul.default_config(x.shape[0], 1, quant_type).blocks
+    configs = [
+        GGUFGemmConfig(block_n, min(64, rows_bucket(x.shape[0])), blocks, split, 4, stages)
+        for block_n, split, stages in itertools.product(*GGUF_SPACE.values())
+    ]
+    us, config = _best(configs, lambda w, c: gguf_gemm(x, w.qweight, quant_type, None, c), weights)
+    return {"best_us": round(us, 2), "config": asdict(config)}
+
+
+def _sweep_gguf_gemv(x: torch.Tensor, weights: list) -> dict:
+    """The fastest one-row GEMV-over-blocks config."""
+    quant_type = weights[0].quant_type
+    blocks = max(1, 128 // BLOCK_TYPES[quant_type].block_size)
+    configs = [
+        GGUFGemvConfig(block_n, blocks * times, warps)
+        for block_n, times, warps in itertools.product(*GGUF_GEMV_SPACE.values())
+    ]
+    us, config = _best(configs, lambda w, c: gguf_gemv(x, w.qweight, quant_type, None, c), weights)
+    return {"best_us": round(us, 2), "config": asdict(config)}
 
 
 def _sweep_w8a16(x: torch.Tensor, weights: list) -> dict:
@@ -156,7 +199,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
-    p.add_argument("--formats", nargs="+", default=["bf16", *FORMATS])
+    p.add_argument(
+        "--formats",
+        nargs="+",
+        default=["bf16", *FORMATS],
+        help=f"of bf16, {', '.join(FORMATS)}, {', '.join(GGUF_FORMATS)} (random GGUF blocks)",
+    )
     p.add_argument(
         "--projections",
         nargs="+",
@@ -168,7 +216,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     config = ModelConfig.from_dir(resolve_model(args.model))
-    rows, tuned = [], {"w8a16_gemm": {}, "fp8_gemm": {}, "int4_gemm": {}}
+    tuned = {"w8a16_gemm": {}, "fp8_gemm": {}, "int4_gemm": {}, "gguf_gemm": {}, "gguf_gemv": {}}
+    rows = []
     for name in args.projections:
         n, k = projection_shapes(config)[name]
         copies = 2 if name == "lm_head" else config.num_layers  # 2 lm_heads overflow L2 already
@@ -187,6 +236,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "us": round(us, 2),
                     "weight_gb_s": round(_nbytes(weights[0]) / us / 1e3, 1),
                 }
+                if m > 1 and fmt in GGUF_FORMATS:  # against de-quantizing, then cuBLAS
+                    torch_us = _time(lambda w: QuantizedWeight.matmul(w, x), weights)
+                    row["dequantize_us"] = round(torch_us, 2)
                 if args.sweep and m > 1 and fmt == "int8_wo":
                     row["sweep"] = sweep = _sweep_w8a16(x, weights)
                     tuned["w8a16_gemm"][config_key(torch.int8, n, k, m)] = sweep["config"]
@@ -200,6 +252,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     row["sweep"] = sweep = _sweep_int4(x, weights)
                     key = int4_matmul.config_key(n, k, weights[0].group_size, m)
                     tuned["int4_gemm"][key] = sweep["config"]
+                elif args.sweep and m == 1 and fmt in GGUF_FORMATS:
+                    row["sweep"] = sweep = _sweep_gguf_gemv(x, weights)
+                    key = gguf_gemv_kernel.config_key(GGUF_FORMATS[fmt], n, k)
+                    tuned["gguf_gemv"][key] = sweep["config"]
+                elif args.sweep and m > 1 and fmt in GGUF_FORMATS:
+                    row["sweep"] = sweep = _sweep_gguf(x, weights)
+                    key = gguf_matmul.config_key(GGUF_FORMATS[fmt], n, k, m)
+                    tuned["gguf_gemm"][key] = sweep["config"]
                 print(row, flush=True)
                 rows.append(row)
             del weights

@@ -1,6 +1,6 @@
-"""GGUF blocks kept as a GGUF file stores them (`backend.gguf_blocks`). One row on GPU runs the
-GEMV over blocks (`backend.kernels.gguf_gemv`: every type here); other steps de-quantize, then
-matmul."""
+"""GGUF blocks kept as a GGUF file stores them (`backend.gguf_blocks`). On GPU one row runs the
+GEMV over blocks (`backend.kernels.gguf_gemv`), a few rows the GEMM over blocks
+(`backend.kernels.gguf_matmul`); longer steps (prefill) and CPU de-quantize, then matmul."""
 
 from __future__ import annotations
 
@@ -10,9 +10,13 @@ from backend.gguf_blocks import BLOCK_TYPES, dequantize
 from backend.quantization.base import QuantizedWeight
 
 try:  # CPU-only installs without Triton use the torch path
-    from backend.kernels import gguf_gemv
+    from backend.kernels import gguf_gemv, gguf_matmul
 except ImportError:
-    gguf_gemv = None
+    gguf_gemv = gguf_matmul = None
+
+# Longer steps de-quantize the weight once for cuBLAS: the GEMM would de-quantize every weight
+# tile once per tile of rows (benchmarks/README.md, "GGUF kept quantized").
+GEMM_MAX_ROWS = 256
 
 
 class GGUFWeight(QuantizedWeight):
@@ -42,11 +46,10 @@ class GGUFWeight(QuantizedWeight):
         return f"{self.quant_type}, " + super().extra_repr()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if (
-            x.is_cuda
-            and gguf_gemv is not None
-            and x.shape[0] == 1
-            and self.quant_type in gguf_gemv.KERNEL_TYPES
-        ):
-            return gguf_gemv.gguf_gemv(x.contiguous(), self.qweight, self.quant_type, bias)
+        rows = x.shape[0]
+        if x.is_cuda and gguf_gemv is not None and self.quant_type in gguf_gemv.KERNEL_TYPES:
+            if rows == 1:
+                return gguf_gemv.gguf_gemv(x.contiguous(), self.qweight, self.quant_type, bias)
+            if rows <= GEMM_MAX_ROWS:
+                return gguf_matmul.gguf_gemm(x.contiguous(), self.qweight, self.quant_type, bias)
         return super().matmul(x, bias)

@@ -14,7 +14,7 @@ from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
 from backend.gguf_blocks import BLOCK_TYPES, dequantize  # noqa: E402
 from backend.layers import Embedding, Linear  # noqa: E402
-from tests.gguf_random import random_rows  # noqa: E402
+from benchmarks.gguf_random import random_rows  # noqa: E402
 
 PACKAGE_QUANTIZES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
 

