@@ -9,6 +9,8 @@ reference and the CPU path).
   (the batch-1 decode path, `forward_one_token` of a model's decoder layer), over half-precision,
   int8, e4m3 or 4-bit weights (`gemv_weight`).
 - `w8a16_gemm`, `int4_matmul`, `fp8_gemm`: the quantized formats' products of several rows.
+- `gguf_gemv`, `gguf_matmul`, `gguf_dequantize`: GGUF blocks kept quantized (one row, a few
+  rows, long steps), over the decoders of `gguf_values`.
 - `qkv_rope.qkv_rope_gemv`: that path's qkv projection with rotary and the KV-cache write in its
   epilogue.
 - `embedding.embedding`: the token embedding lookup, launched with PDL.

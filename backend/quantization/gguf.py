@@ -1,6 +1,7 @@
 """GGUF blocks kept as a GGUF file stores them (`backend.gguf_blocks`). On GPU one row runs the
 GEMV over blocks (`backend.kernels.gguf_gemv`), a few rows the GEMM over blocks
-(`backend.kernels.gguf_matmul`); longer steps (prefill) and CPU de-quantize, then matmul."""
+(`backend.kernels.gguf_matmul`); longer steps (prefill) de-quantize in one kernel
+(`backend.kernels.gguf_dequantize`), then matmul; CPU takes the torch decoders."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ import torch
 from backend.gguf_blocks import BLOCK_TYPES, dequantize
 from backend.quantization.base import QuantizedWeight
 
-try:  # CPU-only installs without Triton use the torch path
-    from backend.kernels import gguf_gemv, gguf_matmul
-except ImportError:
-    gguf_gemv = gguf_matmul = None
+from backend.kernels.tuning import compiles_for_gpu
 
-# Longer steps de-quantize the weight once for cuBLAS: the GEMM would de-quantize every weight
-# tile once per tile of rows (benchmarks/README.md, "GGUF kept quantized").
-GEMM_MAX_ROWS = 256
+try:  # CPU-only installs without Triton use the torch path
+    from backend.kernels import gguf_dequantize, gguf_gemv, gguf_matmul
+except ImportError:
+    gguf_dequantize = gguf_gemv = gguf_matmul = None
+
+# Longer steps de-quantize the weight once for cuBLAS: the GEMM de-quantizes every weight tile
+# once per tile of rows, and lost to that at 64 rows (benchmarks/README.md, "GGUF weights kept
+# quantized").
+GEMM_MAX_ROWS = 32
 
 
 class GGUFWeight(QuantizedWeight):
@@ -40,6 +44,8 @@ class GGUFWeight(QuantizedWeight):
         self.register_buffer("qweight", qweight)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if gguf_dequantize is not None and compiles_for_gpu(self.qweight.device):
+            return gguf_dequantize.gguf_dequantize(self.qweight, self.quant_type, dtype)
         return dequantize(self.qweight, self.quant_type).to(dtype)
 
     def extra_repr(self) -> str:

@@ -16,6 +16,7 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 pytest.importorskip("triton")
 
 from backend.gguf_blocks import BLOCK_TYPES, dequantize  # noqa: E402
+from backend.kernels.gguf_dequantize import gguf_dequantize  # noqa: E402
 from backend.kernels.gguf_gemv import KERNEL_TYPES, GGUFGemvConfig, gguf_gemv  # noqa: E402
 from backend.kernels.gguf_matmul import GGUFGemmConfig, gguf_gemm  # noqa: E402
 from backend.kernels.tuning import compiles_for_gpu  # noqa: E402
@@ -129,3 +130,17 @@ def test_kernel_reads_real_q4_k_m_blocks(tensor):
     _relative_close(gguf_gemv(x, blocks, quant_type), F.linear(x, dense.to(DEVICE)), 1e-3)
     rows = torch.randn(5, dense.shape[1], device=DEVICE)
     _relative_close(gguf_gemm(rows, blocks, quant_type), F.linear(rows, dense.to(DEVICE)), 1e-3)
+
+
+@pytest.mark.parametrize("quant_type", list(KERNEL_TYPES))
+def test_dequantize_kernel_equals_the_gguf_package(quant_type):
+    """The one-kernel de-quantization (long steps on GPU) against the torch decoders, which equal
+    the gguf package's bit for bit; compiled, a product and a sum may fuse (one rounding)."""
+    kind = BLOCK_TYPES[quant_type]
+    blocks_per_row = 9 if kind.block_size == 32 else 3  # a last program with blocks to spare
+    qweight = torch.from_numpy(random_rows(quant_type, 20, blocks_per_row, seed=3)).to(DEVICE)
+    expected = dequantize(qweight.cpu(), quant_type).to(DEVICE)
+    got = gguf_dequantize(qweight, quant_type, torch.float32)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+    half = gguf_dequantize(qweight, quant_type, torch.float16)
+    _relative_close(half, expected.half(), 1e-3)
