@@ -189,6 +189,36 @@ def plot_fp8_accumulation(path: str) -> str:
     return save_beside(fig, rows, path)
 
 
+def plot_gguf_rows(path: str) -> str:
+    """GGUF formats per projection against rows: the layer's kernel (`us`) and de-quantize +
+    cuBLAS (`dequantize_us`), with bf16 cuBLAS."""
+    rows = load(path)
+    names = list(dict.fromkeys(r["projection"] for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.8), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for fmt in dict.fromkeys(r["format"] for r in rows):
+            picked = [r for r in rows if r["projection"] == name and r["format"] == fmt]
+            (line,) = ax.plot(
+                [r["rows"] for r in picked], [r["us"] for r in picked], "o-", label=fmt
+            )
+            tail = [r for r in picked if "dequantize_us" in r]
+            if tail:
+                x, us = [r["rows"] for r in tail], [r["dequantize_us"] for r in tail]
+                ax.plot(x, us, "x--", color=line.get_color())
+        n, k = picked[0]["n"], picked[0]["k"]
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="rows",
+            ylabel="µs per call",
+            title=f"{name} ({n} x {k})",
+        )
+    axes[0][0].legend(
+        fontsize=7, title="solid: layer; dashed: de-quantize + cuBLAS", title_fontsize=6
+    )
+    return save_beside(fig, rows, path)
+
+
 def save_beside(fig, rows: list[dict], path: str) -> str:
     """Title `fig` with the rows' device, date and commits, and save it as PNG beside `path`."""
     commits = ", ".join(dict.fromkeys(r["commit"] for r in rows))
@@ -303,6 +333,8 @@ def main(argv: list[str] | None = None) -> None:
         print("wrote", plot_decode_splits(path))
     for path in glob.glob(os.path.join(results_dir, "quantized_matmul_fp8*.json")):
         print("wrote", plot_fp8_gemm_sweep(path))
+    for path in glob.glob(os.path.join(results_dir, "quantized_matmul_gguf_rows*.json")):
+        print("wrote", plot_gguf_rows(path))
     for path in glob.glob(os.path.join(results_dir, "fp8_accumulation*.json")):
         print("wrote", plot_fp8_accumulation(path))
     for path in glob.glob(os.path.join(results_dir, "all_reduce*.json")):
