@@ -10,14 +10,11 @@ import triton.language as tl
 
 from backend.gguf_blocks import BLOCK_TYPES
 from backend.kernels.gguf_values import (
-    GROUPS,
-    KERNEL_TYPES,
-    LANES,
-    PARTS,
     block_scales,
     part_index,
     part_values,
     shared_bytes,
+    type_constexprs,
 )
 
 
@@ -72,12 +69,7 @@ def gguf_dequantize(
         n,
         num_blocks,
         qweight.shape[1],
-        QUANT=KERNEL_TYPES[quant_type],
-        TYPE_SIZE=kind.type_size,
-        VALUES=kind.block_size,
-        GROUPS=GROUPS[quant_type],
-        LANES=LANES[quant_type],
-        PARTS=PARTS[quant_type],
+        **type_constexprs(quant_type),
         BLOCK_N=block_n,
         BLOCKS=blocks,
     )

@@ -19,14 +19,11 @@ import triton.language as tl
 from backend.gguf_blocks import BLOCK_TYPES
 from backend.kernels.tuning import device_name, lookup, shape_key
 from backend.kernels.gguf_values import (
-    GROUPS,
-    KERNEL_TYPES,
-    LANES,
-    PARTS,
     block_scales,
     part_index,
     part_values,
     shared_bytes,
+    type_constexprs,
 )
 
 
@@ -127,12 +124,7 @@ def gguf_gemv(
         n,
         num_blocks,
         qweight.shape[1],
-        QUANT=KERNEL_TYPES[quant_type],
-        TYPE_SIZE=kind.type_size,
-        VALUES=kind.block_size,
-        GROUPS=GROUPS[quant_type],
-        LANES=LANES[quant_type],
-        PARTS=PARTS[quant_type],
+        **type_constexprs(quant_type),
         HAS_BIAS=bias is not None,
         BLOCK_N=c.block_n,
         BLOCKS=c.blocks or max(1, 128 // kind.block_size),

@@ -23,16 +23,13 @@ import triton.language as tl
 from backend.gguf_blocks import BLOCK_TYPES
 from backend.kernels.gguf_values import (
     COLUMNS,
-    GROUPS,
-    KERNEL_TYPES,
-    LANES,
-    PARTS,
     block_scales,
     part_index,
     part_values,
     shared_bytes,
+    type_constexprs,
 )
-from backend.kernels.split_k import add_split_partials, k_per_split, split_buffers
+from backend.kernels.split_k import k_per_split, split_buffers, store_tile
 from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
 
 
@@ -46,15 +43,6 @@ class GGUFGemmConfig:
     split: int = 1  # programs along K; the tile's last to arrive adds their partial sums
     num_warps: int = 4
     num_stages: int = 2
-
-
-@triton.jit
-def _store(acc, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M], out^T's tile, plus the bias, into out [M, N]."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + tl.where(n < N, n, 0)).to(tl.float32)[:, None]
-    out = out_ptr + m[None, :].to(tl.int64) * N + n[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[None, :] & (n < N)[:, None])
 
 
 @triton.jit
@@ -107,12 +95,7 @@ def _gguf_gemm_kernel(
             w = part_values(q_ptr, start, group, lane, ok, d, second, shared, QUANT, part)
             w = tl.reshape(w.to(x.dtype), (BLOCK_N, BLOCKS * GROUPS * LANES))
             acc += tl.dot(w, tl.trans(tl.reshape(x, (BLOCK_M, BLOCKS * GROUPS * LANES))))
-    if SPLIT == 1:
-        _store(acc, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
-    else:
-        last, total = add_split_partials(acc, part_ptr, arrivals_ptr, m, n, M, N, SPLIT)
-        if last:
-            _store(total, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
+    store_tile(acc, out_ptr, bias_ptr, part_ptr, arrivals_ptr, m, n, M, N, HAS_BIAS, SPLIT)
 
 
 def config_key(quant_type: str, n: int, k: int, m: int) -> str:
@@ -173,12 +156,7 @@ def gguf_gemm(
         qweight.shape[1],
         x.stride(0),
         per_split,
-        QUANT=KERNEL_TYPES[quant_type],
-        TYPE_SIZE=kind.type_size,
-        VALUES=kind.block_size,
-        GROUPS=GROUPS[quant_type],
-        LANES=LANES[quant_type],
-        PARTS=PARTS[quant_type],
+        **type_constexprs(quant_type),
         HAS_BIAS=bias is not None,
         SPLIT=split,
         BLOCK_N=c.block_n,

@@ -19,6 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from backend.gguf_blocks import BLOCK_TYPES
+
 KERNEL_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}
 COLUMNS = {"Q8_0": 32, "Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q4_K": 128, "Q6_K": 64}
 PARTS = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 2, "Q5_0": 2, "Q4_K": 2, "Q6_K": 4}
@@ -26,6 +28,19 @@ PARTS = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 2, "Q5_0": 2, "Q4_K": 2, "Q6_K": 4}
 # min, Q6_K's pair of scales) is read once per unit.
 GROUPS = {"Q8_0": 1, "Q4_0": 1, "Q4_1": 1, "Q5_0": 1, "Q4_K": 4, "Q6_K": 2}
 LANES = {name: COLUMNS[name] // GROUPS[name] for name in KERNEL_TYPES}
+
+
+def type_constexprs(quant_type: str) -> dict:
+    """The constexprs a kernel over `quant_type` blocks is launched with."""
+    kind = BLOCK_TYPES[quant_type]
+    return dict(
+        QUANT=KERNEL_TYPES[quant_type],
+        TYPE_SIZE=kind.type_size,
+        VALUES=kind.block_size,
+        GROUPS=GROUPS[quant_type],
+        LANES=LANES[quant_type],
+        PARTS=PARTS[quant_type],
+    )
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from backend.kernels.split_k import (
     SwappedGemmConfig,
-    add_split_partials,
+    store_tile,
     k_per_split,
     split_buffers,
 )
@@ -30,15 +30,6 @@ from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
 
 
 Int4GemmConfig = SwappedGemmConfig
-
-
-@triton.jit
-def _store(acc, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M], out^T's tile, plus the bias, into out [M, N]."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + tl.where(n < N, n, 0)).to(tl.float32)[:, None]
-    out = out_ptr + m[None, :].to(tl.int64) * N + n[:, None]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[None, :] & (n < N)[:, None])
 
 
 @triton.jit
@@ -83,12 +74,7 @@ def _int4_gemm_kernel(
         w = tl.join(low, high).reshape(BLOCK_N, BLOCK_K).to(x.dtype)  # channels 2j, 2j + 1
         s = tl.load(scale_ptr + n_in * groups + k0 // GROUP).to(tl.float32)
         acc += s[:, None] * tl.dot(w, tl.trans(x))
-    if SPLIT == 1:
-        _store(acc, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
-    else:
-        last, total = add_split_partials(acc, part_ptr, arrivals_ptr, m, n, M, N, SPLIT)
-        if last:
-            _store(total, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
+    store_tile(acc, out_ptr, bias_ptr, part_ptr, arrivals_ptr, m, n, M, N, HAS_BIAS, SPLIT)
 
 
 def config_key(n: int, k: int, group_size: int, m: int) -> str:

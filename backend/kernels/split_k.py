@@ -62,6 +62,39 @@ def add_split_partials(acc, part_ptr, arrivals_ptr, m, n, M, N, SPLIT: tl.conste
     return last, total
 
 
+@triton.jit
+def _store_tile(acc, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M], out^T's tile, plus the bias, into out [M, N]."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + tl.where(n < N, n, 0)).to(tl.float32)[:, None]
+    out = out_ptr + m[None, :].to(tl.int64) * N + n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < M)[None, :] & (n < N)[:, None])
+
+
+@triton.jit
+def store_tile(
+    acc,
+    out_ptr,
+    bias_ptr,
+    part_ptr,
+    arrivals_ptr,
+    m,
+    n,
+    M,
+    N,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """A program's tile plus the bias into out [M, N]: directly without a split, else once its
+    tile's last program has added the partial sums."""
+    if SPLIT == 1:
+        _store_tile(acc, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
+    else:
+        last, total = add_split_partials(acc, part_ptr, arrivals_ptr, m, n, M, N, SPLIT)
+        if last:
+            _store_tile(total, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
+
+
 def split_buffers(
     kernel: str, split: int, m: int, n: int, grid: tuple[int, int, int], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:

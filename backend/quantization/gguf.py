@@ -13,9 +13,9 @@ from backend.quantization.base import QuantizedWeight
 from backend.kernels.tuning import compiles_for_gpu
 
 try:  # CPU-only installs without Triton use the torch path
-    from backend.kernels import gguf_dequantize, gguf_gemv, gguf_matmul
+    from backend.kernels import gguf_dequantize, gguf_gemv, gguf_matmul, gguf_values
 except ImportError:
-    gguf_dequantize = gguf_gemv = gguf_matmul = None
+    gguf_dequantize = gguf_gemv = gguf_matmul = gguf_values = None
 
 # Longer steps de-quantize the weight once for cuBLAS: the GEMM de-quantizes every weight tile
 # once per tile of rows, and lost to that at 64 rows (benchmarks/README.md, "GGUF weights kept
@@ -53,7 +53,7 @@ class GGUFWeight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        if x.is_cuda and gguf_gemv is not None and self.quant_type in gguf_gemv.KERNEL_TYPES:
+        if x.is_cuda and gguf_gemv is not None and self.quant_type in gguf_values.KERNEL_TYPES:
             if rows == 1:
                 return gguf_gemv.gguf_gemv(x.contiguous(), self.qweight, self.quant_type, bias)
             if rows <= GEMM_MAX_ROWS:
