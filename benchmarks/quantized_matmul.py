@@ -9,7 +9,7 @@ that torch path's time at every M). Reports µs per call and the weight-read rat
 times, at each M > 1, the W8A16 GEMM's launch configs for int8 and e4m3 weights (tiles, K tiles,
 K splits, stages), the FP8 W8A8 Triton GEMM's (`fp8_gemm`) against torch's scaled GEMM on
 quantized rows, the 4-bit GEMM's (tiles, K splits, stages) and the GEMM over GGUF blocks' (at
-M = 1 the GEMV over blocks': rows, blocks and warps a program), and reports the fastest.
+M = 1 the GEMV over blocks': rows, blocks, warps, K splits), and reports the fastest.
 `--write-tuning` keeps for this device, in `backend/kernels/tuning/`: every
 int8 W8A16, 4-bit and GGUF winner; the FP8 Triton GEMM's winner where it beats the scaled GEMM;
 and an e4m3 W8A16 winner only where it beats the faster e4m3 product plus, for the projections
@@ -57,7 +57,9 @@ SWAPPED_SPACE = dict(block_n=[64, 128], split=[1, 2, 4, 8], num_stages=[3, 4])  
 ROWS_QUANTIZED_BY_A_FUSED_KERNEL = ("qkv", "gate_up", "down")  # RMSNorm, silu·mul
 GGUF_FORMATS = {f"gguf_{t.lower()}": t for t in GGUF_TYPES}  # random blocks, as a GGUF holds them
 GGUF_SPACE = dict(block_n=[32, 64, 128], split=[1, 4, 8], num_stages=[2])
-GGUF_GEMV_SPACE = dict(block_n=[16, 32, 64], blocks_times=[1, 2, 4], num_warps=[4, 8])
+GGUF_GEMV_SPACE = dict(
+    block_n=[16, 32], blocks_times=[1, 2, 4], num_warps=[4, 8], split=[1, 2, 4, 8]
+)
 
 
 def _weights(fmt: str, n: int, k: int, copies: int) -> list:
@@ -140,9 +142,9 @@ def _sweep_gguf_gemv(x: torch.Tensor, weights: list) -> dict:
     quant_type = weights[0].quant_type
     blocks = max(1, 128 // BLOCK_TYPES[quant_type].block_size)
     configs = [
-        GGUFGemvConfig(block_n, blocks * times, warps)
-        for block_n, times, warps in itertools.product(*GGUF_GEMV_SPACE.values())
-    ]
+        GGUFGemvConfig(block_n, blocks * times, warps, split)
+        for block_n, times, warps, split in itertools.product(*GGUF_GEMV_SPACE.values())
+    ] + [GGUFGemvConfig(64, blocks * times, warps) for times in (1, 2, 4) for warps in (4, 8)]
     us, config = _best(configs, lambda w, c: gguf_gemv(x, w.qweight, quant_type, None, c), weights)
     return {"best_us": round(us, 2), "config": asdict(config)}
 

@@ -2,9 +2,10 @@
 out = x @ W^T, each weight de-quantized in registers as it is read, so a decode step streams the
 blocks (a quarter to a half of the bf16 bytes) and never writes a de-quantized weight.
 
-One program owns BLOCK_N rows and walks all of K, BLOCKS blocks of each row per iteration, each
-block's values in parts (`backend.kernels.gguf_values`). Products accumulate elementwise in
-float32 and are summed over K once, at the end, as in `backend.kernels.gemv`.
+A program owns BLOCK_N rows and walks K, or its share of K (a split: the last program of a row
+block to arrive adds the partial sums in split order, `split_k`), BLOCKS blocks of each row per
+iteration, each block's values in parts (`backend.kernels.gguf_values`). Products accumulate
+elementwise in float32 and are summed over K once, at the end, as in `backend.kernels.gemv`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 from backend.gguf_blocks import BLOCK_TYPES
+from backend.kernels.split_k import k_per_split, split_buffers, store_tile
 from backend.kernels.tuning import device_name, lookup, shape_key
 from backend.kernels.gguf_values import (
     block_scales,
@@ -39,9 +41,12 @@ def _gguf_gemv_kernel(
     scale_ptr,
     bias_ptr,
     out_ptr,
+    part_ptr,
+    arrivals_ptr,
     N,
     num_blocks,
     row_bytes,
+    blocks_per_split,
     QUANT: tl.constexpr,
     TYPE_SIZE: tl.constexpr,
     VALUES: tl.constexpr,
@@ -49,6 +54,7 @@ def _gguf_gemv_kernel(
     LANES: tl.constexpr,
     PARTS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCKS: tl.constexpr,
 ):
@@ -60,9 +66,11 @@ def _gguf_gemv_kernel(
     lane = tl.arange(0, LANES)[None, None, :]
     col = group * 32 + lane  # the K-quants' 32 lanes; others have one group
     acc = tl.zeros([BLOCK_N, BLOCKS * GROUPS, LANES], tl.float32)
-    for b0 in range(0, num_blocks, BLOCKS):
+    b_start = tl.program_id(1) * blocks_per_split
+    b_end = tl.minimum(b_start + blocks_per_split, num_blocks)
+    for b0 in range(b_start, b_end, BLOCKS):
         block = b0 + tile_block
-        block_ok = block < num_blocks
+        block_ok = block < b_end
         ok = row_ok & block_ok
         start = row_start + block.to(tl.int64) * TYPE_SIZE  # each block's first byte
         d, second = block_scales(q_ptr, scale_ptr, start, ok, QUANT)
@@ -70,10 +78,10 @@ def _gguf_gemv_kernel(
         for part in tl.static_range(PARTS):
             w = part_values(q_ptr, start, group, lane, ok, d, second, shared, QUANT, part)
             acc += w * _x(x_ptr, block * VALUES + part_index(col, QUANT, part), block_ok)
-    y = tl.sum(tl.sum(acc, 2), 1)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+    y = tl.sum(tl.sum(acc, 2), 1)[:, None]  # out^T's [BLOCK_N, 1] tile
+    store_tile(
+        y, out_ptr, bias_ptr, part_ptr, arrivals_ptr, tl.arange(0, 1), rows, 1, N, HAS_BIAS, SPLIT
+    )
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,7 @@ class GGUFGemvConfig:
     block_n: int = 16
     blocks: int = 0  # 0: 128 values' worth (4 blocks of 32, 1 of 256)
     num_warps: int = 4
+    split: int = 1  # programs along K; a row block's last to arrive adds their partial sums
 
 
 def config_key(quant_type: str, n: int, k: int) -> str:
@@ -114,20 +123,29 @@ def gguf_gemv(
     n = qweight.shape[0]
     key = config_key(quant_type, n, x.shape[-1])
     c = config or _tuned(device_name(x.device), key) or GGUFGemvConfig()
+    blocks = c.blocks or max(1, 128 // kind.block_size)
+    per_split = k_per_split(num_blocks, c.split, blocks)  # in blocks
+    split = triton.cdiv(num_blocks, per_split)
+    grid = (triton.cdiv(n, c.block_n), split, 1)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gguf_gemv_kernel[(triton.cdiv(n, c.block_n),)](
+    partials, arrivals = split_buffers("gguf_gemv", split, 1, n, grid, x.device)
+    _gguf_gemv_kernel[grid](
         x,
         qweight,
         qweight.view(torch.float16),
         bias if bias is not None else x,
         out,
+        partials if partials is not None else out,
+        arrivals if arrivals is not None else out,
         n,
         num_blocks,
         qweight.shape[1],
+        per_split,
         **type_constexprs(quant_type),
         HAS_BIAS=bias is not None,
+        SPLIT=split,
         BLOCK_N=c.block_n,
-        BLOCKS=c.blocks or max(1, 128 // kind.block_size),
+        BLOCKS=blocks,
         num_warps=c.num_warps,
     )
     return out

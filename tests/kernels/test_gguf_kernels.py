@@ -39,7 +39,8 @@ def _relative_close(got: torch.Tensor, expected: torch.Tensor, rtol: float) -> N
 @pytest.mark.parametrize("quant_type", list(KERNEL_TYPES))
 @pytest.mark.parametrize("n,blocks_per_row", [(40, 5), (16, 1)])
 def test_kernel_is_dequantize_then_matmul(quant_type, n, blocks_per_row):
-    """Rows and blocks that do not fill the last tile are masked."""
+    """Rows and blocks that do not fill the last tile are masked; a K split's partial sums add
+    up."""
     qweight = torch.from_numpy(random_rows(quant_type, n, blocks_per_row, seed=n)).to(DEVICE)
     torch.manual_seed(0)
     x = torch.randn(1, blocks_per_row * BLOCK_TYPES[quant_type].block_size, device=DEVICE)
@@ -47,11 +48,10 @@ def test_kernel_is_dequantize_then_matmul(quant_type, n, blocks_per_row):
     dense = dequantize(qweight.cpu(), quant_type).to(DEVICE)
     _relative_close(gguf_gemv(x, qweight, quant_type), F.linear(x, dense), 1e-3)
     _relative_close(gguf_gemv(x, qweight, quant_type, bias), F.linear(x, dense, bias), 1e-3)
-    _relative_close(
-        gguf_gemv(x, qweight, quant_type, bias, GGUFGemvConfig(block_n=8, blocks=2)),
-        F.linear(x, dense, bias),
-        1e-3,
-    )
+    for split in (1, 2):  # 5 blocks (of 32) by 2 in 2 splits: each split's last step is masked
+        config = GGUFGemvConfig(block_n=8, blocks=2, split=split)
+        got = gguf_gemv(x, qweight, quant_type, bias, config)
+        _relative_close(got, F.linear(x, dense, bias), 1e-3)
 
 
 @pytest.mark.parametrize("quant_type", list(KERNEL_TYPES))
