@@ -219,6 +219,45 @@ def plot_gguf_rows(path: str) -> str:
     return save_beside(fig, rows, path)
 
 
+def plot_gguf_gemv(paths: list[str], out: str) -> str:
+    """One-row GGUF projections (the best swept config where swept), one bar per result file,
+    per format and projection."""
+    runs = [[r for r in load(p) if r["rows"] == 1] for p in paths]
+    formats = [f for f in dict.fromkeys(r["format"] for r in runs[0]) if f != "bf16"]
+    names = list(dict.fromkeys(r["projection"] for r in runs[0]))
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.8), squeeze=False)
+    width = 0.8 / len(runs)
+    for ax, name in zip(axes[0], names):
+        for i, run in enumerate(runs):
+            picked = {r["format"]: r for r in run if r["projection"] == name}
+            us = [picked[f].get("sweep", {}).get("best_us", picked[f]["us"]) for f in formats]
+            label = f"{run[0]['commit']}" + (" (swept)" if "sweep" in picked[formats[0]] else "")
+            ax.bar(
+                [j + (i - (len(runs) - 1) / 2) * width for j in range(len(formats))],
+                us,
+                width,
+                label=label,
+            )
+        bf16 = [
+            r["us"]
+            for run in runs
+            for r in run
+            if r["projection"] == name and r["format"] == "bf16"
+        ]
+        ax.axhline(min(bf16), color="k", linestyle="--", linewidth=0.8, label="bf16 cuBLAS")
+        ax.set_xticks(range(len(formats)), [f.removeprefix("gguf_") for f in formats])
+        ax.set(ylabel="µs per call, one row", title=name)
+    axes[0][0].legend(fontsize=7)
+    rows = [r for run in runs for r in run]
+    fig.suptitle(
+        f"{rows[0]['device']} · {rows[-1]['date'][:10]} · GGUF GEMV over blocks", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def save_beside(fig, rows: list[dict], path: str) -> str:
     """Title `fig` with the rows' device, date and commits, and save it as PNG beside `path`."""
     commits = ", ".join(dict.fromkeys(r["commit"] for r in rows))
@@ -333,6 +372,11 @@ def main(argv: list[str] | None = None) -> None:
         print("wrote", plot_decode_splits(path))
     for path in glob.glob(os.path.join(results_dir, "quantized_matmul_fp8*.json")):
         print("wrote", plot_fp8_gemm_sweep(path))
+    gemv = ["gguf_gemv_before_96bc55c", "gguf_sweep_92d5559", "gguf_gemv_split_e4351ea"]
+    paths = [os.path.join(results_dir, f"quantized_matmul_{name}_h100.json") for name in gemv]
+    if all(os.path.exists(p) for p in paths):
+        out = os.path.join(results_dir, "quantized_matmul_gguf_gemv_h100.png")
+        print("wrote", plot_gguf_gemv(paths, out))
     for path in glob.glob(os.path.join(results_dir, "quantized_matmul_gguf_rows*.json")):
         print("wrote", plot_gguf_rows(path))
     for path in glob.glob(os.path.join(results_dir, "fp8_accumulation*.json")):
