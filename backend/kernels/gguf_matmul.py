@@ -71,6 +71,7 @@ def _gguf_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCKS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -94,7 +95,8 @@ def _gguf_gemm_kernel(
             x = tl.load(x_rows + block * VALUES + part_index(col, QUANT, part), mask=ok, other=0.0)
             w = part_values(q_ptr, start, group, lane, ok, d, second, shared, QUANT, part)
             w = tl.reshape(w.to(x.dtype), (BLOCK_N, BLOCKS * GROUPS * LANES))
-            acc += tl.dot(w, tl.trans(tl.reshape(x, (BLOCK_M, BLOCKS * GROUPS * LANES))))
+            x = tl.reshape(x, (BLOCK_M, BLOCKS * GROUPS * LANES))
+            acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
     store_tile(acc, out_ptr, bias_ptr, part_ptr, arrivals_ptr, m, n, M, N, HAS_BIAS, SPLIT)
 
 
@@ -162,6 +164,7 @@ def gguf_gemm(
         BLOCK_N=c.block_n,
         BLOCK_M=c.block_m,
         BLOCKS=c.blocks,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # float32 steps stay float32
         num_warps=c.num_warps,
         num_stages=c.num_stages,
     )

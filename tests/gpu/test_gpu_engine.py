@@ -323,6 +323,19 @@ def test_default_model_fp32_matches_transformers(smollm):
         assert_same_greedy(model, prompt, result["token_ids"], expected)
 
 
+def test_default_model_served_from_its_gguf_blocks_matches_transformers_in_fp32(smollm):
+    """Its GGUF blocks kept (quantization "gguf": the GEMV over blocks for one row, the GEMM over
+    blocks for a few, the one-kernel de-quantization for long prefills, in the decode graphs too),
+    the default model gives transformers' greedy tokens on the de-quantized checkpoint."""
+    _, _, model, prompts = smollm
+    for batch, picked in ((8, prompts), (1, prompts[:2])):
+        params = SamplingParams(max_tokens=32)
+        config = dict(dtype="float32", max_batch_size=batch, quantization="gguf")
+        for prompt, result in zip(picked, serve("default", picked, params, **config)):
+            expected, _ = hf_greedy(model, prompt, 32, eos_ids(model))
+            assert_same_greedy(model, prompt, result["token_ids"], expected)
+
+
 @torch.inference_mode()
 def test_default_model_bf16_logprobs_close_to_transformers(smollm):
     """Our bf16 log-probs of the chosen tokens, against transformers in fp32 on the same sequences,
@@ -366,22 +379,27 @@ def test_default_model_bf16_logprobs_close_to_transformers(smollm):
 def test_quantized_kv_cache_kernels_score_as_the_torch_reference(smollm, kv_cache_dtype):
     """The default model in bf16 over an fp8 / int8 KV cache: the log-probs the Triton kernels
     give their greedy tokens (prefill, then decode steps in CUDA graphs on the one-token path),
-    and those of the same sequences read as prompts, are within 2e-2 on average of the torch
-    reference attention's over the same quantized cache; the same memory fraction holds at least
-    1.9x the blocks of a bf16 cache."""
+    and those of the same sequences read as prompts, are as close to the torch reference
+    attention's in fp32 over the same cache dtype as the torch reference's own bf16 log-probs
+    are; the same memory fraction holds at least 1.9x the blocks of a bf16 cache. (Not a fixed
+    bound: where bf16 noise puts a K or V value on the other side of an e4m3 rounding step, the
+    value moves by up to 1/16 of itself, so two bf16 paths differ by more over a quantized
+    cache than over a bf16 one: 0.054 mean for fp8 and 0.033 for int8 between these two on an
+    H100.)"""
     model_dir, _, _, prompts = smollm
     config = dict(
         model_path=str(model_dir),
         device="cuda",
-        dtype="bfloat16",
         max_batch_size=8,
         kv_cache_free_gpu_mem_fraction=0.05,
     )
+    quantized = dict(kv_cache_dtype=kv_cache_dtype)
     blocks, scores = {}, {}
     for name, options in [
-        ("auto", {}),
-        ("triton", dict(kv_cache_dtype=kv_cache_dtype)),
-        ("torch", dict(kv_cache_dtype=kv_cache_dtype, attention_backend="torch")),
+        ("auto", dict(dtype="bfloat16")),
+        ("triton", dict(dtype="bfloat16", **quantized)),
+        ("torch", dict(dtype="bfloat16", attention_backend="torch", **quantized)),
+        ("fp32", dict(dtype="float32", attention_backend="torch", **quantized)),
     ]:
         executor = Executor(EngineConfig(**config, **options))
         try:
@@ -399,13 +417,23 @@ def test_quantized_kv_cache_kernels_score_as_the_torch_reference(smollm, kv_cach
                 scores[name] = [x[1:] for x in read]  # position 0 has no context
         finally:
             executor.shutdown()
-    reference = scores["torch"]
-    as_generated = [x for p, r in zip(prompts, reference) for x in r[len(p) - 1 :]]
-    pairs = list(zip(scores["decode"], as_generated))
-    pairs += [(a, b) for got, want in zip(scores["triton"], reference) for a, b in zip(got, want)]
-    mean = sum(abs(a - b) for a, b in pairs) / len(pairs)
-    print(f"{kv_cache_dtype}: mean |log-prob difference| {mean:.4g}, blocks {blocks}")
-    assert mean < 2e-2
+
+    def mean_difference(name: str, reference: str) -> float:
+        pairs = [
+            (a, b) for got, want in zip(scores[name], scores[reference]) for a, b in zip(got, want)
+        ]
+        if name == "triton":
+            as_generated = [x for p, r in zip(prompts, scores[reference]) for x in r[len(p) - 1 :]]
+            pairs += list(zip(scores["decode"], as_generated))
+        return sum(abs(a - b) for a, b in pairs) / len(pairs)
+
+    triton, torch_bf16 = mean_difference("triton", "fp32"), mean_difference("torch", "fp32")
+    print(
+        f"{kv_cache_dtype}: mean |log-prob - fp32 torch reference|: triton bf16 {triton:.4g}, "
+        f"torch bf16 {torch_bf16:.4g}; triton against torch bf16 "
+        f"{mean_difference('triton', 'torch'):.4g}; blocks {blocks}"
+    )
+    assert triton <= 1.25 * torch_bf16 + 1e-3
     assert blocks["triton"] >= 1.9 * blocks["auto"]
 
 
