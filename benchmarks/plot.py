@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     if all(os.path.exists(p) for p in paths):
         out = os.path.join(results_dir, "quantized_matmul_gguf_gemv_h100.png")
         print("wrote", plot_gguf_gemv(paths, out))
-    for path in glob.glob(os.path.join(results_dir, "quantized_matmul_gguf_rows*.json")):
+    for path in glob.glob(os.path.join(results_dir, "quantized_matmul_gguf*rows*.json")):
         print("wrote", plot_gguf_rows(path))
     for path in glob.glob(os.path.join(results_dir, "fp8_accumulation*.json")):
         print("wrote", plot_fp8_accumulation(path))
