@@ -26,12 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.split_k import (
-    SwappedGemmConfig,
-    add_split_partials,
-    k_per_split,
-    split_buffers,
-)
+from backend.kernels.split_k import SwappedGemmConfig, add_split_partials, split_launch
 from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
 
 
@@ -203,28 +198,24 @@ def fp8_linear(
         product = product if bias is None else product.add_(bias)
         return product if out is None else out.copy_(product)
     c = config or Fp8GemmConfig(block_m=min(64, rows_bucket(m)))
-    per_split = k_per_split(k, c.split, c.block_k)
-    split = triton.cdiv(k, per_split)
-    grid = (triton.cdiv(n, c.block_n), split, triton.cdiv(m, c.block_m))
+    launch = split_launch("fp8_gemm", k, c.split, c.block_k, n, c.block_n, xq.device, m, c.block_m)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     assert out.dtype == out_dtype and out.shape == (m, n) and out.is_contiguous()
-    partials, arrivals = split_buffers("fp8_gemm", split, m, n, grid, xq.device)
-    _fp8_gemm_kernel[grid](
+    _fp8_gemm_kernel[launch.grid](
         xq.contiguous(),
         x_scales.contiguous(),
         qweight,
         w_scales,
         bias if bias is not None else w_scales,
         out,
-        partials if partials is not None else out,
-        arrivals if arrivals is not None else out,
+        *launch.buffers(out),
         m,
         n,
         k,
-        per_split,
+        launch.per_split,
         HAS_BIAS=bias is not None,
         EVEN_K=k % c.block_k == 0,
-        **c.launch_args(split),
+        **c.launch_args(launch.split),
     )
     return out

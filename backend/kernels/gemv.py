@@ -51,7 +51,7 @@ from backend.kernels.gemv_int4 import stream_rows_dot_int4
 from backend.kernels.gemv_operand import operand_at
 from backend.kernels.gemv_weight import ACTIVATION_DTYPES, INT4, StreamedWeight, streamed
 from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launch_options
-from backend.kernels.split_k import add_split_partials, k_per_split, split_buffers
+from backend.kernels.split_k import add_split_partials, split_launch
 
 NO_PROLOGUE, NORM, SILU_MUL, MERGE = 0, 1, 2, 3
 ACT_DTYPES = dict(zip(ACTIVATION_DTYPES, (tl.float16, tl.bfloat16)))  # torch -> Triton
@@ -382,11 +382,9 @@ def gemv(
     assert residual is None or residual.is_contiguous() and out.is_contiguous()
     # 4-bit rows may split K over programs where the operand needs no sum over all of K (norm).
     split = config.get("SPLIT", 1) if weight.kind == INT4 and prologue != NORM else 1
-    k_split = k_per_split(k, split, config["BLOCK_K"])
-    split = triton.cdiv(k, k_split)
-    grid = (triton.cdiv(n, config["BLOCK_N"]), split, 1)
-    partials_buffer, arrivals = split_buffers("gemv", split, 1, n, grid, values.device)
-    _gemv_kernel[grid](
+    launch = split_launch("gemv", k, split, config["BLOCK_K"], n, config["BLOCK_N"], values.device)
+    part_sums, arrivals = launch.buffers(out)
+    _gemv_kernel[launch.grid](
         x,
         weight.kernel_values,
         bias if bias is not None else values,
@@ -404,10 +402,10 @@ def gemv(
         K_LOOP=config["PREFETCH_K"] < k,
         **weight.kernel_args(),
         **merge,
-        **{**config, "SPLIT": split},
-        k_split=k_split,
-        part_ptr=partials_buffer if partials_buffer is not None else out,
-        arrivals_ptr=arrivals if arrivals is not None else out,
+        **{**config, "SPLIT": launch.split},
+        k_split=launch.per_split,
+        part_ptr=part_sums,
+        arrivals_ptr=arrivals,
         **launch_options(ORDERING[config["EARLY_LAUNCH"]]),
     )
     return out

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from backend.gguf_blocks import BLOCK_TYPES
-from backend.kernels.split_k import k_per_split, split_buffers, store_tile
+from backend.kernels.split_k import split_launch, store_tile
 from backend.kernels.tuning import device_name, lookup, shape_key
 from backend.kernels.gguf_values import (
     block_scales,
@@ -124,26 +124,22 @@ def gguf_gemv(
     key = config_key(quant_type, n, x.shape[-1])
     c = config or _tuned(device_name(x.device), key) or GGUFGemvConfig()
     blocks = c.blocks or max(1, 128 // kind.block_size)
-    per_split = k_per_split(num_blocks, c.split, blocks)  # in blocks
-    split = triton.cdiv(num_blocks, per_split)
-    grid = (triton.cdiv(n, c.block_n), split, 1)
+    launch = split_launch("gguf_gemv", num_blocks, c.split, blocks, n, c.block_n, x.device)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    partials, arrivals = split_buffers("gguf_gemv", split, 1, n, grid, x.device)
-    _gguf_gemv_kernel[grid](
+    _gguf_gemv_kernel[launch.grid](
         x,
         qweight,
         qweight.view(torch.float16),
         bias if bias is not None else x,
         out,
-        partials if partials is not None else out,
-        arrivals if arrivals is not None else out,
+        *launch.buffers(out),
         n,
         num_blocks,
         qweight.shape[1],
-        per_split,
+        launch.per_split,  # in blocks
         **type_constexprs(quant_type),
         HAS_BIAS=bias is not None,
-        SPLIT=split,
+        SPLIT=launch.split,
         BLOCK_N=c.block_n,
         BLOCKS=blocks,
         num_warps=c.num_warps,

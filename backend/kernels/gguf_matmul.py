@@ -29,7 +29,7 @@ from backend.kernels.gguf_values import (
     shared_bytes,
     type_constexprs,
 )
-from backend.kernels.split_k import k_per_split, split_buffers, store_tile
+from backend.kernels.split_k import split_launch, store_tile
 from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
 
 
@@ -139,28 +139,26 @@ def gguf_gemm(
     key = config_key(quant_type, n, k, m)
     c = config or _tuned(device_name(x.device), key) or default_config(m, n, quant_type)
     assert c.blocks * COLUMNS[quant_type] >= 16, "dot operands are 16 or more columns"
-    per_split = k_per_split(num_blocks, c.split, c.blocks)  # in blocks
-    split = triton.cdiv(num_blocks, per_split)
-    grid = (triton.cdiv(n, c.block_n), split, triton.cdiv(m, c.block_m))
+    launch = split_launch(
+        "gguf_gemm", num_blocks, c.split, c.blocks, n, c.block_n, x.device, m, c.block_m
+    )
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partials, arrivals = split_buffers("gguf_gemm", split, m, n, grid, x.device)
-    _gguf_gemm_kernel[grid](
+    _gguf_gemm_kernel[launch.grid](
         x,
         qweight,
         qweight.view(torch.float16),
         bias if bias is not None else x,
         out,
-        partials if partials is not None else out,
-        arrivals if arrivals is not None else out,
+        *launch.buffers(out),
         m,
         n,
         num_blocks,
         qweight.shape[1],
         x.stride(0),
-        per_split,
+        launch.per_split,  # in blocks
         **type_constexprs(quant_type),
         HAS_BIAS=bias is not None,
-        SPLIT=split,
+        SPLIT=launch.split,
         BLOCK_N=c.block_n,
         BLOCK_M=c.block_m,
         BLOCKS=c.blocks,

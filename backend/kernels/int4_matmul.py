@@ -20,12 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.split_k import (
-    SwappedGemmConfig,
-    store_tile,
-    k_per_split,
-    split_buffers,
-)
+from backend.kernels.split_k import SwappedGemmConfig, split_launch, store_tile
 from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
 
 
@@ -120,27 +115,23 @@ def int4_gemm(
     key = config_key(n, k, group_size, m)
     c = config or _tuned(device_name(x.device), key) or default_config(m, n, group_size)
     _check(x, qweight, scales, zeros, group_size, c.block_k)
-    per_split = k_per_split(k, c.split, c.block_k)
-    split = triton.cdiv(k, per_split)
-    grid = (triton.cdiv(n, c.block_n), split, triton.cdiv(m, c.block_m))
+    launch = split_launch("int4_gemm", k, c.split, c.block_k, n, c.block_n, x.device, m, c.block_m)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partials, arrivals = split_buffers("int4_gemm", split, m, n, grid, x.device)
-    _int4_gemm_kernel[grid](
+    _int4_gemm_kernel[launch.grid](
         x,
         qweight,
         scales,
         zeros,
         bias if bias is not None else scales,
         out,
-        partials if partials is not None else out,
-        arrivals if arrivals is not None else out,
+        *launch.buffers(out),
         m,
         n,
         k,
         x.stride(0),
-        per_split,
+        launch.per_split,
         GROUP=group_size,
         HAS_BIAS=bias is not None,
-        **c.launch_args(split),
+        **c.launch_args(launch.split),
     )
     return out

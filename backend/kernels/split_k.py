@@ -95,17 +95,44 @@ def store_tile(
             _store_tile(total, out_ptr, bias_ptr, m, n, M, N, HAS_BIAS)
 
 
-def split_buffers(
-    kernel: str, split: int, m: int, n: int, grid: tuple[int, int, int], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-    """(partial sums [split, m, n] float32, the kernel's arrival counters) for a launch over
-    grid (n tiles, split, m tiles); (None, None) without a split."""
-    if split == 1:
-        return None, None
-    partials = torch.empty(split, m, n, dtype=torch.float32, device=device)
-    return partials, arrival_counters(kernel, device, grid[0] * grid[2])
+@dataclass(frozen=True)
+class SplitLaunch:
+    """A launch over (n tiles, K splits, m tiles): each split's share of K (in the kernel's own
+    unit of K), the grid, and the partial sums and arrival counters of a split (None without)."""
+
+    per_split: int
+    grid: tuple[int, int, int]
+    partials: torch.Tensor | None
+    arrivals: torch.Tensor | None
+
+    @property
+    def split(self) -> int:
+        return self.grid[1]
+
+    def buffers(self, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(partial sums, counters) as kernel arguments; `placeholder` twice without a split."""
+        if self.partials is None:
+            return placeholder, placeholder
+        return self.partials, self.arrivals
 
 
-def k_per_split(k: int, split: int, block_k: int) -> int:
-    """Each split's share of K, whole K tiles."""
-    return triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+def split_launch(
+    kernel: str,
+    k: int,
+    split: int,
+    step: int,
+    n: int,
+    block_n: int,
+    device: torch.device,
+    m: int = 1,
+    block_m: int = 1,
+) -> SplitLaunch:
+    """`kernel`'s launch over n outputs in tiles of block_n, m rows in tiles of block_m, and K (k
+    of some unit) split `split` ways in whole steps of `step`: each split's share, whole steps."""
+    per_split = triton.cdiv(triton.cdiv(k, split), step) * step
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, per_split), triton.cdiv(m, block_m))
+    if grid[1] == 1:
+        return SplitLaunch(per_split, grid, None, None)
+    partials = torch.empty(grid[1], m, n, dtype=torch.float32, device=device)
+    arrivals = arrival_counters(kernel, device, grid[0] * grid[2])
+    return SplitLaunch(per_split, grid, partials, arrivals)
