@@ -24,8 +24,7 @@ from backend.gguf_blocks import BLOCK_TYPES
 KERNEL_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q4_K": 4, "Q6_K": 5}
 COLUMNS = {"Q8_0": 32, "Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q4_K": 128, "Q6_K": 64}
 PARTS = {"Q8_0": 1, "Q4_0": 2, "Q4_1": 2, "Q5_0": 2, "Q4_K": 2, "Q6_K": 4}
-# A block's columns as GROUPS units of LANES, so that what a sub-block shares (Q4_K's scale and
-# min, Q6_K's pair of scales) is read once per unit.
+# Units of a block: Q4_K's pairs of 32-value sub-blocks, Q6_K's halves of 128 values.
 GROUPS = {"Q8_0": 1, "Q4_0": 1, "Q4_1": 1, "Q5_0": 1, "Q4_K": 4, "Q6_K": 2}
 LANES = {name: COLUMNS[name] // GROUPS[name] for name in KERNEL_TYPES}
 
@@ -59,9 +58,7 @@ def shared_bytes(q_ptr, start, col, ok, QUANT: tl.constexpr):
     """The bytes every part of a column reads: Q8_0's int8 value, the 4-bit pair of Q4_0 / Q4_1
     / Q5_0, Q4_K's pair, Q6_K's high-bit byte. `start` [rows, units, 1]: each unit's block's
     first byte; `col` [1, units, lanes]; int32 [rows, units, lanes]."""
-    if QUANT == 0:
-        at = 2
-    elif QUANT == 1:
+    if QUANT <= 1:  # Q8_0, Q4_0: after d
         at = 2
     elif QUANT == 2:
         at = 4
