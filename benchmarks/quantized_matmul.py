@@ -32,7 +32,7 @@ from backend.kernels import gguf_gemv as gguf_gemv_kernel
 from backend.kernels import gguf_matmul, int4_matmul
 from backend.kernels.gguf_gemv import GGUFGemvConfig, gguf_gemv
 from backend.kernels.gguf_matmul import GGUFGemmConfig, gguf_gemm
-from backend.kernels.gguf_values import KERNEL_TYPES as GGUF_TYPES
+from backend.kernels.gguf_values import KERNEL_TYPES as GGUF_TYPES, blocks_of_128_values
 from backend.kernels.int4_matmul import int4_gemm
 from backend.kernels import fp8_gemm, tuning
 from backend.kernels.split_k import SwappedGemmConfig
@@ -128,7 +128,7 @@ def _best(configs, product, weights: list) -> tuple[float, object]:
 def _sweep_gguf(x: torch.Tensor, weights: list) -> dict:
     """The fastest GEMM-over-blocks config at x's rows."""
     quant_type = weights[0].quant_type
-    blocks = gguf_matmul.default_config(x.shape[0], 1, quant_type).blocks
+    blocks = blocks_of_128_values(quant_type)
     configs = [
         GGUFGemmConfig(block_n, min(64, rows_bucket(x.shape[0])), blocks, split, 4, stages)
         for block_n, split, stages in itertools.product(*GGUF_SPACE.values())
@@ -140,7 +140,7 @@ def _sweep_gguf(x: torch.Tensor, weights: list) -> dict:
 def _sweep_gguf_gemv(x: torch.Tensor, weights: list) -> dict:
     """The fastest one-row GEMV-over-blocks config."""
     quant_type = weights[0].quant_type
-    blocks = max(1, 128 // BLOCK_TYPES[quant_type].block_size)
+    blocks = blocks_of_128_values(quant_type)
     configs = [
         GGUFGemvConfig(block_n, blocks * times, warps, split)
         for block_n, times, warps, split in itertools.product(*GGUF_GEMV_SPACE.values())

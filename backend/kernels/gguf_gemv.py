@@ -22,6 +22,7 @@ from backend.kernels.split_k import split_launch, store_tile
 from backend.kernels.tuning import device_name, lookup, shape_key
 from backend.kernels.gguf_values import (
     block_scales,
+    blocks_of_128_values,
     part_index,
     part_values,
     shared_bytes,
@@ -89,7 +90,7 @@ class GGUFGemvConfig:
     """A launch: weight rows per program, blocks of each row per iteration, warps."""
 
     block_n: int = 16
-    blocks: int = 0  # 0: 128 values' worth (4 blocks of 32, 1 of 256)
+    blocks: int = 0  # 0: gguf_values.blocks_of_128_values
     num_warps: int = 4
     split: int = 1  # programs along K; a row block's last to arrive adds their partial sums
 
@@ -123,7 +124,7 @@ def gguf_gemv(
     n = qweight.shape[0]
     key = config_key(quant_type, n, x.shape[-1])
     c = config or _tuned(device_name(x.device), key) or GGUFGemvConfig()
-    blocks = c.blocks or max(1, 128 // kind.block_size)
+    blocks = c.blocks or blocks_of_128_values(quant_type)
     launch = split_launch("gguf_gemv", num_blocks, c.split, blocks, n, c.block_n, x.device)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gguf_gemv_kernel[launch.grid](

@@ -24,6 +24,7 @@ from backend.gguf_blocks import BLOCK_TYPES
 from backend.kernels.gguf_values import (
     COLUMNS,
     block_scales,
+    blocks_of_128_values,
     part_index,
     part_values,
     shared_bytes,
@@ -115,7 +116,7 @@ def default_config(m: int, n: int, quant_type: str) -> GGUFGemmConfig:
     K over four programs, so their few output tiles still spread over the SMs."""
     return GGUFGemmConfig(
         block_m=min(64, rows_bucket(m)),
-        blocks=max(1, 128 // BLOCK_TYPES[quant_type].block_size),
+        blocks=blocks_of_128_values(quant_type),
         split=4 if n <= 4096 else 1,
     )
 

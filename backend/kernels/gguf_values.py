@@ -29,6 +29,11 @@ GROUPS = {"Q8_0": 1, "Q4_0": 1, "Q4_1": 1, "Q5_0": 1, "Q4_K": 4, "Q6_K": 2}
 LANES = {name: COLUMNS[name] // GROUPS[name] for name in KERNEL_TYPES}
 
 
+def blocks_of_128_values(quant_type: str) -> int:
+    """The blocks of a row a kernel step takes by default: 128 values' worth (4 of 32, 1 of 256)."""
+    return max(1, 128 // BLOCK_TYPES[quant_type].block_size)
+
+
 def type_constexprs(quant_type: str) -> dict:
     """The constexprs a kernel over `quant_type` blocks is launched with."""
     kind = BLOCK_TYPES[quant_type]

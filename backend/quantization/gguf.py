@@ -8,14 +8,13 @@ from __future__ import annotations
 import torch
 
 from backend.gguf_blocks import BLOCK_TYPES, dequantize
+from backend.kernels.tuning import compiles_for_gpu
 from backend.quantization.base import QuantizedWeight
 
-from backend.kernels.tuning import compiles_for_gpu
-
 try:  # CPU-only installs without Triton use the torch path
-    from backend.kernels import gguf_dequantize, gguf_gemv, gguf_matmul, gguf_values
+    from backend.kernels import gguf_dequantize, gguf_gemv, gguf_matmul
 except ImportError:
-    gguf_dequantize = gguf_gemv = gguf_matmul = gguf_values = None
+    gguf_dequantize = gguf_gemv = gguf_matmul = None
 
 # Longer steps de-quantize the weight once for cuBLAS: the GEMM de-quantizes every weight tile
 # once per tile of rows, and lost to that at 64 rows (benchmarks/README.md, "GGUF weights kept
@@ -44,7 +43,7 @@ class GGUFWeight(QuantizedWeight):
         self.register_buffer("qweight", qweight)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        if gguf_dequantize is not None and compiles_for_gpu(self.qweight.device):
+        if self._on_gpu_kernels(self.qweight):
             return gguf_dequantize.gguf_dequantize(self.qweight, self.quant_type, dtype)
         return dequantize(self.qweight, self.quant_type).to(dtype)
 
@@ -53,9 +52,14 @@ class GGUFWeight(QuantizedWeight):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        if x.is_cuda and gguf_gemv is not None and self.quant_type in gguf_values.KERNEL_TYPES:
-            if rows == 1:
-                return gguf_gemv.gguf_gemv(x.contiguous(), self.qweight, self.quant_type, bias)
-            if rows <= GEMM_MAX_ROWS:
-                return gguf_matmul.gguf_gemm(x.contiguous(), self.qweight, self.quant_type, bias)
+        if self._on_gpu_kernels(x) and rows == 1:
+            return gguf_gemv.gguf_gemv(x.contiguous(), self.qweight, self.quant_type, bias)
+        if self._on_gpu_kernels(x) and rows <= GEMM_MAX_ROWS:
+            return gguf_matmul.gguf_gemm(x.contiguous(), self.qweight, self.quant_type, bias)
         return super().matmul(x, bias)
+
+    @staticmethod
+    def _on_gpu_kernels(t: torch.Tensor) -> bool:
+        """Whether the kernels over blocks (every type of `backend.gguf_blocks`) take `t`'s
+        device: a CUDA GPU they are compiled for."""
+        return gguf_gemv is not None and compiles_for_gpu(t.device)
