@@ -6,10 +6,12 @@ through the one-token GEMV (`backend.kernels.gemv`) instead.
 As the FP8 GEMM (`backend.kernels.fp8_gemm`), a program computes a tile of out^T = W x^T: a
 [BLOCK_N, BLOCK_K] weight tile, unpacked in registers (low nibble: input channel 2j, high: 2j + 1)
 to q - zero, exact in 16 bits, is the dot's first operand, the step's rows the narrow side; K may
-be split over programs (`split_k`). A K tile never straddles two groups (BLOCK_K divides the
-group size), so its sum is multiplied by one scale per weight row before it joins the float32
-accumulator. Launch configs per device and shape: `tuning/int4_gemm.json`, from `python -m
-benchmarks.quantized_matmul --formats int4_wo --sweep --write-tuning`.
+be split over programs (`split_k`). Compiled for a CUDA GPU with bfloat16 rows (BF16X2), each
+byte becomes both its weights' q - zero in one bfloat16 pair by three lines of inline PTX; the
+interpreter runs no PTX and keeps the float32 unpacking. A K tile never straddles two groups
+(BLOCK_K divides the group size), so its sum is multiplied by one scale per weight row before it
+joins the float32 accumulator. Launch configs per device and shape: `tuning/int4_gemm.json`,
+from `python -m benchmarks.quantized_matmul --formats int4_wo --sweep --write-tuning`.
 """
 
 from __future__ import annotations
@@ -21,10 +23,23 @@ import triton
 import triton.language as tl
 
 from backend.kernels.split_k import SwappedGemmConfig, split_launch, store_tile
-from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
+from backend.kernels.tuning import compiles_for_gpu, device_name, lookup, rows_bucket, shape_key
 
 
 Int4GemmConfig = SwappedGemmConfig
+
+# A byte's two nibbles as bfloat16 128 + q (0x4300 | q, exact), both in one word (the byte
+# times 0x1001 puts the high nibble at bit 16, one LOP3 masks and ORs), then one paired
+# subtraction of 128 + z: q - z exactly, two weights an instruction.
+_BYTE_TO_BF16X2 = tl.constexpr(
+    """{
+.reg .b32 t;
+mul.lo.u32 t, $2, 4097;
+lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+sub.rn.bf16x2 t, t, $3;
+mov.b32 {$0, $1}, t;
+}"""
+)
 
 
 @triton.jit
@@ -48,6 +63,7 @@ def _int4_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BF16X2: tl.constexpr,
 ):
     HALF: tl.constexpr = BLOCK_K // 2
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -62,10 +78,21 @@ def _int4_gemm_kernel(
     for k0 in range(k_start, tl.minimum(k_start + per_split, K), BLOCK_K):
         packed = tl.load(q_rows + (k0 // 2 + tl.arange(0, HALF))[None, :]).to(tl.int32)
         x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :])  # [BLOCK_M, BLOCK_K]
-        z = tl.load(zero_ptr + n_in * groups + k0 // GROUP).to(tl.float32) + 8388608.0
-        # No int-to-float conversion per weight: q | 0x4B000000 bitcast is exactly 2^23 + q.
-        low = ((packed & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - z[:, None]
-        high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - z[:, None]
+        z = tl.load(zero_ptr + n_in * groups + k0 // GROUP).to(tl.int32)
+        if BF16X2:
+            low, high = tl.inline_asm_elementwise(
+                _BYTE_TO_BF16X2,
+                "=h,=h,r,r",
+                [packed, ((0x4300 + z) * 0x10001)[:, None]],
+                dtype=(tl.bfloat16, tl.bfloat16),
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            # No int-to-float conversion per weight: q | 0x4B000000 bitcast is exactly 2^23 + q.
+            zf = (z | 0x4B000000).to(tl.float32, bitcast=True)[:, None]
+            low = ((packed & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - zf
+            high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zf
         w = tl.join(low, high).reshape(BLOCK_N, BLOCK_K).to(x.dtype)  # channels 2j, 2j + 1
         s = tl.load(scale_ptr + n_in * groups + k0 // GROUP).to(tl.float32)
         acc += s[:, None] * tl.dot(w, tl.trans(x))
@@ -132,6 +159,7 @@ def int4_gemm(
         launch.per_split,
         GROUP=group_size,
         HAS_BIAS=bias is not None,
+        BF16X2=compiles_for_gpu(x.device) and x.dtype == torch.bfloat16,
         **c.launch_args(launch.split),
     )
     return out

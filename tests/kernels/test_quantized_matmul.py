@@ -88,6 +88,20 @@ def test_int4_gemm_is_dequantize_then_matmul(group, m):
     assert not arrival_counters("int4_gemm", x.device, 64).any()  # ready for the next launch
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="inline PTX; the interpreter's bfloat16 dot is wrong")
+@pytest.mark.parametrize("m", [3, 70])
+def test_int4_gemm_of_bfloat16_rows_is_dequantize_then_matmul(m):
+    """bfloat16 rows, which a GPU unpacks in bfloat16 pairs (inline PTX): within the rounding
+    of a bfloat16 output (2^-9 of the largest)."""
+    n, k, group = 40, 512, 128
+    w = _int4(n, k, group, seed=m)
+    x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+    expected = F.linear(x.float(), w.dequantize(torch.float32))
+    got = int4_gemm(x, w.qweight, w.scales, w.zeros, group)
+    assert got.dtype == torch.bfloat16
+    _relative_close(got, expected, rtol=2**-8)
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 48, 256), (70, 24, 128), (16, 64, 8192)])
 def test_fp8_gemm_is_the_torch_path(m, n, k):
     """Masked rows, columns and K (96 < one 128-wide K tile); K split over 2 and 3 programs (the
