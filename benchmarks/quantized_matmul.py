@@ -90,22 +90,29 @@ def _time(call, weights: list) -> float:
     return graph_us_per_call([lambda w=w: call(w) for w in weights])
 
 
-def _swapped_configs(x: torch.Tensor, block_ks: list[int]) -> list[SwappedGemmConfig]:
+def _swapped_configs(
+    x: torch.Tensor, block_ks: list[int], half_rows: bool = False
+) -> list[SwappedGemmConfig]:
     """The FP8 and 4-bit GEMMs' configs to time at x's rows: SWAPPED_SPACE by the K tiles, row
-    tiles of the rows' bucket up to 64 and up to 128, and 8 warps too for 128-row weight tiles."""
+    tiles of the rows' bucket up to 64 and up to 128, and 8 warps too for 128-row weight tiles.
+    `half_rows`: also row tiles of half the bucket (twice the programs, for kernels that wait
+    more than they compute)."""
     rows = rows_bucket(x.shape[0])
+    row_tiles = {min(64, rows), min(128, rows)}
+    if half_rows and rows >= 32:
+        row_tiles.add(min(64, rows // 2))
     return [
         SwappedGemmConfig(block_n, block_m, block_k, split, warps, stages)
         for block_n, split, stages in itertools.product(*SWAPPED_SPACE.values())
         for block_k in block_ks
-        for block_m in sorted({min(64, rows), min(128, rows)})
+        for block_m in sorted(row_tiles)
         for warps in ([4, 8] if block_n == 128 else [4])
     ]
 
 
 def _sweep_int4(x: torch.Tensor, weights: list) -> dict:
     """The fastest 4-bit GEMM config at x's rows."""
-    configs = _swapped_configs(x, block_ks=[min(weights[0].group_size, 128)])
+    configs = _swapped_configs(x, block_ks=[min(weights[0].group_size, 128)], half_rows=True)
 
     def gemm(w, config):
         return int4_gemm(x, w.qweight, w.scales, w.zeros, w.group_size, None, config)
