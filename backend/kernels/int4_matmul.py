@@ -135,15 +135,19 @@ def int4_gemm(
     group_size: int,
     bias: torch.Tensor | None = None,
     config: Int4GemmConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] -> x @ W^T (+ bias) [M, N] in x's dtype. Config: the given one, the device's
+    """x [M, K] -> x @ W^T (+ bias) [M, N] in x's dtype, or written into `out` (contiguous, any
+    float dtype: float32 logits skip a rounding and a cast). Config: the given one, the device's
     tuned one, else `default_config`."""
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
     key = config_key(n, k, group_size, m)
     c = config or _tuned(device_name(x.device), key) or default_config(m, n, group_size)
     _check(x, qweight, scales, zeros, group_size, c.block_k)
     launch = split_launch("int4_gemm", k, c.split, c.block_k, n, c.block_n, x.device, m, c.block_m)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.is_contiguous()
     _int4_gemm_kernel[launch.grid](
         x,
         qweight,

@@ -3,7 +3,7 @@
 At one row on GPU it is one GEMV with the norm as its prologue and float32 out (one kernel
 instead of a norm, a GEMM and a cast). An `fp8` head of several rows, where the FP8 GEMM is tuned
 for them, takes the e4m3 rows the norm writes and writes float32 logits (no row quantizer, no
-cast).
+cast); a 4-bit head's GEMM writes float32 logits too.
 
 Tensor parallel, each rank projects onto its slice of the vocabulary (the embedding's slice, so
 a tied head shares it) and the slices are gathered: every rank ends with the whole row.
@@ -53,5 +53,10 @@ class LMHead(Linear):
         ):
             rows = norm(hidden, e4m3=True)
             return self.quantized.matmul_e4m3(rows.values, rows.scales, None, torch.float32, out)
-        logits = super().forward(norm(hidden))
+        rows = norm(hidden)
+        if self.quantized is not None:  # a 4-bit head writes float32 itself
+            logits = self.quantized.matmul_float32(rows, out)
+            if logits is not None:
+                return logits
+        logits = super().forward(rows)
         return logits.float() if out is None else out.copy_(logits)

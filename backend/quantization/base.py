@@ -51,5 +51,13 @@ class QuantizedWeight(nn.Module):
         x's dtype, then matmul."""
         return F.linear(x, self.dequantize(x.dtype), bias)
 
+    def matmul_float32(
+        self, x: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """x @ W^T in float32 (into `out` where given) where the format's kernel writes float32
+        itself, with no rounding to x's dtype and no cast after (the lm_head's logits); None
+        where it does not."""
+        return None
+
     def extra_repr(self) -> str:
         return f"{self.format}, out_features={self.out_features}, in_features={self.in_features}"

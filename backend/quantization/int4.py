@@ -99,5 +99,15 @@ class Int4Weight(QuantizedWeight):
             return int4_matmul.int4_gemm(*args)
         return super().matmul(x, bias)
 
+    def matmul_float32(
+        self, x: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        if not x.is_cuda or int4_matmul is None or x.shape[0] == 1:
+            return None  # one row takes the GEMV, which writes float32 through `one_token`
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        args = (x, self.qweight, self.scales, self.zeros, self.group_size)
+        return int4_matmul.int4_gemm(*args, out=out)
+
     def extra_repr(self) -> str:
         return f"group_size={self.group_size}, " + super().extra_repr()

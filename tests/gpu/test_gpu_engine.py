@@ -584,6 +584,37 @@ def test_fp8_norms_writing_e4m3_rows_equal_the_unfused_path(tmp_path, monkeypatc
     assert torch.equal(got, want)
 
 
+def test_int4_head_writes_float32_logits(tmp_path, monkeypatch):
+    """An `int4_wo` model with its lm_head quantized, over several rows: the head's 4-bit GEMM
+    writes the float32 logits itself; they equal a bfloat16 product then a cast within that
+    product's rounding."""
+    from backend.quantization import Int4Weight
+    from backend.request import Chunk
+    from tests.tiny_models import save_tiny_hf_model
+
+    save_tiny_hf_model(tmp_path, "llama", **SMALL_QWEN2)
+    runner = small_runner(
+        tmp_path, quantization="int4_wo", quantize_lm_head=True, cuda_graphs=False
+    )
+    prompts = random_prompts(3, 1000, seed=6, low=40, high=60)
+    chunks = [Chunk.of_sequence(p, list(range(4 * i, 4 * i + 4))) for i, p in enumerate(prompts)]
+    written = []
+    float32_product = Int4Weight.matmul_float32
+    monkeypatch.setattr(
+        Int4Weight,
+        "matmul_float32",
+        lambda self, x, out=None: written.append(x.shape[0]) or float32_product(self, x, out),
+    )
+    got = runner.execute(chunks).logits.clone()
+    assert written == [len(prompts)]  # each chunk's last row
+    with monkeypatch.context() as patch:
+        patch.setattr(Int4Weight, "matmul_float32", lambda self, x, out=None: None)
+        want = runner.execute(chunks).logits.float().clone()
+    assert got.dtype == torch.float32
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=2**-8, atol=2**-8 * scale)
+
+
 def test_fp8_head_takes_the_norms_e4m3_rows_and_writes_float32_logits(tmp_path, monkeypatch):
     """An `fp8` model with its lm_head quantized, over several rows, the FP8 GEMM taken as tuned
     for the head (the tiny vocabulary has no table entry): the final RMSNorm writes the head's

@@ -100,6 +100,9 @@ def test_int4_gemm_of_bfloat16_rows_is_dequantize_then_matmul(m):
     got = int4_gemm(x, w.qweight, w.scales, w.zeros, group)
     assert got.dtype == torch.bfloat16
     _relative_close(got, expected, rtol=2**-8)
+    logits = torch.empty(m, n, dtype=torch.float32, device=DEVICE)  # no rounding to bfloat16
+    assert int4_gemm(x, w.qweight, w.scales, w.zeros, group, out=logits) is logits
+    _relative_close(logits, expected)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 48, 256), (70, 24, 128), (16, 64, 8192)])
