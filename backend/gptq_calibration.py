@@ -6,9 +6,10 @@ checkpoint (4-bit, `int4_gptq`) or an FP8 one (e4m3, `fp8`).
         [--weights int4|fp8] [--group-size 128] [--exclude layers.0.,layers.29.]
 
 reads the float checkpoint, runs the calibration text through the engine with a hook on every
-projection's input (a fused q|k|v or gate|up layer has one input, so one H for its parts), then
-writes every decoder projection as GPTQ tensors (asymmetric, groups of `--group-size` input
-channels, no reordering) or as e4m3 with a scale per output channel, and copies the rest. The
+projection's input (backend/calibration.py: a fused q|k|v or gate|up layer has one input, so
+one H for its parts), then writes every decoder projection as GPTQ tensors (asymmetric, groups
+of `--group-size` input channels in their plain order, g_idx = k // g, though the columns are
+rounded heaviest first) or as e4m3 with a scale per output channel, and copies the rest. The
 engine loads the result like any GPTQ or FP8 checkpoint. Each layer's H is taken from the float
 model (not from the layers already quantized before it, as GPTQ's reference code does), which
 keeps this to one pass.
@@ -18,54 +19,11 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from backend.config import EngineConfig
-from backend.executor import Executor
-from backend.layers.linear import Linear
+from backend.calibration import calibrate as calibrate_inputs
+from backend.calibration import calibration_prompts
 from backend.model_paths import resolve_model
-from backend.models.hf_weights import weight_targets
 from backend.quantization.gptq import write_gptq_checkpoint
-from backend.sampling_params import SamplingParams
 from preprocessing.tokenizer import load_tokenizer
-
-
-def collect_hessians(executor, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
-    """H = X^T X / tokens of every Linear's input (but the lm_head), by module name, over the
-    prompts run through `executor` (a CPU Executor of the float model)."""
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-
-    def observe(name: str):
-        def hook(module, inputs) -> None:
-            x = inputs[0].detach().reshape(-1, module.in_features).double()
-            sums[name] = sums.get(name, 0) + x.t() @ x
-            counts[name] = counts.get(name, 0) + x.shape[0]
-
-        return hook
-
-    model = executor.runner.model
-    handles = [
-        module.register_forward_pre_hook(observe(name))
-        for name, module in model.named_modules()
-        if isinstance(module, Linear) and name != "lm_head"
-    ]
-    try:
-        executor.generate(prompts, SamplingParams(max_tokens=1))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {name: sums[name] / counts[name] for name in sums}
-
-
-def calibration_prompts(tokenizer, text: str, num: int, length: int) -> list[list[int]]:
-    """`num` windows of `length` tokens, evenly spread over the calibration text."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) < length:
-        raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than {length}")
-    step = max((len(ids) - length) // max(num - 1, 1), 1)
-    starts = range(0, len(ids) - length + 1, step)
-    return [ids[s : s + length] for s in list(starts)[:num]]
 
 
 def quantize_model(
@@ -90,14 +48,8 @@ def quantize_model(
 def calibrate(float_dir: str, prompts: list[list[int]], max_seq_len: int) -> tuple[dict, dict]:
     """(H of every layer's input over `prompts`, the Hugging Face names' targets) of the float
     model in `float_dir`, run on the CPU in float32: what `write_gptq_checkpoint` takes."""
-    config = EngineConfig(
-        model_path=str(float_dir), device="cpu", dtype="float32", max_seq_len=max_seq_len, seed=0
-    )
-    executor = Executor(config)
-    try:
-        return collect_hessians(executor, prompts), weight_targets(executor.runner.model)
-    finally:
-        executor.shutdown()
+    inputs, targets = calibrate_inputs(float_dir, prompts, max_seq_len)
+    return {name: layer.hessian for name, layer in inputs.items()}, targets
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,38 +15,11 @@ from __future__ import annotations
 import torch
 
 from backend.quantization.checkpoint_writer import write_quantized_copy
+from backend.quantization.int4_grid import group_grid
 from backend.quantization.int4_packing import pack_gptq
 
 DAMPING = 0.01  # of the mean diagonal of H, added to it: H of a rare input is near singular
 COLUMNS_PER_BLOCK = 128  # columns rounded before their error is moved onto the later ones
-CLIP_FACTORS = tuple(1.0 - 0.02 * i for i in range(16))  # group ranges tried, 1.0 to 0.7
-
-
-def _group_grid(
-    w: torch.Tensor, importance: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero point of each row of w [N, g] on 0..15, for a range that holds 0: the
-    group's min..max, or with `importance` [g] (H's diagonal) that range shrunk by the factor
-    of CLIP_FACTORS that rounds the row with the least importance-weighted squared error."""
-    low, high = w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0)
-
-    def grid(factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = ((high - low) * factor / 15).clamp(min=1e-8).half().float()
-        return scale, torch.round(-low * factor / scale).clamp(0, 15)
-
-    best_scale, best_zero = grid(1.0)
-    if importance is None:
-        return best_scale, best_zero
-    best_error = torch.full((w.shape[0],), float("inf"))
-    for factor in CLIP_FACTORS:
-        scale, zero = grid(factor)
-        levels = torch.clamp(torch.round(w / scale[:, None]) + zero[:, None], 0, 15)
-        error = (((levels - zero[:, None]) * scale[:, None] - w) ** 2 * importance).sum(dim=1)
-        better = error < best_error
-        best_scale = torch.where(better, scale, best_scale)
-        best_zero = torch.where(better, zero, best_zero)
-        best_error = torch.minimum(error, best_error)
-    return best_scale, best_zero
 
 
 def gptq_quantize(
@@ -73,7 +46,7 @@ def gptq_quantize(
     for group in range(k // group_size):
         columns = slice(group * group_size, (group + 1) * group_size)
         importance = diagonal[columns] if clip_search else None
-        scales[group], zeros[group] = _group_grid(w[:, columns].float(), importance)
+        scales[group], zeros[group] = group_grid(w[:, columns].float(), importance)
     col_scales = scales.repeat_interleave(group_size, 0).t().double()  # [N, K]
     col_zeros = zeros.repeat_interleave(group_size, 0).t().double()
 

@@ -1,0 +1,85 @@
+"""Calibration inputs: text cut into token windows and run through the float model on the CPU,
+with a hook on every projection's input that sums what a quantizer needs of it: the input
+products H = X^T X (GPTQ's, backend/gptq_calibration.py; AWQ's output error,
+backend/awq_calibration.py) and each input channel's mean magnitude (AWQ's scales). A fused
+q|k|v or gate|up layer has one input, so one entry for its parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.config import EngineConfig
+from backend.executor import Executor
+from backend.layers.linear import Linear
+from backend.models.hf_weights import weight_targets
+from backend.sampling_params import SamplingParams
+
+
+@dataclass
+class LayerInputs:
+    """One projection's inputs over the calibration tokens."""
+
+    hessian: torch.Tensor  # [K, K] float64: X^T X / tokens
+    mean_abs: torch.Tensor  # [K] float64: mean |x| of each input channel
+    tokens: int
+
+
+def calibration_prompts(tokenizer, text: str, num: int, length: int) -> list[list[int]]:
+    """`num` windows of `length` tokens, evenly spread over the calibration text."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) < length:
+        raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than {length}")
+    step = max((len(ids) - length) // max(num - 1, 1), 1)
+    starts = range(0, len(ids) - length + 1, step)
+    return [ids[s : s + length] for s in list(starts)[:num]]
+
+
+def collect_inputs(executor, prompts: list[list[int]]) -> dict[str, LayerInputs]:
+    """`LayerInputs` of every Linear (but the lm_head), by module name, over the prompts run
+    through `executor` (a CPU Executor of the float model)."""
+    products: dict[str, torch.Tensor] = {}
+    magnitudes: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def observe(name: str):
+        def hook(module, inputs) -> None:
+            x = inputs[0].detach().reshape(-1, module.in_features).double()
+            products[name] = products.get(name, 0) + x.t() @ x
+            magnitudes[name] = magnitudes.get(name, 0) + x.abs().sum(dim=0)
+            counts[name] = counts.get(name, 0) + x.shape[0]
+
+        return hook
+
+    model = executor.runner.model
+    handles = [
+        module.register_forward_pre_hook(observe(name))
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and name != "lm_head"
+    ]
+    try:
+        executor.generate(prompts, SamplingParams(max_tokens=1))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {
+        name: LayerInputs(products[name] / counts[name], magnitudes[name] / counts[name], n)
+        for name, n in counts.items()
+    }
+
+
+def calibrate(
+    float_dir: str, prompts: list[list[int]], max_seq_len: int
+) -> tuple[dict[str, LayerInputs], dict]:
+    """(`LayerInputs` of every layer over `prompts`, the Hugging Face names' targets
+    (`weight_targets`)) of the float model in `float_dir`, run on the CPU in float32."""
+    config = EngineConfig(
+        model_path=str(float_dir), device="cpu", dtype="float32", max_seq_len=max_seq_len, seed=0
+    )
+    executor = Executor(config)
+    try:
+        return collect_inputs(executor, prompts), weight_targets(executor.runner.model)
+    finally:
+        executor.shutdown()
