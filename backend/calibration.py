@@ -18,6 +18,9 @@ from backend.models.hf_weights import weight_targets
 from backend.sampling_params import SamplingParams
 
 
+CACHED_WINDOWS = 16  # windows the KV cache holds at once
+
+
 @dataclass
 class LayerInputs:
     """One projection's inputs over the calibration tokens."""
@@ -76,7 +79,12 @@ def calibrate(
     """(`LayerInputs` of every layer over `prompts`, the Hugging Face names' targets
     (`weight_targets`)) of the float model in `float_dir`, run on the CPU in float32."""
     config = EngineConfig(
-        model_path=str(float_dir), device="cpu", dtype="float32", max_seq_len=max_seq_len, seed=0
+        model_path=str(float_dir),
+        device="cpu",
+        dtype="float32",
+        max_seq_len=max_seq_len,
+        max_tokens_in_paged_kv_cache=CACHED_WINDOWS * max_seq_len,  # not sized from free memory
+        seed=0,
     )
     executor = Executor(config)
     try:

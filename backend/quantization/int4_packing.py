@@ -82,6 +82,16 @@ def quantize_groups(
     return q.clamp(0, 15).to(torch.int16).reshape(k, n), zeros, scales
 
 
+def dequantize_groups(
+    q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The inverse of `quantize_groups` up to its rounding: q [K, N], z and scales [K / g, N]
+    -> float32 weight [N, K]."""
+    k, n = q.shape
+    grouped = q.float().reshape(k // group_size, group_size, n) - z.float()[:, None]
+    return (grouped * scales.float()[:, None]).reshape(k, n).t()
+
+
 def pack_awq(q: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [K, N], z [K / g, N] -> AWQ's qweight, qzeros."""
     positions = _awq_positions(q.shape[1])

@@ -1,0 +1,72 @@
+"""AWQ calibration: a float checkpoint's layers scaled by their inputs' magnitudes on calibration
+text run through the engine (backend/calibration.py), then rounded to 4 bits and written as an
+AWQ checkpoint (`int4_awq`; backend/quantization/awq.py, awq_checkpoint.py).
+
+    python -m backend.awq_calibration --model default --calibration TEXT_FILE --out DIR \
+        [--group-size 128] [--rounding nearest|clip|gptq]
+
+One pass of the float model gives every projection's H and mean|x|: folding the scales leaves
+the float model as it was, so no layer's inputs depend on another layer's scales.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from backend.calibration import calibrate, calibration_prompts
+from backend.model_paths import resolve_model
+from backend.quantization.awq_checkpoint import ROUNDINGS, write_awq_checkpoint
+from preprocessing.tokenizer import load_tokenizer
+
+
+def quantize_model(
+    model: str,
+    calibration_text: str,
+    out_dir: str,
+    group_size: int,
+    num: int,
+    length: int,
+    rounding: str = "clip",
+) -> str:
+    """Calibrate and write the AWQ checkpoint of `model` (a name or directory); returns out_dir."""
+    float_dir = resolve_model(model)
+    prompts = calibration_prompts(load_tokenizer(float_dir), calibration_text, num, length)
+    inputs, targets = calibrate(float_dir, prompts, max_seq_len=length + 8)
+    scaled = write_awq_checkpoint(float_dir, out_dir, inputs, targets, group_size, rounding)
+    for name, choice in scaled.choices.items():
+        gain = choice.error / choice.rtn_error if choice.rtn_error else 1.0
+        print(f"{name}: alpha {choice.alpha:.2f}, output error x{gain:.3f} of round to nearest")
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default", help="default, a preset, a HF dir or a .gguf")
+    p.add_argument("--calibration", required=True, help="a text file to calibrate on")
+    p.add_argument("--out", required=True, help="the AWQ checkpoint's directory")
+    p.add_argument("--group-size", type=int, default=128, help="input channels per group")
+    p.add_argument(
+        "--rounding",
+        choices=ROUNDINGS,
+        default="clip",
+        help="of the scaled weights: to nearest, ranges shrunk where it pays, or GPTQ's",
+    )
+    p.add_argument("--num-windows", type=int, default=64, help="calibration windows")
+    p.add_argument("--window", type=int, default=512, help="tokens per calibration window")
+    args = p.parse_args(argv)
+    with open(args.calibration) as f:
+        text = f.read()
+    out = quantize_model(
+        args.model,
+        text,
+        args.out,
+        args.group_size,
+        args.num_windows,
+        args.window,
+        args.rounding,
+    )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
