@@ -7,10 +7,13 @@ calibration text better than the round-to-nearest one."""
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
 
+from backend.awq_calibration import main
 from backend.calibration import calibrate, calibration_prompts
 from backend.config import EngineConfig
 from backend.executor import Executor
@@ -30,6 +33,7 @@ from benchmarks import quality_corpus
 from preprocessing.tokenizer import load_tokenizer
 from tests.quantized_checkpoints import quantized_checkpoint
 from tests.tiny_models import random_prompts
+from tests.tokenizer_fixtures import sentencepiece_tokenizer_dir
 
 ALPHAS = (0.5,)  # no search: these tests check the folding and the format, not alpha
 
@@ -126,3 +130,22 @@ def test_an_awq_checkpoint_loads_as_int4_awq_and_beats_round_to_nearest(tmp_path
     base = nll(model_dir)
     gap_awq, gap_rtn = nll(awq, "int4_awq") - base, nll(rtn, "int4_awq") - base
     assert math.isfinite(gap_awq) and 0 < gap_awq < 0.6 * gap_rtn
+
+
+def test_the_command_line_writes_an_awq_checkpoint_that_serves(tiny_hf_model, tmp_path):
+    _, directory = tiny_hf_model("llama", vocab_size=700, hidden_size=128, intermediate_size=256)
+    tokenizer_dir = sentencepiece_tokenizer_dir("metaspace")  # under 700 tokens
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), directory)
+    text = tmp_path / "calibration.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog near the river bank. " * 40)
+    out = tmp_path / "awq"
+    main(
+        [
+            *("--model", str(directory), "--calibration", str(text), "--out", str(out)),
+            *("--group-size", "64", "--rounding", "gptq", "--num-windows", "2", "--window", "32"),
+        ]
+    )
+    assert declared_quantization(out) == "int4_awq"
+    prompts = random_prompts(2, 700, seed=3, low=20, high=30)
+    assert all(map(len, prompt_logprobs(out, prompts, "int4_awq")))
