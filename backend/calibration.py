@@ -31,13 +31,21 @@ class LayerInputs:
 
 
 def calibration_prompts(tokenizer, text: str, num: int, length: int) -> list[list[int]]:
-    """`num` windows of `length` tokens, evenly spread over the calibration text."""
+    """`num` windows of `length` tokens, evenly spread over the calibration text, each after
+    the tokens the tokenizer puts before a text (gemma's <bos>, SmolLM2's none), as a served
+    prompt starts: without its <bos> gemma's activations are not those it serves with."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) < length:
         raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than {length}")
     step = max((len(ids) - length) // max(num - 1, 1), 1)
     starts = range(0, len(ids) - length + 1, step)
-    return [ids[s : s + length] for s in list(starts)[:num]]
+    first = start_tokens(tokenizer)
+    return [first + ids[s : s + length] for s in list(starts)[:num]]
+
+
+def start_tokens(tokenizer) -> list[int]:
+    """What the tokenizer puts before a text."""
+    return list(tokenizer.encode(""))
 
 
 def collect_inputs(executor, prompts: list[list[int]]) -> dict[str, LayerInputs]:

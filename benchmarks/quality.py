@@ -6,12 +6,16 @@ documentation) and greedy agreement with the unquantized model over a fixed prom
 The unquantized baseline (`none`) is the float32 checkpoint de-quantized from the shipped Q4_1
 GGUF; `gguf` serves those Q4_1 blocks kept quantized (the same values, so the same numbers);
 `int8_wo` and `fp8` quantize the baseline's weights at load (`fp8_ends`: all but the first and
-last two decoder layers, `quantization_exclude`); `int4_awq` loads an AWQ-format
-checkpoint written from the baseline by the round-to-nearest packer
-(`backend.quantization.int4_packing.awq_tensors`: AWQ's layout without its activation-aware
-scaling search); `int4_gptq` loads a GPTQ checkpoint calibrated by `backend.gptq_calibration`
-on other pages of the same documentation (`quality_corpus.CALIBRATION`), and `fp8_gptq`
-(`fp8_gptq_ends`: the end layers kept float) an FP8 checkpoint calibrated the same way.
+last two decoder layers, `quantization_exclude`); `int4_awq` loads an AWQ checkpoint
+calibrated by `backend.awq_calibration` (input-channel scales searched on other pages of the
+same documentation, `quality_corpus.CALIBRATION`, folded into the norms and the v / up rows,
+each group's range shrunk where it pays), `int4_awq_rtn` one written from the baseline by the
+round-to-nearest packer (`backend.quantization.int4_packing.awq_tensors`: AWQ's layout
+without its scales), `int4_awq_gptq` int4_awq's scales with GPTQ's rounding of the scaled
+weights in place of the range search; `int4_gptq` loads a GPTQ checkpoint calibrated by
+`backend.gptq_calibration` on the same text, and `fp8_gptq` (`fp8_gptq_ends`: the end layers
+kept float) an FP8 checkpoint calibrated the same way. Calibration windows start with the
+tokenizer's start tokens, as the scored ones do.
 SmolLM2's hidden size 576 is not a multiple of 128, so the int4 group is 64.
 `int8_wo_lm_head` and `fp8_gptq_lm_head` are those rows with the lm_head (tied to the embedding)
 quantized too (`quantize_lm_head`: an e4m3 or int8 copy, a scale per vocabulary row).
@@ -34,8 +38,8 @@ log-probs. Agreement: the prompts' greedy continuations (`--max-tokens`) against
 
     python -m benchmarks.quality --tokens 50000 --json benchmarks/results/quality_smollm2_cpu.json
     python -m benchmarks.quality --model gemma-3-270m --group-size 128 \\
-        --formats none int4_awq int4_gptq \\
-        --json benchmarks/results/quality_w4a16_g128_gemma3_270m_cpu.json
+        --formats none int4_awq int4_awq_gptq int4_gptq int4_awq_rtn \\
+        --json benchmarks/results/quality_w4a16_awq_g128_gemma3_270m_cpu.json
 """
 
 from __future__ import annotations
@@ -63,7 +67,9 @@ ROWS = {
     "none": ("none", "auto"),
     "gguf": ("gguf", "auto"),
     "int8_wo": ("int8_wo", "auto"),
-    "int4_awq": ("int4_awq", "auto"),
+    "int4_awq": ("int4_awq", "auto"),  # calibrated by backend.awq_calibration
+    "int4_awq_rtn": ("int4_awq", "auto"),  # AWQ's layout, rounded to nearest (no scales)
+    "int4_awq_gptq": ("int4_awq", "auto"),  # AWQ's scales, then GPTQ's rounding
     "int4_gptq": ("int4_gptq", "auto"),
     "fp8_gptq": ("fp8", "auto"),  # an FP8 checkpoint calibrated by backend.gptq_calibration
     "fp8_gptq_ends": ("fp8", "auto"),  # the same with the END_LAYERS kept float
@@ -128,8 +134,9 @@ def model_source(model: str) -> str:
     return str(assemble())  # reassembled once from the package's parts, SHA-256 checked
 
 
-def awq_checkpoint(float_dir: str, group_size: int) -> str:
-    """An AWQ-format copy of the float checkpoint (cached): every decoder projection packed."""
+def awq_rtn_checkpoint(float_dir: str, group_size: int) -> str:
+    """An AWQ-format copy of the float checkpoint (cached): every decoder projection rounded to
+    nearest and packed, with no activation-aware scales."""
     from backend.quantization.checkpoint_writer import write_quantized_copy
     from backend.quantization.int4_packing import awq_tensors
 
@@ -139,6 +146,24 @@ def awq_checkpoint(float_dir: str, group_size: int) -> str:
             quant_method="awq", bits=4, group_size=group_size, zero_point=True, version="gemm"
         )
         write_quantized_copy(float_dir, out, lambda _, w: awq_tensors(w, group_size), config)
+    return out
+
+
+def awq_checkpoint(model: str, group_size: int, rounding: str = "clip") -> str:
+    """An AWQ checkpoint of `model` (a `model_source`) calibrated on the Django calibration text
+    (cached; `backend.awq_calibration`: scales searched, then `rounding`: "clip", each group's
+    range shrunk where it pays, or "gptq", GPTQ's rounding of the scaled weights)."""
+    import hashlib
+
+    from backend.awq_calibration import quantize_model
+
+    text = quality_corpus.CALIBRATION.read_text()
+    float_dir = resolve_model(model)
+    tag = hashlib.sha256(f"{text}{windows_start(float_dir)}".encode()).hexdigest()[:8]
+    name = f"awq-{rounding}-g{group_size}-{GPTQ_WINDOWS}-{tag}"
+    out = os.path.join(cache_root(), f"{os.path.basename(float_dir)}-{name}")
+    if not os.path.isfile(os.path.join(out, "model.safetensors")):
+        quantize_model(model, text, out, group_size, GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS, rounding)
     return out
 
 
@@ -153,8 +178,8 @@ def gptq_checkpoint(
     from backend.gptq_calibration import quantize_model
 
     text = quality_corpus.CALIBRATION.read_text()
-    tag = hashlib.sha256(f"{text}{exclude}".encode()).hexdigest()[:8]
     float_dir = resolve_model(model)
+    tag = hashlib.sha256(f"{text}{exclude}{windows_start(float_dir)}".encode()).hexdigest()[:8]
     name = f"gptq-g{group_size}" if weights == "int4" else "gptq-fp8"
     out = os.path.join(cache_root(), f"{os.path.basename(float_dir)}-{name}-{GPTQ_WINDOWS}-{tag}")
     if not os.path.isfile(os.path.join(out, "model.safetensors")):
@@ -163,6 +188,16 @@ def gptq_checkpoint(
             model, text, out, group_size, GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS, weights, fragments
         )
     return out
+
+
+def windows_start(float_dir: str) -> str:
+    """The start tokens of the calibration windows, for the cache's name ("" where none, as the
+    names were before the windows had them)."""
+    from backend.calibration import start_tokens
+    from preprocessing.tokenizer import load_tokenizer
+
+    first = start_tokens(load_tokenizer(float_dir))
+    return f"start{first}" if first else ""
 
 
 def end_layers(model_dir: str, count: int) -> str:
@@ -232,7 +267,12 @@ def run(args) -> dict:
     ]
     prompts = [tokenizer.encode(p) for p in PROMPTS] + [list(c) for c in chat]
     models = {f: source for f in FORMATS}
-    models["int4_awq"] = awq_checkpoint(float_dir, args.group_size)
+    if "int4_awq_rtn" in args.formats:
+        models["int4_awq_rtn"] = awq_rtn_checkpoint(float_dir, args.group_size)
+    if "int4_awq" in args.formats:
+        models["int4_awq"] = awq_checkpoint(source, args.group_size)
+    if "int4_awq_gptq" in args.formats:
+        models["int4_awq_gptq"] = awq_checkpoint(source, args.group_size, "gptq")
     for fmt in args.formats:
         if fmt.startswith("gguf_"):
             models[fmt] = requantized_gguf(fmt.removeprefix("gguf_").upper())
@@ -296,7 +336,14 @@ def run(args) -> dict:
         "stride": args.stride,
         "int4_group_size": args.group_size,
         "int4_source": {
-            "int4_awq": "AWQ layout packed by round to nearest (no activation-aware search)",
+            "int4_awq": f"AWQ calibrated on {GPTQ_WINDOWS} windows of {GPTQ_WINDOW_TOKENS} "
+            "tokens of benchmarks/data/django_calibration.txt: input-channel scales mean|x|^alpha "
+            "(alpha per group of projections sharing an input, from 20 in 0..1, least output "
+            "error through the inputs' X^T X) folded into the norms and the v / up rows, then "
+            "each group's range shrunk where its outputs round better",
+            "int4_awq_rtn": "AWQ layout packed by round to nearest (no activation-aware scales)",
+            "int4_awq_gptq": "int4_awq's scales, then GPTQ's rounding of the scaled weights (H "
+            "of the scaled inputs) in place of the range search",
             "int4_gptq": f"GPTQ calibrated on {GPTQ_WINDOWS} windows of {GPTQ_WINDOW_TOKENS} "
             "tokens of benchmarks/data/django_calibration.txt (Django docs/howto, intro, ref: "
             "no paragraph of the corpus)",
