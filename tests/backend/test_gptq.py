@@ -12,10 +12,14 @@ import pytest
 import torch
 
 from backend.quantization import Fp8Weight
+from backend.calibration import calibration_prompts
 from backend.gptq_calibration import calibrate, main
+from backend.model_paths import resolve_model
 from backend.quantization.gptq import gptq_fp8, gptq_quantize, write_gptq_checkpoint
 from backend.quantization.int4_packing import quantize_groups
 from backend.weight_formats import declared_quantization
+from benchmarks import quality_corpus
+from preprocessing.tokenizer import load_tokenizer
 from tests.backend.test_quantization import WIDE, _load, _projections, _tokens
 from tests.quantized_checkpoints import dequantized_checkpoint
 from tests.tiny_models import random_prompts
@@ -156,3 +160,24 @@ def test_the_command_line_writes_the_asked_format_and_keeps_the_excluded_layers(
         assert (layer.quantized is None) == ("layers.1." in name), name
         if layer.quantized is not None:
             assert isinstance(layer.quantized, Fp8Weight), name
+
+
+@pytest.mark.slow
+def test_act_order_with_static_groups_helps_on_a_real_layer():
+    """The default model's down_proj of layer 5 over calibration text: the columns rounded
+    heaviest first (the groups' grids set beforehand, in plain order) leave less output error
+    than rounding them in order."""
+    model_dir = resolve_model("default")
+    text = quality_corpus.CALIBRATION.read_text()
+    prompts = calibration_prompts(load_tokenizer(model_dir), text, 4, 256)
+    hessians, _ = calibrate(str(model_dir), prompts, 264)
+    name = "model.layers.5.mlp.down_proj"
+    weight = _load(model_dir).get_submodule(name).weight.detach()
+    hessian = hessians[name]
+    errors = {}
+    for act_order in (False, True):
+        approx = dequantize(*gptq_quantize(weight, hessian, 64, act_order, False), 64)
+        errors[act_order] = output_error(weight, approx, hessian)
+    rtn = output_error(weight, dequantize(*quantize_groups(weight, 64), 64), hessian)
+    assert errors[False] < 0.5 * rtn  # measured 0.15
+    assert errors[True] < 0.75 * errors[False]  # 0.094 of round to nearest: 0.62
