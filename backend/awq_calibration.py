@@ -11,9 +11,7 @@ the float model as it was, so no layer's inputs depend on another layer's scales
 
 from __future__ import annotations
 
-import argparse
-
-from backend.calibration import calibrate, calibration_prompts
+from backend.calibration import calibrate, calibration_parser, calibration_prompts, read_text
 from backend.model_paths import resolve_model
 from backend.quantization.awq_checkpoint import ROUNDINGS, write_awq_checkpoint
 from preprocessing.tokenizer import load_tokenizer
@@ -40,10 +38,7 @@ def quantize_model(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default", help="default, a preset, a HF dir or a .gguf")
-    p.add_argument("--calibration", required=True, help="a text file to calibrate on")
-    p.add_argument("--out", required=True, help="the AWQ checkpoint's directory")
+    p = calibration_parser(__doc__, "AWQ")
     p.add_argument("--group-size", type=int, default=128, help="input channels per group")
     p.add_argument(
         "--rounding",
@@ -51,14 +46,10 @@ def main(argv: list[str] | None = None) -> None:
         default="clip",
         help="of the scaled weights: to nearest, ranges shrunk where it pays, or GPTQ's",
     )
-    p.add_argument("--num-windows", type=int, default=64, help="calibration windows")
-    p.add_argument("--window", type=int, default=512, help="tokens per calibration window")
     args = p.parse_args(argv)
-    with open(args.calibration) as f:
-        text = f.read()
     out = quantize_model(
         args.model,
-        text,
+        read_text(args.calibration),
         args.out,
         args.group_size,
         args.num_windows,

@@ -7,6 +7,7 @@ q|k|v or gate|up layer has one input, so one entry for its parts.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -99,3 +100,20 @@ def calibrate(
         return collect_inputs(executor, prompts), weight_targets(executor.runner.model)
     finally:
         executor.shutdown()
+
+
+def calibration_parser(doc: str, checkpoint: str) -> argparse.ArgumentParser:
+    """The options every calibration command takes (model, text, output, windows); `doc` the
+    module docstring, `checkpoint` what the output directory holds."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--model", default="default", help="default, a preset, a HF dir or a .gguf")
+    p.add_argument("--calibration", required=True, help="a text file to calibrate on")
+    p.add_argument("--out", required=True, help=f"the {checkpoint} checkpoint's directory")
+    p.add_argument("--num-windows", type=int, default=64, help="calibration windows")
+    p.add_argument("--window", type=int, default=512, help="tokens per calibration window")
+    return p
+
+
+def read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()

@@ -17,10 +17,8 @@ keeps this to one pass.
 
 from __future__ import annotations
 
-import argparse
-
 from backend.calibration import calibrate as calibrate_inputs
-from backend.calibration import calibration_prompts
+from backend.calibration import calibration_parser, calibration_prompts, read_text
 from backend.model_paths import resolve_model
 from backend.quantization.gptq import write_gptq_checkpoint
 from preprocessing.tokenizer import load_tokenizer
@@ -53,10 +51,7 @@ def calibrate(float_dir: str, prompts: list[list[int]], max_seq_len: int) -> tup
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default", help="default, a preset, a HF dir or a .gguf")
-    p.add_argument("--calibration", required=True, help="a text file to calibrate on")
-    p.add_argument("--out", required=True, help="the GPTQ checkpoint's directory")
+    p = calibration_parser(__doc__, "GPTQ")
     p.add_argument("--weights", choices=("int4", "fp8"), default="int4", help="the format")
     p.add_argument("--group-size", type=int, default=128, help="int4 groups")
     p.add_argument(
@@ -64,15 +59,11 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="comma-separated fragments of module names kept float (e.g. 'layers.0.,layers.1.')",
     )
-    p.add_argument("--num-windows", type=int, default=64, help="calibration windows")
-    p.add_argument("--window", type=int, default=512, help="tokens per calibration window")
     args = p.parse_args(argv)
-    with open(args.calibration) as f:
-        text = f.read()
     exclude = tuple(fragment for fragment in args.exclude.split(",") if fragment)
     out = quantize_model(
         args.model,
-        text,
+        read_text(args.calibration),
         args.out,
         args.group_size,
         args.num_windows,

@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -114,6 +115,13 @@ def sentencepiece_tokenizer_dir(style: str) -> str:
     target = tempfile.mkdtemp(dir=_cache_root(), prefix=f"sp-{style}-")
     wrapped.save_pretrained(target)
     return target
+
+
+def copy_sentencepiece_tokenizer(directory, style: str = "metaspace") -> None:
+    """Save a SentencePiece-style tokenizer (`sentencepiece_tokenizer_dir`) beside a model."""
+    source = sentencepiece_tokenizer_dir(style)
+    for name in os.listdir(source):
+        shutil.copy(os.path.join(source, name), directory)
 
 
 @pytest.fixture(scope="session")

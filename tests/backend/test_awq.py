@@ -7,8 +7,6 @@ calibration text better than the round-to-nearest one."""
 from __future__ import annotations
 
 import math
-import os
-import shutil
 
 import pytest
 import torch
@@ -33,7 +31,7 @@ from benchmarks import quality_corpus
 from preprocessing.tokenizer import load_tokenizer
 from tests.quantized_checkpoints import quantized_checkpoint
 from tests.tiny_models import random_prompts
-from tests.tokenizer_fixtures import sentencepiece_tokenizer_dir
+from tests.tokenizer_fixtures import copy_sentencepiece_tokenizer
 
 ALPHAS = (0.5,)  # no search: these tests check the folding and the format, not alpha
 
@@ -134,9 +132,7 @@ def test_an_awq_checkpoint_loads_as_int4_awq_and_beats_round_to_nearest(tmp_path
 
 def test_the_command_line_writes_an_awq_checkpoint_that_serves(tiny_hf_model, tmp_path):
     _, directory = tiny_hf_model("llama", vocab_size=700, hidden_size=128, intermediate_size=256)
-    tokenizer_dir = sentencepiece_tokenizer_dir("metaspace")  # under 700 tokens
-    for name in os.listdir(tokenizer_dir):
-        shutil.copy(os.path.join(tokenizer_dir, name), directory)
+    copy_sentencepiece_tokenizer(directory)  # under 700 tokens
     text = tmp_path / "calibration.txt"
     text.write_text("The quick brown fox jumps over the lazy dog near the river bank. " * 40)
     out = tmp_path / "awq"

@@ -5,8 +5,6 @@ weights it wrote."""
 
 from __future__ import annotations
 
-import os
-import shutil
 
 import pytest
 import torch
@@ -23,7 +21,7 @@ from preprocessing.tokenizer import load_tokenizer
 from tests.backend.test_quantization import WIDE, _load, _projections, _tokens
 from tests.quantized_checkpoints import dequantized_checkpoint
 from tests.tiny_models import random_prompts
-from tests.tokenizer_fixtures import sentencepiece_tokenizer_dir
+from tests.tokenizer_fixtures import copy_sentencepiece_tokenizer
 
 
 def dequantize(q, z, scales, group_size: int) -> torch.Tensor:
@@ -143,9 +141,7 @@ def test_the_command_line_writes_the_asked_format_and_keeps_the_excluded_layers(
     """`python -m backend.gptq_calibration` passes --weights and --exclude on (it once wrote a
     4-bit checkpoint whatever --weights said)."""
     _, directory = tiny_hf_model("llama", vocab_size=700, **WIDE)
-    tokenizer_dir = sentencepiece_tokenizer_dir("metaspace")  # under 700 tokens
-    for name in os.listdir(tokenizer_dir):
-        shutil.copy(os.path.join(tokenizer_dir, name), directory)
+    copy_sentencepiece_tokenizer(directory)  # under 700 tokens
     text = tmp_path / "calibration.txt"
     text.write_text("The quick brown fox jumps over the lazy dog near the river bank. " * 40)
     out = tmp_path / "fp8"
