@@ -11,10 +11,8 @@ the float model as it was, so no layer's inputs depend on another layer's scales
 
 from __future__ import annotations
 
-from backend.calibration import calibrate, calibration_parser, calibration_prompts, read_text
-from backend.model_paths import resolve_model
+from backend.calibration import calibrate_on_text, calibration_parser, read_text
 from backend.quantization.awq_checkpoint import ROUNDINGS, write_awq_checkpoint
-from preprocessing.tokenizer import load_tokenizer
 
 
 def quantize_model(
@@ -27,9 +25,7 @@ def quantize_model(
     rounding: str = "clip",
 ) -> str:
     """Calibrate and write the AWQ checkpoint of `model` (a name or directory); returns out_dir."""
-    float_dir = resolve_model(model)
-    prompts = calibration_prompts(load_tokenizer(float_dir), calibration_text, num, length)
-    inputs, targets = calibrate(float_dir, prompts, max_seq_len=length + 8)
+    float_dir, inputs, targets = calibrate_on_text(model, calibration_text, num, length)
     scaled = write_awq_checkpoint(float_dir, out_dir, inputs, targets, group_size, rounding)
     for name, choice in scaled.choices.items():
         gain = choice.error / choice.rtn_error if choice.rtn_error else 1.0

@@ -8,27 +8,20 @@ q|k|v or gate|up layer has one input, so one entry for its parts.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
 import torch
 
 from backend.config import EngineConfig
 from backend.executor import Executor
 from backend.layers.linear import Linear
+from backend.model_paths import resolve_model
+from backend.quantization.layer_inputs import LayerInputs
 from backend.models.hf_weights import weight_targets
 from backend.sampling_params import SamplingParams
+from preprocessing.tokenizer import load_tokenizer
 
 
 CACHED_WINDOWS = 16  # windows the KV cache holds at once
-
-
-@dataclass
-class LayerInputs:
-    """One projection's inputs over the calibration tokens."""
-
-    hessian: torch.Tensor  # [K, K] float64: X^T X / tokens
-    mean_abs: torch.Tensor  # [K] float64: mean |x| of each input channel
-    tokens: int
 
 
 def calibration_prompts(tokenizer, text: str, num: int, length: int) -> list[list[int]]:
@@ -100,6 +93,16 @@ def calibrate(
         return collect_inputs(executor, prompts), weight_targets(executor.runner.model)
     finally:
         executor.shutdown()
+
+
+def calibrate_on_text(
+    model: str, text: str, num: int, length: int
+) -> tuple[str, dict[str, LayerInputs], dict]:
+    """(the float checkpoint's directory, `calibrate`'s two results) of `model` (a name or a
+    directory) over `num` windows of `length` tokens of `text`."""
+    float_dir = resolve_model(model)
+    prompts = calibration_prompts(load_tokenizer(float_dir), text, num, length)
+    return (float_dir, *calibrate(float_dir, prompts, max_seq_len=length + 8))
 
 
 def calibration_parser(doc: str, checkpoint: str) -> argparse.ArgumentParser:

@@ -18,10 +18,8 @@ keeps this to one pass.
 from __future__ import annotations
 
 from backend.calibration import calibrate as calibrate_inputs
-from backend.calibration import calibration_parser, calibration_prompts, read_text
-from backend.model_paths import resolve_model
+from backend.calibration import calibrate_on_text, calibration_parser, read_text
 from backend.quantization.gptq import write_gptq_checkpoint
-from preprocessing.tokenizer import load_tokenizer
 
 
 def quantize_model(
@@ -35,10 +33,8 @@ def quantize_model(
     exclude: tuple[str, ...] = (),
 ) -> str:
     """Calibrate and write the GPTQ checkpoint of `model` (a name or directory); returns out_dir."""
-
-    float_dir = resolve_model(model)
-    prompts = calibration_prompts(load_tokenizer(float_dir), calibration_text, num, length)
-    hessians, targets = calibrate(float_dir, prompts, max_seq_len=length + 8)
+    float_dir, inputs, targets = calibrate_on_text(model, calibration_text, num, length)
+    hessians = {name: layer.hessian for name, layer in inputs.items()}
     write_gptq_checkpoint(float_dir, out_dir, hessians, targets, group_size, weights, exclude)
     return out_dir
 

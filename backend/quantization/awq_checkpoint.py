@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.calibration import LayerInputs
+from backend.quantization.layer_inputs import LayerInputs
 from backend.model_config import ModelConfig
 from backend.quantization.awq import ALPHAS, Scaling, quantize_scaled, search_scales
 from backend.quantization.checkpoint_writer import PROJECTION, write_checkpoint
