@@ -34,8 +34,9 @@ def quantize_model(
 ) -> str:
     """Calibrate and write the GPTQ checkpoint of `model` (a name or directory); returns out_dir."""
     float_dir, inputs, targets = calibrate_on_text(model, calibration_text, num, length)
-    hessians = {name: layer.hessian for name, layer in inputs.items()}
-    write_gptq_checkpoint(float_dir, out_dir, hessians, targets, group_size, weights, exclude)
+    write_gptq_checkpoint(
+        float_dir, out_dir, _hessians(inputs), targets, group_size, weights, exclude
+    )
     return out_dir
 
 
@@ -43,7 +44,12 @@ def calibrate(float_dir: str, prompts: list[list[int]], max_seq_len: int) -> tup
     """(H of every layer's input over `prompts`, the Hugging Face names' targets) of the float
     model in `float_dir`, run on the CPU in float32: what `write_gptq_checkpoint` takes."""
     inputs, targets = calibrate_inputs(float_dir, prompts, max_seq_len)
-    return {name: layer.hessian for name, layer in inputs.items()}, targets
+    return _hessians(inputs), targets
+
+
+def _hessians(inputs: dict) -> dict:
+    """Each layer's H out of its `LayerInputs`: all GPTQ takes."""
+    return {name: layer.hessian for name, layer in inputs.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
