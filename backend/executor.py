@@ -115,6 +115,9 @@ class Executor:
         on_output: OutputCallback,
     ) -> None:
         """Validate and queue a request. Raises ValueError (bad input) or QueueFullError."""
+        self._queue([(self._request(request_id, prompt_ids, sampling), on_output)])
+
+    def _request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams):
         request = Request(
             str(request_id), list(prompt_ids), self.limits.check(prompt_ids, sampling)
         )
@@ -122,17 +125,22 @@ class Executor:
             request.prompt_logprobs = PromptLogprobs(
                 len(request.prompt_ids), request.sampling.num_top_log_probs
             )
+        return request
+
+    def _queue(self, requests: list[tuple[Request, OutputCallback]]) -> None:
+        """Queue validated requests together: the loop sees all of them or none."""
         with self._lock:
             if self._stopping:
                 raise RuntimeError(self.error or "executor is shut down")
-            if request.request_id in self._live:
-                raise ValueError(f"request_id {request.request_id!r} is already in flight")
-            self.scheduler.add(request)
-            self.outputs.add(request, on_output)
-            if reads_token_history(request):
-                self.engine.history_requests.add(request.request_id)
-            if request.prompt_logprobs is not None:
-                self.engine.prompt_logprob_requests.add(request.request_id)
+            for request, on_output in requests:
+                if request.request_id in self._live:
+                    raise ValueError(f"request_id {request.request_id!r} is already in flight")
+                self.scheduler.add(request)
+                self.outputs.add(request, on_output)
+                if reads_token_history(request):
+                    self.engine.history_requests.add(request.request_id)
+                if request.prompt_logprobs is not None:
+                    self.engine.prompt_logprob_requests.add(request.request_id)
             self._work.notify()
 
     def cancel(self, request_id: str) -> bool:
@@ -218,8 +226,10 @@ class Executor:
 
             return on_output
 
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            self.submit(f"{tag}-{i}", ids, p, collect(i))
+        requests = [
+            self._request(f"{tag}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))
+        ]
+        self._queue([(request, collect(i)) for i, request in enumerate(requests)])  # one step's
         for _ in prompts:
             if not done.acquire(timeout=timeout):
                 raise TimeoutError("generate timed out")

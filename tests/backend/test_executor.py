@@ -83,6 +83,20 @@ def test_bad_input_is_rejected_and_neighbours_are_served(executor, prompt, param
     assert len(good.tokens) == 6
 
 
+def test_generate_refuses_a_bad_prompt_before_queueing_any_and_batches_the_rest(tiny_dir):
+    """generate validates every prompt first (a bad one queues none of them), then queues them
+    together: prompts that fit the step's budget run as one prompt step."""
+    ex = Executor(tiny_config(tiny_dir, max_seq_len=256, max_num_tokens=64, max_batch_size=8))
+    try:
+        with pytest.raises(ValueError, match="prompt must not be empty"):
+            ex.generate([[3, 4, 5], []], SamplingParams(max_tokens=2))
+        assert ex.stats().num_iterations == 0  # the good prompt never ran
+        ex.generate(random_prompts(4, 500, seed=2, low=10, high=16), SamplingParams(max_tokens=1))
+        assert ex.stats().num_context_iterations == 1
+    finally:
+        ex.shutdown()
+
+
 def test_context_iterations_count_the_steps_that_compute_a_prompt(tiny_dir):
     """A 40-token prompt in chunks of at most 16 tokens takes three prompt steps; its four later
     tokens come from decode steps, which are not counted. Three of those follow a decode step
