@@ -229,7 +229,8 @@ class Executor:
         requests = [
             self._request(f"{tag}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))
         ]
-        self._queue([(request, collect(i)) for i, request in enumerate(requests)])  # one step's
+        # Queued together, so the loop's first step can take them all.
+        self._queue([(request, collect(i)) for i, request in enumerate(requests)])
         for _ in prompts:
             if not done.acquire(timeout=timeout):
                 raise TimeoutError("generate timed out")

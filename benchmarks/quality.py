@@ -150,43 +150,47 @@ def awq_rtn_checkpoint(float_dir: str, group_size: int) -> str:
 
 
 def awq_checkpoint(model: str, group_size: int, rounding: str = "clip") -> str:
-    """An AWQ checkpoint of `model` (a `model_source`) calibrated on the Django calibration text
-    (cached; `backend.awq_calibration`: scales searched, then `rounding`: "clip", each group's
-    range shrunk where it pays, or "gptq", GPTQ's rounding of the scaled weights)."""
-    import hashlib
-
+    """An AWQ checkpoint of `model` (a `model_source`), `calibrated_checkpoint`'s
+    (`backend.awq_calibration`: scales searched, then `rounding`: "clip", each group's range
+    shrunk where it pays, or "gptq", GPTQ's rounding of the scaled weights)."""
     from backend.awq_calibration import quantize_model
 
-    text = quality_corpus.CALIBRATION.read_text()
-    float_dir = resolve_model(model)
-    tag = hashlib.sha256(f"{text}{windows_start(float_dir)}".encode()).hexdigest()[:8]
-    name = f"awq-{rounding}-g{group_size}-{GPTQ_WINDOWS}-{tag}"
-    out = os.path.join(cache_root(), f"{os.path.basename(float_dir)}-{name}")
-    if not os.path.isfile(os.path.join(out, "model.safetensors")):
+    def write(text: str, out: str) -> None:
         quantize_model(model, text, out, group_size, GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS, rounding)
-    return out
+
+    return calibrated_checkpoint(model, f"awq-{rounding}-g{group_size}", "", write)
 
 
 def gptq_checkpoint(
     model: str, group_size: int, weights: str = "int4", exclude: str | None = None
 ) -> str:
-    """A checkpoint of `model` (a `model_source`) calibrated on the Django calibration text (cached;
-    `backend.gptq_calibration`): GPTQ 4-bit, or FP8 with `weights` "fp8"; `exclude`: the
+    """A checkpoint of `model` (a `model_source`), `calibrated_checkpoint`'s
+    (`backend.gptq_calibration`): GPTQ 4-bit, or FP8 with `weights` "fp8"; `exclude`: the
     `quantization_exclude` fragments kept float."""
-    import hashlib
-
     from backend.gptq_calibration import quantize_model
 
-    text = quality_corpus.CALIBRATION.read_text()
-    float_dir = resolve_model(model)
-    tag = hashlib.sha256(f"{text}{exclude}{windows_start(float_dir)}".encode()).hexdigest()[:8]
-    name = f"gptq-g{group_size}" if weights == "int4" else "gptq-fp8"
-    out = os.path.join(cache_root(), f"{os.path.basename(float_dir)}-{name}-{GPTQ_WINDOWS}-{tag}")
-    if not os.path.isfile(os.path.join(out, "model.safetensors")):
+    def write(text: str, out: str) -> None:
         fragments = tuple(exclude.split(",")) if exclude else ()
         quantize_model(
             model, text, out, group_size, GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS, weights, fragments
         )
+
+    name = f"gptq-g{group_size}" if weights == "int4" else "gptq-fp8"
+    return calibrated_checkpoint(model, name, exclude, write)
+
+
+def calibrated_checkpoint(model: str, name: str, key, write) -> str:
+    """The directory of a checkpoint of `model` calibrated on the Django calibration text,
+    cached by `name`, the windows' count and a hash of the text, `key` and the windows' start
+    tokens; `write(text, out_dir)` makes it where the cache has none."""
+    import hashlib
+
+    text = quality_corpus.CALIBRATION.read_text()
+    float_dir = resolve_model(model)
+    tag = hashlib.sha256(f"{text}{key}{windows_start(float_dir)}".encode()).hexdigest()[:8]
+    out = os.path.join(cache_root(), f"{os.path.basename(float_dir)}-{name}-{GPTQ_WINDOWS}-{tag}")
+    if not os.path.isfile(os.path.join(out, "model.safetensors")):
+        write(text, out)
     return out
 
 

@@ -14,6 +14,7 @@ from backend.calibration import calibration_prompts
 from backend.gptq_calibration import calibrate, main
 from backend.model_paths import resolve_model
 from backend.quantization.gptq import gptq_fp8, gptq_quantize, write_gptq_checkpoint
+from backend.quantization.int4_packing import dequantize_groups as dequantize
 from backend.quantization.int4_packing import quantize_groups
 from backend.weight_formats import declared_quantization
 from benchmarks import quality_corpus
@@ -22,15 +23,6 @@ from tests.backend.test_quantization import WIDE, _load, _projections, _tokens
 from tests.quantized_checkpoints import dequantized_checkpoint
 from tests.tiny_models import random_prompts
 from tests.tokenizer_fixtures import copy_sentencepiece_tokenizer
-
-
-def dequantize(q, z, scales, group_size: int) -> torch.Tensor:
-    """q [K, N], z and scales [K / g, N] -> weight [N, K]."""
-    k, n = q.shape
-    grouped = (q.float().reshape(k // group_size, group_size, n) - z.float()[:, None]) * scales[
-        :, None
-    ].float()
-    return grouped.reshape(k, n).t()
 
 
 def output_error(weight, approx, hessian) -> float:
