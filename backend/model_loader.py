@@ -28,6 +28,7 @@ from backend.quantized_checkpoint import (
     quantize_at_load,
     quantize_lm_head,
 )
+from backend.quantization import QuantizedWeight
 from backend.quantization.fp8 import use_fast_accumulation
 from backend.weight_formats import pick_quantization, quantization_config
 from backend.tensor_parallel import TensorParallel
@@ -148,6 +149,7 @@ def load_model(
         )
         if lm_head:
             _quantize_lm_head(model, quantization)
+        _prepare_quantized(model, dtype)
         _fast_accumulation(model, fp8_fast_accumulation)
         return model
     if quantization == "none":
@@ -163,6 +165,7 @@ def load_model(
         quantized = quantize_at_load(model, quantization, exclude) if quantization != "none" else 0
         if lm_head:
             _quantize_lm_head(model, quantization)
+        _prepare_quantized(model, dtype)
     log.info(
         "weights: %s (%s%s)",
         _megabytes(weight_bytes(model)),
@@ -187,6 +190,12 @@ def _refuse_lm_head(lm_head: bool, quantization: str) -> None:
             "quantize_lm_head needs a weight format quantized at load or from a checkpoint "
             f"(int8_wo, int4_wo, int4_awq, int4_gptq, fp8); these weights are {quantization!r}"
         )
+
+
+def _prepare_quantized(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    for module in model.modules():
+        if isinstance(module, QuantizedWeight):
+            module.prepare_for(dtype)
 
 
 def _fast_accumulation(model: torch.nn.Module, wanted: bool) -> None:

@@ -4,14 +4,19 @@ with W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]. One-row steps s
 through the one-token GEMV (`backend.kernels.gemv`) instead.
 
 As the FP8 GEMM (`backend.kernels.fp8_gemm`), a program computes a tile of out^T = W x^T: a
-[BLOCK_N, BLOCK_K] weight tile, unpacked in registers (low nibble: input channel 2j, high: 2j + 1)
-to q - zero, exact in 16 bits, is the dot's first operand, the step's rows the narrow side; K may
-be split over programs (`split_k`). Compiled for a CUDA GPU with bfloat16 rows (BF16X2), each
-byte becomes both its weights' q - zero in one bfloat16 pair by three lines of inline PTX; the
-interpreter runs no PTX and keeps the float32 unpacking. A K tile never straddles two groups
-(BLOCK_K divides the group size), so its sum is multiplied by one scale per weight row before it
-joins the float32 accumulator. Launch configs per device and shape: `tuning/int4_gemm.json`,
-from `python -m benchmarks.quantized_matmul --formats int4_wo --sweep --write-tuning`.
+[BLOCK_N, BLOCK_K] weight tile, unpacked in registers (low nibble: input channel 2j, high: 2j + 1),
+is the dot's first operand, the step's rows the narrow side; K may be split over programs
+(`split_k`). A K tile never straddles two groups (BLOCK_K divides the group size).
+
+Compiled for a CUDA GPU with bfloat16 rows (BF16X2), each byte becomes both its weights'
+(q - zero) * scale in one bfloat16 pair by four lines of inline PTX, so the tensor cores add every
+K tile into one accumulator and run while the next tile is unpacked. The zero point and the scale
+come in one word per row and group (`scale_zero_words`), which the load pipeline copies ahead
+like the weights. Where the scale is a bfloat16 value (`Int4Weight.prepare_for` rounds them so),
+each weight is exactly its de-quantized bfloat16 value. The interpreter runs no PTX and keeps a
+float32 path: q - zero in float32, each K tile's sum times its scale.
+Launch configs per device and shape: `tuning/int4_gemm.json`, from `python -m
+benchmarks.quantized_matmul --formats int4_wo --sweep --write-tuning`.
 """
 
 from __future__ import annotations
@@ -29,14 +34,15 @@ from backend.kernels.tuning import compiles_for_gpu, device_name, lookup, rows_b
 Int4GemmConfig = SwappedGemmConfig
 
 # A byte's two nibbles as bfloat16 128 + q (0x4300 | q, exact), both in one word (the byte
-# times 0x1001 puts the high nibble at bit 16, one LOP3 masks and ORs), then one paired
-# subtraction of 128 + z: q - z exactly, two weights an instruction.
+# times 0x1001 puts the high nibble at bit 16, one LOP3 masks and ORs), one paired subtraction
+# of 128 + z (q - z exactly), one paired multiply by the scale: two weights an instruction each.
 _BYTE_TO_BF16X2 = tl.constexpr(
     """{
 .reg .b32 t;
 mul.lo.u32 t, $2, 4097;
 lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
 sub.rn.bf16x2 t, t, $3;
+mul.rn.bf16x2 t, t, $4;
 mov.b32 {$0, $1}, t;
 }"""
 )
@@ -48,6 +54,7 @@ def _int4_gemm_kernel(
     q_ptr,
     scale_ptr,
     zero_ptr,
+    scale_zero_ptr,
     bias_ptr,
     out_ptr,
     part_ptr,
@@ -78,24 +85,30 @@ def _int4_gemm_kernel(
     for k0 in range(k_start, tl.minimum(k_start + per_split, K), BLOCK_K):
         packed = tl.load(q_rows + (k0 // 2 + tl.arange(0, HALF))[None, :]).to(tl.int32)
         x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :])  # [BLOCK_M, BLOCK_K]
-        z = tl.load(zero_ptr + n_in * groups + k0 // GROUP).to(tl.int32)
         if BF16X2:
+            # One 4-byte word a row: the load pipeline copies it ahead (1- and 2-byte loads it
+            # does not, and the tile would wait on them).
+            word = tl.load(scale_zero_ptr + n_in * groups + k0 // GROUP)
+            zero_pair = (0x4300 + (word & 0xFF)) * 0x10001  # bfloat16 128 + z, twice
+            scale = (word >> 16) & 0xFFFF
             low, high = tl.inline_asm_elementwise(
                 _BYTE_TO_BF16X2,
-                "=h,=h,r,r",
-                [packed, ((0x4300 + z) * 0x10001)[:, None]],
+                "=h,=h,r,r,r",
+                [packed, zero_pair[:, None], (scale | scale << 16)[:, None]],
                 dtype=(tl.bfloat16, tl.bfloat16),
                 is_pure=True,
                 pack=1,
             )
+            acc = tl.dot(tl.join(low, high).reshape(BLOCK_N, BLOCK_K), tl.trans(x), acc)
         else:
             # No int-to-float conversion per weight: q | 0x4B000000 bitcast is exactly 2^23 + q.
+            z = tl.load(zero_ptr + n_in * groups + k0 // GROUP).to(tl.int32)
             zf = (z | 0x4B000000).to(tl.float32, bitcast=True)[:, None]
             low = ((packed & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - zf
             high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zf
-        w = tl.join(low, high).reshape(BLOCK_N, BLOCK_K).to(x.dtype)  # channels 2j, 2j + 1
-        s = tl.load(scale_ptr + n_in * groups + k0 // GROUP).to(tl.float32)
-        acc += s[:, None] * tl.dot(w, tl.trans(x))
+            w = tl.join(low, high).reshape(BLOCK_N, BLOCK_K).to(x.dtype)  # channels 2j, 2j + 1
+            s = tl.load(scale_ptr + n_in * groups + k0 // GROUP).to(tl.float32)
+            acc += s[:, None] * tl.dot(w, tl.trans(x))
     store_tile(acc, out_ptr, bias_ptr, part_ptr, arrivals_ptr, m, n, M, N, HAS_BIAS, SPLIT)
 
 
@@ -117,6 +130,13 @@ def default_config(m: int, n: int, group_size: int) -> Int4GemmConfig:
     )
 
 
+def scale_zero_words(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """int32 [N, K / g]: each group's zero point in bits 0-7 and its scale rounded to bfloat16
+    in bits 16-31, as the bfloat16 path reads them."""
+    scale_bits = scales.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return (zeros.to(torch.int32) | (scale_bits << 16)).contiguous()
+
+
 def _check(x, qweight, scales, zeros, group_size, block_k) -> None:
     n, k = qweight.shape[0], qweight.shape[1] * 2
     assert qweight.dtype == torch.uint8 and qweight.is_contiguous()
@@ -136,10 +156,12 @@ def int4_gemm(
     bias: torch.Tensor | None = None,
     config: Int4GemmConfig | None = None,
     out: torch.Tensor | None = None,
+    scale_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] -> x @ W^T (+ bias) [M, N] in x's dtype, or written into `out` (contiguous, any
     float dtype: float32 logits skip a rounding and a cast). Config: the given one, the device's
-    tuned one, else `default_config`."""
+    tuned one, else `default_config`. `scale_zero`: `scale_zero_words(scales, zeros)`, which
+    bfloat16 rows on a GPU read (made here when not given)."""
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
     key = config_key(n, k, group_size, m)
     c = config or _tuned(device_name(x.device), key) or default_config(m, n, group_size)
@@ -148,11 +170,15 @@ def int4_gemm(
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.is_contiguous()
+    bf16x2 = compiles_for_gpu(x.device) and x.dtype == torch.bfloat16
+    if bf16x2 and scale_zero is None:
+        scale_zero = scale_zero_words(scales, zeros)
     _int4_gemm_kernel[launch.grid](
         x,
         qweight,
         scales,
         zeros,
+        scale_zero if bf16x2 else zeros,
         bias if bias is not None else scales,
         out,
         *launch.buffers(out),
@@ -163,7 +189,7 @@ def int4_gemm(
         launch.per_split,
         GROUP=group_size,
         HAS_BIAS=bias is not None,
-        BF16X2=compiles_for_gpu(x.device) and x.dtype == torch.bfloat16,
+        BF16X2=bf16x2,
         **c.launch_args(launch.split),
     )
     return out

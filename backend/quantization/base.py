@@ -27,6 +27,10 @@ class QuantizedWeight(nn.Module):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def prepare_for(self, dtype: torch.dtype) -> None:
+        """Once loaded: adapt the buffers to a model computing in `dtype` (most formats need
+        nothing)."""
+
     def streamed(self) -> StreamedWeight | None:
         """The weight as the one-token kernels stream it; None: a format they do not read."""
         return None

@@ -8,6 +8,9 @@ Held as rows (output channels first, like every quantized weight):
     scales  fp16  [N, K / g]
     zeros   uint8 [N, K / g]  the zero point, 0..15
     W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]
+A model computing in bfloat16 keeps its scales rounded to bfloat16 (`prepare_for`), so that the
+GPU's 4-bit GEMM, which multiplies them into the weights in bfloat16 pairs, makes exactly the
+de-quantized weights; `scale_zero` then holds each group's zero point and scale in one word for it.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Int4Weight(QuantizedWeight):
         )
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float16, **kw))
         self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.uint8, **kw))
+        self.register_buffer("scale_zero", None, persistent=False)  # `prepare_for` bfloat16
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> "Int4Weight":
@@ -76,6 +80,14 @@ class Int4Weight(QuantizedWeight):
             "zeros": z.t().to(torch.uint8).contiguous(),
         }
 
+    def prepare_for(self, dtype: torch.dtype) -> None:
+        if dtype != torch.bfloat16:
+            return
+        # A bfloat16 value is exact in float16 (scales lie far inside both ranges).
+        self.scales.copy_(self.scales.to(torch.bfloat16).to(torch.float16))
+        if int4_matmul is not None and self.scales.is_cuda:
+            self.scale_zero = int4_matmul.scale_zero_words(self.scales, self.zeros)
+
     def values(self) -> torch.Tensor:
         """The 4-bit values q [N, K] (int16)."""
         low, high = self.qweight & 0x0F, self.qweight >> 4
@@ -96,7 +108,7 @@ class Int4Weight(QuantizedWeight):
             if one_row is not None:
                 return one_row
             args = (x, self.qweight, self.scales, self.zeros, self.group_size, bias)
-            return int4_matmul.int4_gemm(*args)
+            return int4_matmul.int4_gemm(*args, scale_zero=self.scale_zero)
         return super().matmul(x, bias)
 
     def matmul_float32(
@@ -107,7 +119,7 @@ class Int4Weight(QuantizedWeight):
         if out is None:
             out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         args = (x, self.qweight, self.scales, self.zeros, self.group_size)
-        return int4_matmul.int4_gemm(*args, out=out)
+        return int4_matmul.int4_gemm(*args, out=out, scale_zero=self.scale_zero)
 
     def extra_repr(self) -> str:
         return f"group_size={self.group_size}, " + super().extra_repr()

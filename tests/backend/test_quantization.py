@@ -268,6 +268,33 @@ def test_int4_wo_rounds_every_projection_to_nearest_at_load(tiny_hf_model, tmp_p
     assert _tokens(directory, "int4_wo") == _tokens(plain)
 
 
+def test_a_bfloat16_model_keeps_4bit_scales_whose_products_are_its_dequantized_weights(
+    tiny_hf_model,
+):
+    """A bfloat16 model's 4-bit scales are rounded to bfloat16 at load, so (q - z) * scale in
+    bfloat16 (the GPU GEMM's paired multiply) rounds once, to the de-quantized weight; the 4-bit
+    values and zero points are those of rounding the weights to nearest."""
+    _, directory = tiny_hf_model("llama", **WIDE)
+    attention = get_attention_backend("torch", CPU)
+    dense, rounded = (
+        load_model(str(directory), CPU, torch.bfloat16, attention, 256, None, None, quantization)
+        for quantization in ("none", "int4_wo")
+    )
+    changed = 0
+    for name, layer in _projections(rounded).items():
+        weight = layer.quantized
+        fresh = Int4Weight.quantize(dense.get_submodule(name).weight)  # float16 scales
+        assert torch.equal(weight.qweight, fresh.qweight) and torch.equal(weight.zeros, fresh.zeros)
+        assert torch.equal(weight.scales, fresh.scales.to(torch.bfloat16).to(torch.float16))
+        changed += int(not torch.equal(weight.scales, fresh.scales))
+        g = weight.group_size
+        q_minus_z = weight.values() - weight.zeros.to(torch.int16).repeat_interleave(g, 1)
+        scales = weight.scales.repeat_interleave(g, 1).to(torch.bfloat16)
+        assert torch.equal(q_minus_z.to(torch.bfloat16) * scales, weight.dequantize(torch.bfloat16))
+        assert weight.scale_zero is None  # made for the GPU's GEMM only
+    assert changed == len(_projections(rounded))
+
+
 def test_excluded_projections_stay_float_and_the_rest_is_quantized(tiny_hf_model, tmp_path):
     _, directory = tiny_hf_model("llama", **WIDE)
     attention = get_attention_backend("torch", CPU)

@@ -584,6 +584,30 @@ def test_fp8_norms_writing_e4m3_rows_equal_the_unfused_path(tmp_path, monkeypatc
     assert torch.equal(got, want)
 
 
+def test_int4_gemm_equals_torch_over_the_dequantized_weights(tmp_path, monkeypatch):
+    """An `int4_wo` bfloat16 model's prefill of three prompts (many rows: the 4-bit GEMM, which
+    multiplies each group's bfloat16 scale into its weights): the logits equal those of every
+    layer de-quantized to bfloat16 and multiplied by torch, within a few layers' bfloat16
+    rounding."""
+    from backend.quantization import Int4Weight, QuantizedWeight
+    from backend.request import Chunk
+    from tests.tiny_models import save_tiny_hf_model
+
+    save_tiny_hf_model(tmp_path, "llama", **SMALL_QWEN2)
+    runner = small_runner(tmp_path, quantization="int4_wo", cuda_graphs=False)
+    weights = [m for m in runner.model.modules() if isinstance(m, Int4Weight)]
+    assert weights and all(w.scale_zero is not None for w in weights)
+    prompts = random_prompts(3, 1000, seed=7, low=40, high=60)
+    chunks = [Chunk.of_sequence(p, list(range(4 * i, 4 * i + 4))) for i, p in enumerate(prompts)]
+    got = runner.execute(chunks).logits.float().clone()
+    with monkeypatch.context() as patch:
+        patch.setattr(Int4Weight, "matmul", QuantizedWeight.matmul)  # de-quantize, then torch
+        want = runner.execute(chunks).logits.float().clone()
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6 * scale)
+    assert (got - want).abs().mean() < 2**-9 * scale
+
+
 def test_int4_head_writes_float32_logits(tmp_path, monkeypatch):
     """An `int4_wo` model with its lm_head quantized, over several rows: the head's 4-bit GEMM
     writes the float32 logits itself; they equal a bfloat16 product then a cast within that

@@ -91,18 +91,22 @@ def test_int4_gemm_is_dequantize_then_matmul(group, m):
 @pytest.mark.skipif(DEVICE == "cpu", reason="inline PTX; the interpreter's bfloat16 dot is wrong")
 @pytest.mark.parametrize("m", [3, 70])
 def test_int4_gemm_of_bfloat16_rows_is_dequantize_then_matmul(m):
-    """bfloat16 rows, which a GPU unpacks in bfloat16 pairs (inline PTX): within the rounding
-    of a bfloat16 output (2^-9 of the largest)."""
+    """bfloat16 rows, which a GPU unpacks into bfloat16 pairs of (q - z) * scale (inline PTX):
+    with the scales of a bfloat16 model (`prepare_for`), those are exactly the de-quantized
+    bfloat16 weights, so only the order of the float32 sums differs from the matmul over them."""
     n, k, group = 40, 512, 128
     w = _int4(n, k, group, seed=m)
+    w.prepare_for(torch.bfloat16)
+    assert w.scale_zero is not None
     x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
-    expected = F.linear(x.float(), w.dequantize(torch.float32))
-    got = int4_gemm(x, w.qweight, w.scales, w.zeros, group)
+    expected = F.linear(x.float(), w.dequantize(torch.bfloat16).float())
+    got = int4_gemm(x, w.qweight, w.scales, w.zeros, group, scale_zero=w.scale_zero)
     assert got.dtype == torch.bfloat16
     _relative_close(got, expected, rtol=2**-8)
+    assert torch.equal(got, int4_gemm(x, w.qweight, w.scales, w.zeros, group))  # words made here
     logits = torch.empty(m, n, dtype=torch.float32, device=DEVICE)  # no rounding to bfloat16
     assert int4_gemm(x, w.qweight, w.scales, w.zeros, group, out=logits) is logits
-    _relative_close(logits, expected)
+    _relative_close(logits, expected, rtol=1e-5)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 48, 256), (70, 24, 128), (16, 64, 8192)])
