@@ -168,7 +168,7 @@ def stored(weight: torch.Tensor, fmt: str) -> torch.Tensor | StreamedWeight:
 def _nbytes(weight: torch.Tensor | StreamedWeight) -> int:
     if isinstance(weight, torch.Tensor):
         return weight.numel() * weight.element_size()
-    parts = (weight.values, weight.scales, weight.zeros)
+    parts = (weight.values, weight.scales, weight.scale_zero)
     return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 

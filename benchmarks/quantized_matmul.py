@@ -115,7 +115,7 @@ def _sweep_int4(x: torch.Tensor, weights: list) -> dict:
     configs = _swapped_configs(x, block_ks=[min(weights[0].group_size, 128)], half_rows=True)
 
     def gemm(w, config):
-        return int4_gemm(x, w.qweight, w.scales, w.zeros, w.group_size, None, config)
+        return int4_gemm(x, w.qweight, w.scale_zero, w.group_size, None, config)
 
     us, config = _best(configs, gemm, weights)
     return {"best_us": round(us, 2), "config": asdict(config)}

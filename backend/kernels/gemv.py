@@ -88,7 +88,6 @@ def stream_rows_dot(
     ACT_DTYPE: tl.constexpr = tl.float16,
     WEIGHT: tl.constexpr = 0,
     scale_ptr=0,
-    zero_ptr=0,
     GROUP: tl.constexpr = 1,
     K_LOOP: tl.constexpr = True,
     exponent_bits=0,
@@ -106,8 +105,9 @@ def stream_rows_dot(
     rounded to ACT_DTYPE (the activations' dtype).
     WEIGHT (`StreamedWeight.kind`): DENSE values; ROW_SCALED int8 or e4m3 values times a float32
     scale per row (scale_ptr); INT4 packed 4-bit rows with a scale and zero point per GROUP
-    inputs (`backend.kernels.gemv_int4`: exponent_bits is its `EXPONENT_2_23`; it sums inputs
-    k_start..k_end, 0..K unless K is split; F16X2 unpacks them in half-precision pairs).
+    inputs in one word (scale_ptr; `backend.kernels.gemv_int4`: exponent_bits is its
+    `EXPONENT_2_23`; it sums inputs k_start..k_end, 0..K unless K is split; F16X2 unpacks them
+    in half-precision pairs).
     K_LOOP is False where PREFETCH_K covers K: with no loop in the kernel, the prefetched tile
     keeps the layout it was loaded in (a loop's tiles take another, and the compiler would move
     the prefetched weights through shared memory to match them)."""
@@ -117,7 +117,6 @@ def stream_rows_dot(
             w_ptr,
             norm_w_ptr,
             scale_ptr,
-            zero_ptr,
             rows,
             K,
             eps,
@@ -236,7 +235,6 @@ def _gemv_kernel(
     ACT_DTYPE: tl.constexpr = tl.float16,
     WEIGHT: tl.constexpr = 0,
     scale_ptr=0,
-    zero_ptr=0,
     GROUP: tl.constexpr = 1,
     K_LOOP: tl.constexpr = True,
     exponent_bits=0,
@@ -276,7 +274,6 @@ def _gemv_kernel(
         ACT_DTYPE,
         WEIGHT,
         scale_ptr,
-        zero_ptr,
         GROUP,
         K_LOOP,
         exponent_bits,

@@ -45,9 +45,10 @@ def _plane(half_words, p: tl.constexpr, exponent_bits, zero):
 
 
 @triton.jit
-def _tile(word_rows, group_rows, scale_ptr, zero_ptr, k0, k_end, words_in_tile, GROUP, GROUPS):
+def _tile(word_rows, group_rows, scale_zero_ptr, k0, k_end, words_in_tile, GROUP, GROUPS):
     """The words [GROUPS, BLOCK_N, WORDS], scales [GROUPS, BLOCK_N] and zero points of the K tile
-    at k0 (none past k_end). Groups lead: threads spread over a row's groups before its rows."""
+    at k0 (none past k_end), the last two from one word a group (`Int4Weight.scale_zero`).
+    Groups lead: threads spread over a row's groups before its rows."""
     word = tl.multiple_of(k0 // 8, 8) + words_in_tile  # k0: a multiple of the K tile
     words = tl.load(
         word_rows + word[:, None, :],
@@ -56,9 +57,9 @@ def _tile(word_rows, group_rows, scale_ptr, zero_ptr, k0, k_end, words_in_tile, 
     )
     groups = k0 // GROUP + tl.arange(0, GROUPS)[:, None]
     in_k = groups < k_end // GROUP
-    scale = tl.load(scale_ptr + group_rows + groups, mask=in_k, other=0).to(tl.float32)
-    zero = tl.load(zero_ptr + group_rows + groups, mask=in_k, other=0)
-    return words, scale, zero
+    scale_zero = tl.load(scale_zero_ptr + group_rows + groups, mask=in_k, other=0)
+    scale = (scale_zero >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return words, scale, scale_zero & 0xFF
 
 
 @triton.jit
@@ -153,8 +154,7 @@ def stream_rows_dot_int4(
     x_ptr,
     words_ptr,
     norm_w_ptr,
-    scale_ptr,
-    zero_ptr,
+    scale_zero_ptr,
     rows,
     K,
     eps,
@@ -196,7 +196,7 @@ def stream_rows_dot_int4(
     if PDL and EARLY_LAUNCH:
         gdc_launch_dependents()
     words, scale, zero = _tile(
-        word_rows, group_rows, scale_ptr, zero_ptr, k_start, k_end, words_in_tile, GROUP, GROUPS
+        word_rows, group_rows, scale_zero_ptr, k_start, k_end, words_in_tile, GROUP, GROUPS
     )
     if PDL and not SKIP_WAIT:
         gdc_wait()
@@ -227,8 +227,7 @@ def stream_rows_dot_int4(
         next_words, next_scale, next_zero = _tile(
             word_rows,
             group_rows,
-            scale_ptr,
-            zero_ptr,
+            scale_zero_ptr,
             k0 + BLOCK_K,
             k_end,
             words_in_tile,

@@ -21,13 +21,14 @@ ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class StreamedWeight:
     values: torch.Tensor  # [N, K]; INT4: uint8 [N, K / 2], input 2j in byte j's low nibble
-    scales: torch.Tensor | None = None  # ROW_SCALED: float32 [N]; INT4: [N, K / group_size]
-    zeros: torch.Tensor | None = None  # INT4: uint8 [N, K / group_size], 0..15
+    scales: torch.Tensor | None = None  # ROW_SCALED: float32 [N]
+    # INT4: int32 [N, K / group_size], zero point in bits 0-7, float16 scale in bits 16-31
+    scale_zero: torch.Tensor | None = None
     group_size: int = 0  # INT4
 
     @property
     def kind(self) -> int:
-        if self.zeros is not None:
+        if self.scale_zero is not None:
             return INT4
         return ROW_SCALED if self.scales is not None else DENSE
 
@@ -66,10 +67,11 @@ class StreamedWeight:
     def kernel_args(self) -> dict:
         """The `stream_rows_dot` arguments past the weight's values pointer."""
         args = dict(WEIGHT=self.kind)
-        if self.kind != DENSE:
+        if self.kind == ROW_SCALED:
             args["scale_ptr"] = self.scales
         if self.kind == INT4:
-            args.update(zero_ptr=self.zeros, GROUP=self.group_size, exponent_bits=EXPONENT_2_23)
+            args.update(scale_ptr=self.scale_zero, GROUP=self.group_size)
+            args["exponent_bits"] = EXPONENT_2_23
             # inline PTX where the kernel compiles for a CUDA device (the interpreter runs none)
             args["F16X2"] = compiles_for_gpu(self.values.device)
         return args

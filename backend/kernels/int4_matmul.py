@@ -11,10 +11,11 @@ is the dot's first operand, the step's rows the narrow side; K may be split over
 Compiled for a CUDA GPU with bfloat16 rows (BF16X2), each byte becomes both its weights'
 (q - zero) * scale in one bfloat16 pair by four lines of inline PTX, so the tensor cores add every
 K tile into one accumulator and run while the next tile is unpacked. The zero point and the scale
-come in one word per row and group (`scale_zero_words`), which the load pipeline copies ahead
-like the weights. Where the scale is a bfloat16 value (`Int4Weight.prepare_for` rounds them so),
-each weight is exactly its de-quantized bfloat16 value. The interpreter runs no PTX and keeps a
-float32 path: q - zero in float32, each K tile's sum times its scale.
+come in one word per row and group (`Int4Weight.scale_zero`), which the load pipeline copies
+ahead like the weights. The scale is rounded to bfloat16 (a no-op for a bfloat16 model's, which
+`Int4Weight.prepare_for` rounds at load), so each weight is exactly its de-quantized bfloat16
+value. The interpreter runs no PTX and keeps a float32 path: q - zero in float32, each K tile's
+sum times its scale.
 Launch configs per device and shape: `tuning/int4_gemm.json`, from `python -m
 benchmarks.quantized_matmul --formats int4_wo --sweep --write-tuning`.
 """
@@ -52,8 +53,6 @@ mov.b32 {$0, $1}, t;
 def _int4_gemm_kernel(
     x_ptr,
     q_ptr,
-    scale_ptr,
-    zero_ptr,
     scale_zero_ptr,
     bias_ptr,
     out_ptr,
@@ -85,16 +84,15 @@ def _int4_gemm_kernel(
     for k0 in range(k_start, tl.minimum(k_start + per_split, K), BLOCK_K):
         packed = tl.load(q_rows + (k0 // 2 + tl.arange(0, HALF))[None, :]).to(tl.int32)
         x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :])  # [BLOCK_M, BLOCK_K]
+        word = tl.load(scale_zero_ptr + n_in * groups + k0 // GROUP)  # `Int4Weight.scale_zero`
+        zero = word & 0xFF
+        scale = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True)
         if BF16X2:
-            # One 4-byte word a row: the load pipeline copies it ahead (1- and 2-byte loads it
-            # does not, and the tile would wait on them).
-            word = tl.load(scale_zero_ptr + n_in * groups + k0 // GROUP)
-            zero_pair = (0x4300 + (word & 0xFF)) * 0x10001  # bfloat16 128 + z, twice
-            scale = (word >> 16) & 0xFFFF
+            bf16 = scale.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
             low, high = tl.inline_asm_elementwise(
                 _BYTE_TO_BF16X2,
                 "=h,=h,r,r,r",
-                [packed, zero_pair[:, None], (scale | scale << 16)[:, None]],
+                [packed, ((0x4300 + zero) * 0x10001)[:, None], (bf16 | bf16 << 16)[:, None]],
                 dtype=(tl.bfloat16, tl.bfloat16),
                 is_pure=True,
                 pack=1,
@@ -102,13 +100,11 @@ def _int4_gemm_kernel(
             acc = tl.dot(tl.join(low, high).reshape(BLOCK_N, BLOCK_K), tl.trans(x), acc)
         else:
             # No int-to-float conversion per weight: q | 0x4B000000 bitcast is exactly 2^23 + q.
-            z = tl.load(zero_ptr + n_in * groups + k0 // GROUP).to(tl.int32)
-            zf = (z | 0x4B000000).to(tl.float32, bitcast=True)[:, None]
+            zf = (zero | 0x4B000000).to(tl.float32, bitcast=True)[:, None]
             low = ((packed & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - zf
             high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - zf
             w = tl.join(low, high).reshape(BLOCK_N, BLOCK_K).to(x.dtype)  # channels 2j, 2j + 1
-            s = tl.load(scale_ptr + n_in * groups + k0 // GROUP).to(tl.float32)
-            acc += s[:, None] * tl.dot(w, tl.trans(x))
+            acc += scale.to(tl.float32)[:, None] * tl.dot(w, tl.trans(x))
     store_tile(acc, out_ptr, bias_ptr, part_ptr, arrivals_ptr, m, n, M, N, HAS_BIAS, SPLIT)
 
 
@@ -130,19 +126,12 @@ def default_config(m: int, n: int, group_size: int) -> Int4GemmConfig:
     )
 
 
-def scale_zero_words(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """int32 [N, K / g]: each group's zero point in bits 0-7 and its scale rounded to bfloat16
-    in bits 16-31, as the bfloat16 path reads them."""
-    scale_bits = scales.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-    return (zeros.to(torch.int32) | (scale_bits << 16)).contiguous()
-
-
-def _check(x, qweight, scales, zeros, group_size, block_k) -> None:
+def _check(x, qweight, scale_zero, group_size, block_k) -> None:
     n, k = qweight.shape[0], qweight.shape[1] * 2
     assert qweight.dtype == torch.uint8 and qweight.is_contiguous()
     assert x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1
-    assert scales.shape == zeros.shape == (n, k // group_size)
-    assert scales.is_contiguous() and zeros.is_contiguous() and zeros.dtype == torch.uint8
+    assert scale_zero.shape == (n, k // group_size) and scale_zero.dtype == torch.int32
+    assert scale_zero.is_contiguous()
     assert group_size % block_k == 0, "a K tile must not straddle two groups"
     assert block_k >= 16, "K tiles are dot operands of 16 or more"
 
@@ -150,36 +139,28 @@ def _check(x, qweight, scales, zeros, group_size, block_k) -> None:
 def int4_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
+    scale_zero: torch.Tensor,
     group_size: int,
     bias: torch.Tensor | None = None,
     config: Int4GemmConfig | None = None,
     out: torch.Tensor | None = None,
-    scale_zero: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] -> x @ W^T (+ bias) [M, N] in x's dtype, or written into `out` (contiguous, any
     float dtype: float32 logits skip a rounding and a cast). Config: the given one, the device's
-    tuned one, else `default_config`. `scale_zero`: `scale_zero_words(scales, zeros)`, which
-    bfloat16 rows on a GPU read (made here when not given)."""
+    tuned one, else `default_config`. qweight and scale_zero: `Int4Weight`'s."""
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
     key = config_key(n, k, group_size, m)
     c = config or _tuned(device_name(x.device), key) or default_config(m, n, group_size)
-    _check(x, qweight, scales, zeros, group_size, c.block_k)
+    _check(x, qweight, scale_zero, group_size, c.block_k)
     launch = split_launch("int4_gemm", k, c.split, c.block_k, n, c.block_n, x.device, m, c.block_m)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.is_contiguous()
-    bf16x2 = compiles_for_gpu(x.device) and x.dtype == torch.bfloat16
-    if bf16x2 and scale_zero is None:
-        scale_zero = scale_zero_words(scales, zeros)
     _int4_gemm_kernel[launch.grid](
         x,
         qweight,
-        scales,
-        zeros,
-        scale_zero if bf16x2 else zeros,
-        bias if bias is not None else scales,
+        scale_zero,
+        bias if bias is not None else x,
         out,
         *launch.buffers(out),
         m,
@@ -189,7 +170,7 @@ def int4_gemm(
         launch.per_split,
         GROUP=group_size,
         HAS_BIAS=bias is not None,
-        BF16X2=bf16x2,
+        BF16X2=compiles_for_gpu(x.device) and x.dtype == torch.bfloat16,
         **c.launch_args(launch.split),
     )
     return out

@@ -4,13 +4,15 @@ packed int32 layouts, backend/quantization/int4_packing.py) or, `int4_wo`, round
 from float weights at load; activations stay in the compute dtype.
 
 Held as rows (output channels first, like every quantized weight):
-    qweight uint8 [N, K / 2]  byte j of row n: input channel 2j in the low nibble, 2j + 1 high
-    scales  fp16  [N, K / g]
-    zeros   uint8 [N, K / g]  the zero point, 0..15
+    qweight    uint8 [N, K / 2]  byte j of row n: input channel 2j in the low nibble, 2j + 1 high
+    scale_zero int32 [N, K / g]  the group's zero point (0..15) in bits 0-7 and the float16 bits
+                                 of its scale in bits 16-31: one 4-byte load for both, which
+                                 the kernels' load pipelines copy ahead (1- and 2-byte loads they
+                                 do not)
     W[n, k] = (q[n, k] - zeros[n, k // g]) * scales[n, k // g]
 A model computing in bfloat16 keeps its scales rounded to bfloat16 (`prepare_for`), so that the
 GPU's 4-bit GEMM, which multiplies them into the weights in bfloat16 pairs, makes exactly the
-de-quantized weights; `scale_zero` then holds each group's zero point and scale in one word for it.
+de-quantized weights.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ try:  # CPU-only installs without Triton use the torch path
     from backend.kernels import int4_matmul
 except ImportError:
     int4_matmul = None
+
+
+def scale_zero_words(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """`Int4Weight.scale_zero` from float16-representable scales and zero points 0..15."""
+    scale_bits = scales.to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return (zeros.to(torch.int32) | (scale_bits << 16)).contiguous()
 
 
 class Int4Weight(QuantizedWeight):
@@ -50,9 +58,9 @@ class Int4Weight(QuantizedWeight):
         self.register_buffer(
             "qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, **kw)
         )
-        self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float16, **kw))
-        self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.uint8, **kw))
-        self.register_buffer("scale_zero", None, persistent=False)  # `prepare_for` bfloat16
+        self.register_buffer(
+            "scale_zero", torch.empty(out_features, groups, dtype=torch.int32, **kw)
+        )
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> "Int4Weight":
@@ -72,21 +80,28 @@ class Int4Weight(QuantizedWeight):
     @staticmethod
     def rows(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
         """The buffers for values in the checkpoints' orientation: q [K, N], z and scales
-        [K / g, N] -> {"qweight", "scales", "zeros"}, output channels first."""
+        [K / g, N] -> {"qweight", "scale_zero"}, output channels first."""
         q = q.t().to(torch.uint8)
         return {
             "qweight": (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(),
-            "scales": scales.t().to(torch.float16).contiguous(),
-            "zeros": z.t().to(torch.uint8).contiguous(),
+            "scale_zero": scale_zero_words(scales.t(), z.t()),
         }
 
+    @property
+    def scales(self) -> torch.Tensor:
+        """float16 [N, K / g]."""
+        return (self.scale_zero >> 16).to(torch.int16).view(torch.float16)
+
+    @property
+    def zeros(self) -> torch.Tensor:
+        """uint8 [N, K / g]."""
+        return (self.scale_zero & 0xFF).to(torch.uint8)
+
     def prepare_for(self, dtype: torch.dtype) -> None:
-        if dtype != torch.bfloat16:
-            return
-        # A bfloat16 value is exact in float16 (scales lie far inside both ranges).
-        self.scales.copy_(self.scales.to(torch.bfloat16).to(torch.float16))
-        if int4_matmul is not None and self.scales.is_cuda:
-            self.scale_zero = int4_matmul.scale_zero_words(self.scales, self.zeros)
+        if dtype == torch.bfloat16:
+            # A bfloat16 value is exact in float16 (scales lie far inside both ranges).
+            rounded = self.scales.to(torch.bfloat16).to(torch.float16)
+            self.scale_zero.copy_(scale_zero_words(rounded, self.zeros))
 
     def values(self) -> torch.Tensor:
         """The 4-bit values q [N, K] (int16)."""
@@ -100,15 +115,15 @@ class Int4Weight(QuantizedWeight):
         return ((self.values() - zeros).float() * scales).to(dtype)
 
     def streamed(self) -> StreamedWeight:
-        return StreamedWeight(self.qweight, self.scales, self.zeros, self.group_size)
+        return StreamedWeight(self.qweight, scale_zero=self.scale_zero, group_size=self.group_size)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.is_cuda and int4_matmul is not None:
             one_row = self.streamed_matmul(x, bias)
             if one_row is not None:
                 return one_row
-            args = (x, self.qweight, self.scales, self.zeros, self.group_size, bias)
-            return int4_matmul.int4_gemm(*args, scale_zero=self.scale_zero)
+            args = (x, self.qweight, self.scale_zero, self.group_size, bias)
+            return int4_matmul.int4_gemm(*args)
         return super().matmul(x, bias)
 
     def matmul_float32(
@@ -118,8 +133,8 @@ class Int4Weight(QuantizedWeight):
             return None  # one row takes the GEMV, which writes float32 through `one_token`
         if out is None:
             out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
-        args = (x, self.qweight, self.scales, self.zeros, self.group_size)
-        return int4_matmul.int4_gemm(*args, out=out, scale_zero=self.scale_zero)
+        args = (x, self.qweight, self.scale_zero, self.group_size)
+        return int4_matmul.int4_gemm(*args, out=out)
 
     def extra_repr(self) -> str:
         return f"group_size={self.group_size}, " + super().extra_repr()

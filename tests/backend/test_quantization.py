@@ -291,7 +291,6 @@ def test_a_bfloat16_model_keeps_4bit_scales_whose_products_are_its_dequantized_w
         q_minus_z = weight.values() - weight.zeros.to(torch.int16).repeat_interleave(g, 1)
         scales = weight.scales.repeat_interleave(g, 1).to(torch.bfloat16)
         assert torch.equal(q_minus_z.to(torch.bfloat16) * scales, weight.dequantize(torch.bfloat16))
-        assert weight.scale_zero is None  # made for the GPU's GEMM only
     assert changed == len(_projections(rounded))
 
 

@@ -595,8 +595,7 @@ def test_int4_gemm_equals_torch_over_the_dequantized_weights(tmp_path, monkeypat
 
     save_tiny_hf_model(tmp_path, "llama", **SMALL_QWEN2)
     runner = small_runner(tmp_path, quantization="int4_wo", cuda_graphs=False)
-    weights = [m for m in runner.model.modules() if isinstance(m, Int4Weight)]
-    assert weights and all(w.scale_zero is not None for w in weights)
+    assert any(isinstance(m, Int4Weight) for m in runner.model.modules())
     prompts = random_prompts(3, 1000, seed=7, low=40, high=60)
     chunks = [Chunk.of_sequence(p, list(range(4 * i, 4 * i + 4))) for i, p in enumerate(prompts)]
     got = runner.execute(chunks).logits.float().clone()

@@ -78,7 +78,7 @@ def test_int4_gemm_is_dequantize_then_matmul(group, m):
     x = torch.randn(m, k, device=DEVICE)
     bias = torch.randn(n, device=DEVICE)
     expected = F.linear(x, w.dequantize(torch.float32), bias)
-    args = (w.qweight, w.scales, w.zeros, group, bias)
+    args = (w.qweight, w.scale_zero, group, bias)
     _relative_close(int4_gemm(x, *args), expected)
     for config in (
         Int4GemmConfig(block_n=16, block_m=16, block_k=32),
@@ -97,15 +97,13 @@ def test_int4_gemm_of_bfloat16_rows_is_dequantize_then_matmul(m):
     n, k, group = 40, 512, 128
     w = _int4(n, k, group, seed=m)
     w.prepare_for(torch.bfloat16)
-    assert w.scale_zero is not None
     x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
     expected = F.linear(x.float(), w.dequantize(torch.bfloat16).float())
-    got = int4_gemm(x, w.qweight, w.scales, w.zeros, group, scale_zero=w.scale_zero)
+    got = int4_gemm(x, w.qweight, w.scale_zero, group)
     assert got.dtype == torch.bfloat16
     _relative_close(got, expected, rtol=2**-8)
-    assert torch.equal(got, int4_gemm(x, w.qweight, w.scales, w.zeros, group))  # words made here
     logits = torch.empty(m, n, dtype=torch.float32, device=DEVICE)  # no rounding to bfloat16
-    assert int4_gemm(x, w.qweight, w.scales, w.zeros, group, out=logits) is logits
+    assert int4_gemm(x, w.qweight, w.scale_zero, group, out=logits) is logits
     _relative_close(logits, expected, rtol=1e-5)
 
 
@@ -194,7 +192,7 @@ def test_every_tuned_int4_gemm_config_is_dequantize_then_matmul():
         weight, x = _int4(n, k, block_k, seed=block_n), torch.randn(m, k, device=DEVICE)
         # One stage: float32 rows at the table's stages would overflow a GPU's shared memory.
         config = Int4GemmConfig(block_n, block_m, block_k, split, num_stages=1)
-        got = int4_gemm(x, weight.qweight, weight.scales, weight.zeros, block_k, None, config)
+        got = int4_gemm(x, weight.qweight, weight.scale_zero, block_k, None, config)
         _relative_close(got, F.linear(x, weight.dequantize(torch.float32)))
 
 
