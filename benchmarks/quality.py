@@ -19,6 +19,8 @@ tokenizer's start tokens, as the scored ones do.
 SmolLM2's hidden size 576 is not a multiple of 128, so the int4 group is 64.
 `int8_wo_lm_head` and `fp8_gptq_lm_head` are those rows with the lm_head (tied to the embedding)
 quantized too (`quantize_lm_head`: an e4m3 or int8 copy, a scale per vocabulary row).
+`int4_gptq_bf16_scales` and `int4_awq_gptq_bf16_scales` are those checkpoints with their group
+scales rounded to bfloat16, the weights a bfloat16 model serves (`Int4Weight.prepare_for`).
 `kv_fp8` and `kv_int8` keep the baseline's weights and store the KV cache as fp8 / int8 with a
 dynamic scale per token and kv head (`kv_cache_dtype`, backend/attention/kv_dtype.py).
 `gguf_q8_0`, `gguf_q5_0` and `gguf_q4_0` serve the GGUF with its blocks re-quantized to that type
@@ -71,6 +73,8 @@ ROWS = {
     "int4_awq_rtn": ("int4_awq", "auto"),  # AWQ's layout, rounded to nearest (no scales)
     "int4_awq_gptq": ("int4_awq", "auto"),  # AWQ's scales, then GPTQ's rounding
     "int4_gptq": ("int4_gptq", "auto"),
+    "int4_gptq_bf16_scales": ("int4_gptq", "auto"),  # its scales rounded as a bf16 model's are
+    "int4_awq_gptq_bf16_scales": ("int4_awq", "auto"),
     "fp8_gptq": ("fp8", "auto"),  # an FP8 checkpoint calibrated by backend.gptq_calibration
     "fp8_gptq_ends": ("fp8", "auto"),  # the same with the END_LAYERS kept float
     "fp8": ("fp8", "auto"),
@@ -194,6 +198,24 @@ def calibrated_checkpoint(model: str, name: str, key, write) -> str:
     return out
 
 
+def bf16_scales_copy(checkpoint_dir: str) -> str:
+    """A copy of a 4-bit checkpoint (cached beside it) whose float16 group scales are rounded to
+    bfloat16, as a bfloat16 model's are at load."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = f"{checkpoint_dir}-bf16-scales"
+    if not os.path.isfile(os.path.join(out, "model.safetensors")):
+        shutil.copytree(checkpoint_dir, out, dirs_exist_ok=True)
+        tensors = load_file(os.path.join(checkpoint_dir, "model.safetensors"))
+        for name, tensor in tensors.items():
+            if name.endswith(".scales"):
+                tensors[name] = tensor.to(torch.bfloat16).to(tensor.dtype)
+        save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def windows_start(float_dir: str) -> str:
     """The start tokens of the calibration windows, for the cache's name ("" where none, as the
     names were before the windows had them)."""
@@ -275,14 +297,16 @@ def run(args) -> dict:
         models["int4_awq_rtn"] = awq_rtn_checkpoint(float_dir, args.group_size)
     if "int4_awq" in args.formats:
         models["int4_awq"] = awq_checkpoint(source, args.group_size)
-    if "int4_awq_gptq" in args.formats:
+    if {"int4_awq_gptq", "int4_awq_gptq_bf16_scales"} & set(args.formats):
         models["int4_awq_gptq"] = awq_checkpoint(source, args.group_size, "gptq")
+        models["int4_awq_gptq_bf16_scales"] = bf16_scales_copy(models["int4_awq_gptq"])
     for fmt in args.formats:
         if fmt.startswith("gguf_"):
             models[fmt] = requantized_gguf(fmt.removeprefix("gguf_").upper())
-    if {"int4_gptq", "int4_gptq_lm_head"} & set(args.formats):
+    if {"int4_gptq", "int4_gptq_lm_head", "int4_gptq_bf16_scales"} & set(args.formats):
         checkpoint = gptq_checkpoint(source, args.group_size)
         models["int4_gptq"] = models["int4_gptq_lm_head"] = checkpoint
+        models["int4_gptq_bf16_scales"] = bf16_scales_copy(checkpoint)
     if "fp8_gptq" in args.formats or "fp8_gptq_lm_head" in args.formats:
         checkpoint = gptq_checkpoint(source, args.group_size, "fp8")
         models["fp8_gptq"] = models["fp8_gptq_lm_head"] = checkpoint
