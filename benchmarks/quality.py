@@ -299,14 +299,15 @@ def run(args) -> dict:
         models["int4_awq"] = awq_checkpoint(source, args.group_size)
     if {"int4_awq_gptq", "int4_awq_gptq_bf16_scales"} & set(args.formats):
         models["int4_awq_gptq"] = awq_checkpoint(source, args.group_size, "gptq")
-        models["int4_awq_gptq_bf16_scales"] = bf16_scales_copy(models["int4_awq_gptq"])
     for fmt in args.formats:
         if fmt.startswith("gguf_"):
             models[fmt] = requantized_gguf(fmt.removeprefix("gguf_").upper())
     if {"int4_gptq", "int4_gptq_lm_head", "int4_gptq_bf16_scales"} & set(args.formats):
         checkpoint = gptq_checkpoint(source, args.group_size)
         models["int4_gptq"] = models["int4_gptq_lm_head"] = checkpoint
-        models["int4_gptq_bf16_scales"] = bf16_scales_copy(checkpoint)
+    for fmt in ("int4_gptq_bf16_scales", "int4_awq_gptq_bf16_scales"):
+        if fmt in args.formats:  # the copy only where its row is asked for
+            models[fmt] = bf16_scales_copy(models[fmt.removesuffix("_bf16_scales")])
     if "fp8_gptq" in args.formats or "fp8_gptq_lm_head" in args.formats:
         checkpoint = gptq_checkpoint(source, args.group_size, "fp8")
         models["fp8_gptq"] = models["fp8_gptq_lm_head"] = checkpoint
