@@ -258,6 +258,89 @@ def plot_gguf_gemv(paths: list[str], out: str) -> str:
     return out
 
 
+KERNEL_PARTS = (
+    ("projections", ("gemm", "nvjet", "splitkreduce")),
+    ("decode attention", ("_decode_kernel",)),
+    ("RMSNorm", ("rms_norm",)),
+    ("rotary", ("rope",)),
+    ("silu·mul", ("silu",)),
+)
+
+
+def kernel_part(name: str) -> str:
+    lowered = name.lower()
+    return next((part for part, keys in KERNEL_PARTS if any(k in lowered for k in keys)), "other")
+
+
+def plot_profile_step(path: str) -> str:
+    """One stacked bar a weight format: the eager forward's GPU time by kind of kernel, and the
+    CUDA-graph replay beside it."""
+    rows = load(path)
+    fig, ax = plt.subplots(figsize=(10, 1.8 + 0.7 * len(rows)))
+    parts = [part for part, _ in KERNEL_PARTS] + ["other"]
+    labels = [model_label(r) + f", batch {r['batch']}" for r in rows]
+    left = [0.0] * len(rows)
+    for part in parts:
+        widths = [
+            sum(k["ms"] for k in r["top_kernels"] if kernel_part(k["kernel"]) == part) for r in rows
+        ]
+        ax.barh(labels, widths, left=left, label=part)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.scatter(
+        [r["graph_replay_gpu_ms"] for r in rows],
+        labels,
+        marker="|",
+        s=400,
+        c="k",
+        label="graph replay",
+        zorder=3,
+    )
+    ax.set(xlabel="ms of GPU time per decode step", title="Where a decode step goes")
+    ax.legend(fontsize=7, ncol=7, loc="upper center", bbox_to_anchor=(0.4, -0.25))
+    return save_beside(fig, rows, path)
+
+
+def plot_int4_gemm_trial(path: str) -> str:
+    """The 4-bit GEMM trial: the best time of each design per projection, and where the time of
+    the warp-specialized kernels goes (parts left out in turn)."""
+    (trial,) = load(path)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    best = trial["best"]
+    xs = range(len(best))
+    for i, (key, label) in enumerate(
+        [
+            ("current_us", "Triton kernel (kept)"),
+            ("streamed_us", "streamed, warp-specialized"),
+            ("resident_us", "x resident, warp-specialized"),
+        ]
+    ):
+        ax1.bar(
+            [x + 0.27 * (i - 1) for x in xs],
+            [r[key] / r["current_us"] for r in best],
+            0.27,
+            label=label,
+        )
+    ax1.set_xticks(list(xs), [r["projection"] for r in best])
+    ax1.set(ylabel="time / Triton kernel's", title="4-bit GEMM at 64 rows, best config each")
+    ax1.legend(fontsize=7)
+    modes = trial["modes"]
+    keys = ["full_us", "no_unpack_us", "no_mma_us", "loads_only_us"]
+    for i, key in enumerate(keys):
+        ax2.bar(
+            [x + 0.2 * (i - 1.5) for x in range(len(modes))],
+            [m[key] / m["current_us"] for m in modes],
+            0.2,
+            label=key[:-3].replace("_", " "),
+        )
+    ax2.axhline(1.0, color="k", lw=0.8)
+    ax2.set_xticks(
+        range(len(modes)), [f"{m['design']}\n{m['projection']}" for m in modes], fontsize=7
+    )
+    ax2.set(ylabel="time / Triton kernel's", title="Parts left out (same kernel)")
+    ax2.legend(fontsize=7)
+    return save_beside(fig, [trial], path)
+
+
 def save_beside(fig, rows: list[dict], path: str) -> str:
     """Title `fig` with the rows' device, date and commits, and save it as PNG beside `path`."""
     commits = ", ".join(dict.fromkeys(r["commit"] for r in rows))
@@ -379,6 +462,10 @@ def main(argv: list[str] | None = None) -> None:
         print("wrote", plot_gguf_gemv(paths, out))
     for path in glob.glob(os.path.join(results_dir, "quantized_matmul_gguf*rows*.json")):
         print("wrote", plot_gguf_rows(path))
+    for path in glob.glob(os.path.join(results_dir, "profile_step*.json")):
+        print("wrote", plot_profile_step(path))
+    for path in glob.glob(os.path.join(results_dir, "quantized_matmul_int4_gluon*.json")):
+        print("wrote", plot_int4_gemm_trial(path))
     for path in glob.glob(os.path.join(results_dir, "fp8_accumulation*.json")):
         print("wrote", plot_fp8_accumulation(path))
     for path in glob.glob(os.path.join(results_dir, "all_reduce*.json")):
