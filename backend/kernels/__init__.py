@@ -7,7 +7,7 @@ reference and the CPU path).
 - `activation.silu_and_mul`: SwiGLU's silu(gate) * up in one pass.
 - `gemv.gemv`: one-token linear layers with RMSNorm / silu·mul prologues and a residual epilogue
   (the batch-1 decode path, `forward_one_token` of a model's decoder layer), over half-precision,
-  int8, e4m3 or 4-bit weights (`gemv_weight`).
+  int8, e4m3 or 4-bit weights (`gemv_weight`), over the weight-streaming dot of `gemv_stream`.
 - `w8a16_gemm`, `int4_matmul`, `fp8_gemm`: the quantized formats' products of several rows.
 - `gguf_gemv`, `gguf_matmul`, `gguf_dequantize`: GGUF blocks kept quantized (one row, a few
   rows, long steps), over the decoders of `gguf_values`.

@@ -180,11 +180,12 @@ def stream_rows_dot_int4(
 ):
     """float32 [BLOCK_N]: the 4-bit rows `rows` (int64; words_ptr: the packed bytes as int32)
     dotted with the operand over inputs k_start..k_end (whole K tiles; all of K with the norm,
-    whose scale is applied, as `backend.kernels.gemv.stream_rows_dot`). BLOCK_K is a multiple of
-    GROUP. With the merge prologue (3) the operand is split attention's partials, merged as they
-    are read (`backend.kernels.gemv_operand.merged_operand`). The first K tile is read before the
-    PDL wait (weights are never written by a kernel), and each next one while the current one is
-    summed. F16X2: words unpacked in half-precision pairs by inline PTX (compiled CUDA only)."""
+    whose scale is applied, as `backend.kernels.gemv_stream.stream_rows_dot`). BLOCK_K is a
+    multiple of GROUP. With the merge prologue (3) the operand is split attention's partials,
+    merged as they are read (`backend.kernels.gemv_operand.merged_operand`). The first K tile is
+    read before the PDL wait (weights are never written by a kernel), and each next one while the
+    current one is summed. F16X2: words unpacked in half-precision pairs by inline PTX (compiled
+    CUDA only)."""
     GROUPS: tl.constexpr = BLOCK_K // GROUP  # groups per K tile
     WORDS: tl.constexpr = GROUP // 8  # words per group
     k_start = tl.full([], k_start, tl.int32)  # a tensor for `_tile`'s alignment hint
