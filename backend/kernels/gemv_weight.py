@@ -70,8 +70,9 @@ class StreamedWeight:
         if self.kind == ROW_SCALED:
             args["scale_ptr"] = self.scales
         if self.kind == INT4:
-            args.update(scale_ptr=self.scale_zero, GROUP=self.group_size)
-            args["exponent_bits"] = EXPONENT_2_23
+            args.update(
+                scale_ptr=self.scale_zero, GROUP=self.group_size, exponent_bits=EXPONENT_2_23
+            )
             # inline PTX where the kernel compiles for a CUDA device (the interpreter runs none)
             args["F16X2"] = compiles_for_gpu(self.values.device)
         return args
