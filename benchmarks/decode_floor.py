@@ -9,7 +9,12 @@ The step time is measured through the whole engine (scheduler, runner, sampler, 
 difference: B requests of `--isl` prompt tokens generate N1 and then N2 tokens; the extra
 N2 - N1 decode steps take (wall2 - wall1), so prefill and start-up cancel out.
 
-    python -m benchmarks.decode_floor --model llama-3.2-1b --batch 1 --isl 128 --json OUT
+    python -m benchmarks.decode_floor --model llama-3.2-1b --batch 1 64 --isl 128 4096 --json OUT
+
+By default the engine runs at the server's settings: `max_seq_len` is the model's context and the
+KV pool takes `kv_cache_free_gpu_mem_fraction` of free memory; `--max-seq-len` and
+`--kv-cache-tokens` pin them (the result says so). A (batch, context) that does not fit the pool
+is recorded as skipped.
 
 `--quantization` reads the weights in that format (a preset's random weights: a format quantized at
 load, int8_wo, int4_wo or fp8; `--quantize-lm-head`: the lm_head too); the floor then counts the
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     p.add_argument("--model", default="llama-3.2-1b")
     p.add_argument("--batch", type=int, nargs="+", default=[1])
-    p.add_argument("--isl", type=int, default=128)
+    p.add_argument("--isl", type=int, nargs="+", default=[128], help="prompt lengths (contexts)")
     p.add_argument("--n1", type=int, default=16)
     p.add_argument("--n2", type=int, default=144)
     p.add_argument("--repeats", type=int, default=3)
@@ -140,15 +145,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     add_kv_cache_dtype_option(p)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--eager", action="store_true", help="no decode CUDA graphs")
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="pin max_seq_len (default: the server's, the model's context)",
+    )
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="pin the KV pool (default: the server's, a fraction of free memory)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
     max_batch = max(args.batch)
-    seq = args.isl + args.n2 + 1
-    budget = max(2048, min(max_batch * args.isl, 16384))
-    held = (
-        seq if args.max_attention_window is None else min(seq, args.max_attention_window + budget)
-    )
+    budget = max(2048, min(max_batch * max(args.isl), 16384))
     config = EngineConfig(
         model_path=args.model,
         **weight_format_fields(args),
@@ -160,23 +173,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
         dtype=args.dtype,
         max_batch_size=max_batch,
         max_num_tokens=budget,
-        max_seq_len=seq,
-        max_tokens_in_paged_kv_cache=max_batch * (held + 64),
-        enable_kv_cache_reuse=False,
+        max_seq_len=args.max_seq_len,
+        max_tokens_in_paged_kv_cache=args.kv_cache_tokens,
+        # The prompts are prefilled once (the warm-up); the timed runs reuse their blocks.
+        enable_kv_cache_reuse=True,
         tensor_parallel_size=args.tensor_parallel_size,
         cuda_graphs=not args.eager,
     )
     executor = Executor(config)
     device = executor.runner.device
     rate = copy_rate_bytes_per_s(device)
+    pool_tokens = executor.runner.num_kv_blocks * executor.runner.tokens_per_block
+    max_seq_len = executor.max_seq_len
     results = []
-    for batch in args.batch:
-        r = measure(
-            executor, batch, args.isl, args.n1, args.n2, args.repeats, args.max_attention_window
-        )
-        floor_s = r["bytes_per_step"] / rate
-        results.append(
-            {
+    for isl in args.isl:
+        for batch in args.batch:
+            common = {
                 "benchmark": "decode_floor",
                 **provenance(device),
                 "model": args.model,
@@ -184,18 +196,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 **weight_format_fields(args),
                 "kv_cache_dtype": args.kv_cache_dtype,
                 "tensor_parallel_size": args.tensor_parallel_size,
+                "max_seq_len": max_seq_len,
+                "max_seq_len_pinned": args.max_seq_len is not None,
                 "kv_blocks": executor.runner.num_kv_blocks,
+                "kv_pool_pinned": args.kv_cache_tokens is not None,
                 "max_attention_window_size": args.max_attention_window,
                 "batch": batch,
-                "isl": args.isl,
-                **r,
-                "copy_rate_tb_s": round(rate / 1e12, 3),
-                "floor_ms": round(floor_s * 1e3, 4),
-                "fraction_of_floor": round(floor_s * 1e3 / r["step_ms"], 3),
+                "isl": isl,
                 "cuda_graphs": executor.config.cuda_graphs,
             }
-        )
-        print(json.dumps(results[-1]), flush=True)
+            seq = isl + args.n2 + 1
+            held = seq if args.max_attention_window is None else min(seq, args.max_attention_window)
+            if seq > max_seq_len or batch * (held + executor.runner.tokens_per_block) > pool_tokens:
+                results.append({**common, "skipped": f"does not fit ({pool_tokens} pool tokens)"})
+                print(json.dumps(results[-1]), flush=True)
+                continue
+            r = measure(
+                executor, batch, isl, args.n1, args.n2, args.repeats, args.max_attention_window
+            )
+            floor_s = r["bytes_per_step"] / rate
+            results.append(
+                {
+                    **common,
+                    **r,
+                    "copy_rate_tb_s": round(rate / 1e12, 3),
+                    "floor_ms": round(floor_s * 1e3, 4),
+                    "fraction_of_floor": round(floor_s * 1e3 / r["step_ms"], 3),
+                }
+            )
+            print(json.dumps(results[-1]), flush=True)
     executor.shutdown()
     save_json(args.json, results if len(results) > 1 else results[0])
     return results

@@ -36,11 +36,29 @@ def git_commit() -> str:
         return "unknown"
 
 
+def tree_clean() -> bool | None:
+    """Whether the checkout had no uncommitted changes (GIT_TREE_CLEAN=0|1 overrides it where the
+    tree travels without .git); None where git cannot tell."""
+    if os.environ.get("GIT_TREE_CLEAN") in ("0", "1"):
+        return os.environ["GIT_TREE_CLEAN"] == "1"
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return not out.strip()
+
+
 def provenance(device) -> dict:
     return {
         "device": device_name(device),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": git_commit(),
+        "tree_clean": tree_clean(),
         "torch": torch.__version__,
     }
 

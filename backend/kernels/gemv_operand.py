@@ -96,7 +96,7 @@ def merged_operand(
     part = heads[:, None] * parts_head + splits[None, :] * parts_split  # [H, S]
     parts = tl.load(
         parts_ptr + part[:, :, None] + tl.arange(0, HEAD_DIM)[None, None, :],
-        mask=(splits < num_splits)[None, :, None],
+        mask=(lse > float("-inf"))[:, :, None],  # splits of no weight are not read
         other=0.0,
     )  # [H, S, D]
     merged = merge_splits(parts, lse)

@@ -142,6 +142,34 @@ def test_decode_graphs_give_the_eager_steps_tokens_in_bf16(tmp_path):
     assert [r["token_ids"] for r in runs[0]] == [r["token_ids"] for r in runs[1]]
 
 
+@pytest.mark.parametrize("max_batch_size", [1, 3])
+def test_decode_graphs_at_contexts_far_past_their_capture_give_the_eager_tokens(
+    tmp_path, max_batch_size
+):
+    """Decode graphs are captured once, with empty contexts and the split count of the engine's
+    capacity (16,384 tokens here); replayed at 1,500-3,000-token contexts (batch 1: more splits
+    than the o projection merges as it reads, so attention merges them first) they give the
+    greedy tokens of eager steps, whose grids are sized from each step's own lengths."""
+    from tests.tiny_models import save_tiny_hf_model
+
+    save_tiny_hf_model(tmp_path, "qwen2", **SMALL_QWEN2, max_position_embeddings=16384)
+    prompts = random_prompts(3, 1000, seed=5, low=1500, high=3000)
+    params = SamplingParams(max_tokens=48, ignore_end_id=True)
+    runs = [
+        serve(
+            tmp_path,
+            prompts,
+            params,
+            dtype="bfloat16",
+            max_batch_size=max_batch_size,
+            max_seq_len=16384,
+            cuda_graphs=graphs,
+        )
+        for graphs in (True, False)
+    ]
+    assert [r["token_ids"] for r in runs[0]] == [r["token_ids"] for r in runs[1]]
+
+
 def test_decode_graph_launches_never_read_step_inputs_before_they_are_written(tmp_path):
     """Every kernel launched while the runner warms up and captures its decode graphs (bf16, the
     one-token path at batch 1, programmatic dependent launch on Hopper) keeps the rule of

@@ -35,15 +35,24 @@ pytestmark = [
 
 
 def make_batch(
-    query_lens, seq_lens, *, num_kv_heads, head_dim, tokens_per_block, dtype=torch.float32, seed=0
+    query_lens,
+    seq_lens,
+    *,
+    num_kv_heads,
+    head_dim,
+    tokens_per_block,
+    dtype=torch.float32,
+    seed=0,
+    spare_blocks=3,
 ):
     """A paged cache holding every request's full context, and the step's metadata.
 
-    Physical blocks are handed out in shuffled order; slots that hold no token stay NaN.
+    Physical blocks are handed out in shuffled order from a pool with `spare_blocks` nobody owns;
+    slots that hold no token stay NaN.
     """
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(s / tokens_per_block) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3  # a few blocks nobody owns
+    num_blocks = sum(blocks_per_seq) + spare_blocks
     physical = torch.randperm(num_blocks, generator=gen).tolist()
     max_blocks = max(blocks_per_seq + [1])
     block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
@@ -330,6 +339,63 @@ def test_decode_partials_merge_to_the_reference(num_splits, sms, monkeypatch):
         assert torch.isinf(part_lse[n]).all()  # the padding row: no keys anywhere
     if num_splits == 8:  # a 1-token context has no cached tiles: one split, the rest unused
         assert torch.isfinite(part_lse[0, :, 0]).all() and torch.isinf(part_lse[0, :, 1:]).all()
+
+
+LONG_SEQ_LENS = [3000, 200, 1]
+
+
+@pytest.mark.parametrize("partials", [True, False], ids=["partials", "merged"])
+def test_long_contexts_cost_their_own_splits_whatever_the_split_ceiling(partials, monkeypatch):
+    """A decode graph's split count comes from the capacity (the longest context it may see), not
+    from the step. Launched with that ceiling (64), a 3,000-token context, its blocks scattered
+    over a pool five times its size, gives the reference output and the same output as a launch
+    sized from the step's own lengths; its partials reach the o projection already merged (one
+    split of weight, so each of that projection's programs reads one), while a 200-token context
+    leaves its few splits (at most READ_MERGE_MAX_SPLITS) to be merged as they are read."""
+    monkeypatch.setattr(decode_launch, "num_sms", lambda device: 16)  # 64-key tiles, 8 splits
+    k_cache, v_cache, meta = make_batch(
+        [1] * 3,
+        LONG_SEQ_LENS,
+        num_kv_heads=2,
+        head_dim=32,
+        tokens_per_block=16,
+        seed=11,
+        spare_blocks=4 * math.ceil(3000 / 16),
+    )
+    query = random_query(3, 4, 32, seed=12)
+    step_splits = decode_launch.splits_for(
+        decode_launch.config_for(query, k_cache, 3), query, k_cache, 3, max(LONG_SEQ_LENS)
+    )
+    assert step_splits == 8
+    args = (query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+    outs = []
+    for num_splits in (64, step_splits):
+        if partials:
+            part_out, part_lse = decode.decode_attention_partials(
+                *args, meta.max_seq_len, 0.3, num_splits=num_splits
+            )
+            outs.append(merge_partials(part_out.cpu(), part_lse.cpu()))
+            weighed = torch.isfinite(part_lse.cpu()).sum(-1)  # splits of weight, per head
+            assert (weighed[0] == 1).all()  # 47 tiles: merged here
+            assert (weighed[1] <= decode.READ_MERGE_MAX_SPLITS).all() and (weighed[1] > 1).all()
+            assert (weighed[2] == 1).all()
+        else:
+            outs.append(decode_attention(*args, meta.max_seq_len, 0.3, num_splits=num_splits))
+        assert_matches_reference(outs[-1], query, k_cache, v_cache, meta, 0.3)
+    torch.testing.assert_close(outs[0].cpu(), outs[1].cpu(), atol=1e-5, rtol=0)
+
+
+def test_the_split_count_is_sized_from_the_lengths_it_is_given():
+    """Eager steps size their grid from the step's longest context (`meta.max_seq_len`, what
+    `_keys_read` hands the kernel), not from the engine's max_seq_len; a window caps it."""
+    k_cache, v_cache, meta = make_batch(
+        [1], [200], num_kv_heads=8, head_dim=32, tokens_per_block=16, seed=2
+    )
+    assert meta.max_seq_len == 200
+    assert triton_backend._keys_read(meta, None) == 200
+    assert triton_backend._keys_read(meta, 128) == 128
+    assert choose_num_splits(1, 8, 200, 132) == 2  # not the 64 a 131,072-token capacity gives
+    assert choose_num_splits(1, 8, 131072, 132) == 64
 
 
 def test_choose_num_splits():

@@ -36,7 +36,12 @@ normalised partial output and its log-sum-exp, and counts itself in on an arriva
     out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max),
 and sets the counter back to zero for the next launch: no separate reduce kernel per layer. While
 the group's partials are few (up to MERGE_AT_ONCE_MAX_VALUES), the merger loads all of them in one
-go, not head by head, which overlaps their loads.
+go, not head by head, which overlaps their loads. Left unmerged for the one-token o projection
+(PARTIALS), a request's splits are merged here all the same where it uses more than
+READ_MERGE_MAX_SPLITS of them: each program of that projection would read them all.
+
+The grid's split count is a ceiling (`decode_launch`, from the longest context the launch may
+see: a graph's is the capacity); what a request costs follows its own context, in the kernel.
 
 How many splits, and the tiles, warps and stages per device: `decode_launch`. Measurements behind
 these choices: benchmarks/README.md.
@@ -52,8 +57,9 @@ from backend.attention.kernels.kv_write import check_scales, quantize_rule
 from backend.attention.kernels.own_token import own_key_value
 from backend.attention.kernels import decode_launch
 from backend.attention.kernels.decode_partials import (
-    merge_group_splits,
-    merge_splits_by_head,
+    arrive_last,
+    keep_only_first_split,
+    merge_splits_of_group,
     store_partial,
 )
 from backend.attention.kernels.prefill import window_bounds
@@ -71,6 +77,9 @@ from backend.kernels.pdl import Ordering, gdc_launch_dependents, gdc_wait, launc
 
 MIN_TILES_PER_SPLIT = 1
 MERGE_AT_ONCE_MAX_VALUES = 8192  # partials a merging program may hold at once
+# The o projection merges at most this many splits as it reads them (each of its programs reads
+# every head's); a request using more has them merged here first.
+READ_MERGE_MAX_SPLITS = 4
 ORDERING = Ordering("decode_attention", releases="before_wait", reads_step_inputs_before_wait=True)
 
 
@@ -130,6 +139,7 @@ def _decode_kernel(
     F16_TILES: tl.constexpr = False,
     PTX: tl.constexpr = False,
     WRITES_NEW_KV: tl.constexpr = False,
+    READ_MERGE_MAX: tl.constexpr = READ_MERGE_MAX_SPLITS,
     QMAX: tl.constexpr = 0.0,
     TO_INT: tl.constexpr = False,
 ):
@@ -359,6 +369,40 @@ def _decode_kernel(
                 NUM_HEADS,
                 HEAD_DIM,
             )
+            if used > READ_MERGE_MAX:
+                # Too many for every program of the o projection to read: the last split merges
+                # them into split 0, whose partial then stands alone (the others' lse -inf).
+                if arrive_last(arrivals_ptr + seq * NUM_KV_HEADS + kv_head, used):
+                    merge_splits_of_group(
+                        part_out_ptr,
+                        part_out_ptr,
+                        part_lse_ptr,
+                        seq,
+                        seq,
+                        kv_head,
+                        used,
+                        num_splits,
+                        stride_o_h,
+                        stride_o_t,
+                        NUM_HEADS,
+                        GROUP,
+                        GROUP_POW2,
+                        HEAD_DIM,
+                        SPLITS_PAD,
+                        MERGE_AT_ONCE,
+                    )
+                    tl.debug_barrier()  # every partial read before the lse are overwritten
+                    keep_only_first_split(
+                        part_lse_ptr,
+                        seq,
+                        kv_head,
+                        used,
+                        num_splits,
+                        NUM_HEADS,
+                        GROUP,
+                        GROUP_POW2,
+                        SPLITS_PAD,
+                    )
         elif SINGLE_SPLIT:
             tl.store(o_rows, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
         elif used == 1:
@@ -377,48 +421,25 @@ def _decode_kernel(
                 NUM_HEADS,
                 HEAD_DIM,
             )
-            # The last split of this (request, kv head) to arrive merges them all: every thread's
-            # stores are done (barrier) before one thread's acq_rel increment publishes them.
-            tl.debug_barrier()
-            counter = arrivals_ptr + seq * NUM_KV_HEADS + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == used - 1:
-                tl.store(counter, 0)  # ready for the next launch
-                if MERGE_AT_ONCE:
-                    merge_group_splits(
-                        out_ptr,
-                        part_out_ptr,
-                        part_lse_ptr,
-                        row,
-                        seq,
-                        kv_head,
-                        used,
-                        num_splits,
-                        stride_o_h,
-                        stride_o_t,
-                        NUM_HEADS,
-                        GROUP,
-                        GROUP_POW2,
-                        HEAD_DIM,
-                        SPLITS_PAD,
-                    )
-                else:
-                    merge_splits_by_head(
-                        out_ptr,
-                        part_out_ptr,
-                        part_lse_ptr,
-                        row,
-                        seq,
-                        kv_head,
-                        used,
-                        num_splits,
-                        stride_o_h,
-                        stride_o_t,
-                        NUM_HEADS,
-                        GROUP,
-                        HEAD_DIM,
-                        SPLITS_PAD,
-                    )
+            if arrive_last(arrivals_ptr + seq * NUM_KV_HEADS + kv_head, used):
+                merge_splits_of_group(
+                    out_ptr,
+                    part_out_ptr,
+                    part_lse_ptr,
+                    row,
+                    seq,
+                    kv_head,
+                    used,
+                    num_splits,
+                    stride_o_h,
+                    stride_o_t,
+                    NUM_HEADS,
+                    GROUP,
+                    GROUP_POW2,
+                    HEAD_DIM,
+                    SPLITS_PAD,
+                    MERGE_AT_ONCE,
+                )
     elif PARTIALS:
         # A split with no tiles of this request's context: its partial must weigh nothing. (After
         # the wait: with programmatic dependent launch an earlier kernel may still be reading
@@ -530,13 +551,17 @@ def decode_attention_partials(
     the KV-write launch before it.
     Returns each split's normalised output [requests, heads, splits, head_dim] and its log-sum-exp
     in base 2 [requests, heads, splits], float32; -inf marks a split without keys (its output is
-    unset). The splits merge as out = sum_s exp2(lse_s - m) o_s / sum_s exp2(lse_s - m),
-    m = max lse."""
+    unset). A request that used more than READ_MERGE_MAX_SPLITS splits (a long context) has them
+    merged into split 0 already, the others marked -inf. The splits merge as
+    out = sum_s exp2(lse_s - m) o_s / sum_s exp2(lse_s - m), m = max lse."""
     num_seqs = seq_lens.shape[0]
     config = decode_launch.config_for(query, k_cache, num_seqs)
     if num_splits is None:
         num_splits = decode_launch.splits_for(config, query, k_cache, num_seqs, max_seq_len)
     part_out, part_lse = _partials(query, num_seqs, num_splits)
+    arrivals = part_lse  # unused
+    if num_splits > READ_MERGE_MAX_SPLITS:
+        arrivals = arrival_counters("decode_attention", query.device, num_seqs * k_cache.shape[2])
     if num_seqs:
         _launch(
             query,
@@ -550,7 +575,7 @@ def decode_attention_partials(
             part_out,
             part_out,
             part_lse,
-            part_lse,
+            arrivals,
             None,
             partials=True,
             config=config,

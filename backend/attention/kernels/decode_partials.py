@@ -38,6 +38,104 @@ def store_partial(
 
 
 @triton.jit
+def arrive_last(counter_ptr, used):
+    """Count this split in on its (request, kv head)'s arrival counter; true for the last of the
+    `used` splits to arrive, which sets the counter back to zero for the next launch. Every
+    thread's stores are done (barrier) before one thread's acq_rel increment publishes them."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == used - 1
+    if last:
+        tl.store(counter_ptr, 0)
+    return last
+
+
+@triton.jit
+def merge_splits_of_group(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    row,
+    seq,
+    kv_head,
+    used,
+    num_splits,
+    stride_o_h,
+    stride_o_t,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    AT_ONCE: tl.constexpr,
+):
+    """The `used` splits of a (request, kv head) merged into out_ptr's row, all at once or head by
+    head (`merge_group_splits`, `merge_splits_by_head`)."""
+    if AT_ONCE:
+        merge_group_splits(
+            out_ptr,
+            part_out_ptr,
+            part_lse_ptr,
+            row,
+            seq,
+            kv_head,
+            used,
+            num_splits,
+            stride_o_h,
+            stride_o_t,
+            NUM_HEADS,
+            GROUP,
+            GROUP_POW2,
+            HEAD_DIM,
+            SPLITS_PAD,
+        )
+    else:
+        merge_splits_by_head(
+            out_ptr,
+            part_out_ptr,
+            part_lse_ptr,
+            row,
+            seq,
+            kv_head,
+            used,
+            num_splits,
+            stride_o_h,
+            stride_o_t,
+            NUM_HEADS,
+            GROUP,
+            HEAD_DIM,
+            SPLITS_PAD,
+        )
+
+
+@triton.jit
+def keep_only_first_split(
+    part_lse_ptr,
+    seq,
+    kv_head,
+    used,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_POW2: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """After the group's splits were merged into split 0's partial: split 0 weighs 1, the other
+    used splits nothing (the unused ones already do), so a consumer reads split 0 alone."""
+    g = tl.arange(0, GROUP_POW2)
+    splits = tl.arange(0, SPLITS_PAD)
+    part = (seq * NUM_HEADS + kv_head * GROUP + g).to(tl.int64)[:, None] * num_splits + splits[
+        None, :
+    ]
+    lse = tl.where(splits == 0, 0.0, float("-inf"))
+    tl.store(
+        part_lse_ptr + part,
+        tl.broadcast_to(lse[None, :], [GROUP_POW2, SPLITS_PAD]),
+        mask=(g < GROUP)[:, None] & (splits < used)[None, :],
+    )
+
+
+@triton.jit
 def merge_group_splits(
     out_ptr,
     part_out_ptr,
