@@ -77,7 +77,13 @@ def kernel_table(step, top: int = 15) -> dict:
 
 
 def engine_profile(
-    model: str, batch: int, isl: int, steps: int = 64, top: int = 20, tensor_parallel_size: int = 1
+    model: str,
+    batch: int,
+    isl: int,
+    steps: int = 64,
+    top: int = 20,
+    tensor_parallel_size: int = 1,
+    max_seq_len: int | None = None,
 ) -> dict:
     """The whole engine under torch.profiler for `steps` decode steps: how busy the GPU (rank
     0's) is, its kernels, and the host functions that take the time between kernels."""
@@ -90,7 +96,7 @@ def engine_profile(
         EngineConfig(
             model_path=model,
             max_batch_size=batch,
-            max_seq_len=isl + steps + 32,
+            max_seq_len=max_seq_len or isl + steps + 32,
             max_tokens_in_paged_kv_cache=batch * (isl + steps + 64),
             max_num_tokens=max(2048, min(batch * isl, 16384)),
             tensor_parallel_size=tensor_parallel_size,
@@ -153,6 +159,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--engine", action="store_true", help="profile the whole engine instead of the runner"
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="with --engine")
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="the engine's max_seq_len (default: the prompt and the profiled steps)",
+    )
     args = p.parse_args(argv)
     if args.engine:
         results = [
@@ -162,8 +174,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "batch": b,
                 "isl": args.isl,
                 "tensor_parallel_size": args.tensor_parallel_size,
+                "max_seq_len": args.max_seq_len,
                 **engine_profile(
-                    args.model, b, args.isl, tensor_parallel_size=args.tensor_parallel_size
+                    args.model,
+                    b,
+                    args.isl,
+                    tensor_parallel_size=args.tensor_parallel_size,
+                    max_seq_len=args.max_seq_len,
                 ),
             }
             for b in args.batch
@@ -177,7 +194,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         EngineConfig(
             model_path=args.model,
             max_batch_size=max_batch,
-            max_seq_len=seq,
+            max_seq_len=args.max_seq_len or seq,
             max_tokens_in_paged_kv_cache=max_batch * seq,
             **weight_format_fields(args),
         )

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from backend.attention.kernels.decode import decode_attention, decode_attention_partials
+from backend.attention.kernels.decode import (
+    READ_MERGE_MAX_SPLITS,
+    decode_attention,
+    decode_attention_partials,
+)
 from backend.attention.kernels.kv_write import write_kv
 from backend.attention.kernels.prefill import prefill_attention
 from backend.attention.metadata import AttentionMetadata
@@ -92,7 +96,8 @@ def decode_partials(
 ) -> SplitPartials:
     """Decode-only steps: query [T, heads, head_dim] -> each split's output and log-sum-exp,
     unmerged (the one-token o projection merges them as it reads them). `new_kv`: the step's own
-    keys and values, which the kernel writes into a quantized cache itself."""
+    keys and values, which the kernel writes into a quantized cache itself. Splits past
+    READ_MERGE_MAX_SPLITS never weigh (the kernel merged them), so the consumer reads no further."""
     outputs, lse = decode_attention_partials(
         query,
         k_cache,
@@ -109,7 +114,7 @@ def decode_partials(
         v_scales=v_scales,
         new_kv=new_kv,
     )
-    return SplitPartials(outputs, lse)
+    return SplitPartials(outputs, lse, min(outputs.shape[2], READ_MERGE_MAX_SPLITS))
 
 
 def _keys_read(meta: AttentionMetadata, window: int | None) -> int:

@@ -210,8 +210,9 @@ def gemv(
         if dtype is None:
             dtype = residual.dtype if residual is not None else values.dtype
         x, lse = partials.outputs, partials.lse
-        heads, splits, head_dim = partials.num_heads, partials.num_splits, partials.head_dim
-        assert x.shape[0] == 1 and heads * head_dim == k and lse.shape == (1, heads, splits)
+        heads, head_dim = partials.num_heads, partials.head_dim
+        assert x.shape[0] == 1 and heads * head_dim == k and lse.shape[:2] == (1, heads)
+        splits = partials.splits_to_read
         assert x.stride(-1) == 1 and not silu_mul and norm_weight is None
         assert config["BLOCK_K"] % head_dim == 0 and config["PREFETCH_K"] % head_dim == 0
         norm_weight, prologue = lse, MERGE

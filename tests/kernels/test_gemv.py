@@ -266,21 +266,27 @@ def test_qkv_rope_matches_norm_projection_rotary_and_cache_write(
         )  # nowhere else
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("num_splits,context", [(1, 150), (4, 150), (64, 1100)])
 @pytest.mark.parametrize(
     "prefetch", [128, 64, 0, None]
 )  # operand merged in one tile, the loop; None: defaults
-def test_merge_prologue_equals_the_merged_attention_projected(num_splits, prefetch):
+def test_merge_prologue_equals_the_merged_attention_projected(num_splits, context, prefetch):
     """The o projection reading split decode attention unmerged (`partials`) equals the same
-    projection of the attention output the decode kernel merges itself, residual included."""
+    projection of the attention output the decode kernel merges itself, residual included. With
+    a graph's 64-split ceiling a long context's splits were merged by attention into the first,
+    and the projection reads the first READ_MERGE_MAX_SPLITS only."""
     from backend.attention import SplitPartials
-    from backend.attention.kernels.decode import decode_attention, decode_attention_partials
+    from backend.attention.kernels.decode import (
+        READ_MERGE_MAX_SPLITS,
+        decode_attention,
+        decode_attention_partials,
+    )
     from tests.kernels.test_attention_kernels import make_batch, random_query
 
     torch.manual_seed(8)
     dtype, heads, head_dim, n = torch.float16, 4, 32, 96
     k_cache, v_cache, meta = make_batch(
-        [1], [150], num_kv_heads=2, head_dim=head_dim, tokens_per_block=16, dtype=dtype, seed=3
+        [1], [context], num_kv_heads=2, head_dim=head_dim, tokens_per_block=16, dtype=dtype, seed=3
     )
     query = random_query(1, heads, head_dim, dtype=dtype)
     args = (
@@ -294,7 +300,10 @@ def test_merge_prologue_equals_the_merged_attention_projected(num_splits, prefet
         0.2,
     )
     attention = decode_attention(*args, num_splits=num_splits).reshape(1, heads * head_dim)
-    partials = SplitPartials(*decode_attention_partials(*args, num_splits=num_splits))
+    partials = SplitPartials(
+        *decode_attention_partials(*args, num_splits=num_splits),
+        weighed_splits=min(num_splits, READ_MERGE_MAX_SPLITS),
+    )
     weight = (torch.randn(n, heads * head_dim, device=DEVICE) / 12).to(dtype)
     residual = torch.randn(1, n, device=DEVICE).to(dtype)
     config = None if prefetch is None else dict(BLOCK_N=4, BLOCK_K=64, PREFETCH_K=prefetch)
