@@ -17,7 +17,8 @@ kv_scales[layer, 0 | 1, block, offset, kv_head]. Blocks are counted from their r
 included, so a quantized cache holds more of them in the same memory. Budget:
 `max_tokens_in_paged_kv_cache` when set; on CUDA otherwise `kv_cache_free_gpu_mem_fraction` of
 the memory left free after a warm-up step of `max_num_tokens` tokens (peak activations are set
-aside); on CPU enough for `max_batch_size` sequences of `max_seq_len` tokens, at most 4 GiB.
+aside); on CPU enough for `max_batch_size` sequences of `max_seq_len` tokens (at most 8,192
+each), at most 4 GiB.
 A model mixing global and windowed layers (`ModelConfig.kv_cache_groups`) has a tensor per group
 (its layers, its own block ids; `kv_cache` is then indexed by layer through a tuple of views) and
 a block table per group in each step (`AttentionMetadata.for_group`); the budget above, in
@@ -66,7 +67,7 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-DEFAULT_MAX_SEQ_LEN = 8192
+CPU_KV_CACHE_SEQ_LEN = 8192  # a CPU pool holds max_batch_size sequences of at most this
 CPU_KV_CACHE_CAP_BYTES = 4 << 30
 
 
@@ -545,8 +546,8 @@ class ModelRunner:
         mc = self.model_config
         limit = mc.max_context
         requested = self.config.max_seq_len
-        if requested is None:
-            return min(limit, DEFAULT_MAX_SEQ_LEN)
+        if requested is None:  # decode steps cost what their contexts hold, not the capacity
+            return limit
         if requested > mc.max_position_embeddings:
             raise ValueError(
                 f"max_seq_len {requested} exceeds the model's "
@@ -560,7 +561,7 @@ class ModelRunner:
     def _pick_kv_group_blocks(self) -> list[int]:
         """Each KV cache group's blocks (`KVCacheLayout.share`) from the budget in blocks of
         every layer: `max_tokens_in_paged_kv_cache`, free GPU memory, or the CPU default."""
-        per_seq = -(-self.max_seq_len // self.tokens_per_block)
+        per_seq = -(-min(self.max_seq_len, CPU_KV_CACHE_SEQ_LEN) // self.tokens_per_block)
         if self.config.max_tokens_in_paged_kv_cache is not None:
             budget = -(-self.config.max_tokens_in_paged_kv_cache // self.tokens_per_block)
         elif self.device.type == "cuda":

@@ -216,10 +216,17 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="run once more under torch.profiler: steps by kind, GPU busy time, top kernels",
     )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="pin max_seq_len (default: the server's, the model's context)",
+    )
     p.add_argument("--json", default=None, help="write the result here")
     args = p.parse_args(argv)
 
-    max_seq = args.isl[1] + args.osl[1] + 1
+    if args.max_seq_len is not None and args.max_seq_len < args.isl[1] + args.osl[1]:
+        p.error(f"--max-seq-len {args.max_seq_len} is shorter than the longest request")
     config = EngineConfig(
         model_path=args.model,
         **weight_format_fields(args),
@@ -228,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
         max_num_tokens=args.max_num_tokens,
-        max_seq_len=max_seq,
+        max_seq_len=args.max_seq_len,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     executor = Executor(config)
@@ -264,6 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
         "engine": {
             "max_batch_size": args.max_batch_size,
             "max_num_tokens": args.max_num_tokens,
+            "max_seq_len": executor.max_seq_len,
+            "max_seq_len_pinned": args.max_seq_len is not None,
             "kv_blocks": executor.runner.num_kv_blocks,
             "tokens_per_block": executor.runner.tokens_per_block,
             "preemptions": executor.stats().num_preemptions,
