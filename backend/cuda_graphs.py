@@ -109,6 +109,7 @@ class DecodeGraphs:
         fields = [
             ("input_ids", torch.int64, (n,)),
             ("in_flight_rows", torch.int64, (n,)),
+            ("table_width", torch.int32, (1,)),  # the step's block-table columns
             ("positions", torch.int64, (n,)),
             ("slot_mapping", torch.int64, (groups * n,)),
             ("seq_lens", torch.int32, (n,)),
@@ -181,6 +182,9 @@ class DecodeGraphs:
             self.sampled_ids,
             self.replays,
             self.slot,
+            table_from=offsets["block_tables"],
+            table_row_bytes=row_bytes,
+            width_offset=offsets["table_width"],
         )
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -260,11 +264,13 @@ class DecodeGraphs:
         host["banned_ids"][:size] = -1
         if banned_ids is not None:
             host["banned_ids"][:n, : banned_ids.shape[1]] = banned_ids
+        # Only the step's columns travel (the first kernel copies `table_width` of each row);
+        # attention reads no page past a request's context, so the stale columns stay unread.
         table, width = host["block_tables"], block_tables.shape[1]
         table = table.reshape(self.num_kv_groups, self.rows, -1)
         table[:, :n, :width] = block_tables.reshape(self.num_kv_groups, n, width)
-        table[:, :n, width:] = 0
-        table[:, n:size] = 0
+        table[:, n:size, :width] = 0
+        host["table_width"][0] = width
         return self._group_metas(n, int(seq_lens.max()), seq_lens.tolist(), width)
 
     def replay(self, n: int) -> tuple[torch.Tensor, torch.Tensor, ReplayIds]:

@@ -16,7 +16,9 @@ It also resolves the input ids of in-flight tokens (overlap scheduling, `backend
 takes sampled[in_flight_rows[i]], an id the previous replay left on the device, where
 in_flight_rows[i] >= 0.
 Program 0 does that and the slot; the others copy the rest of the slot, from `copy_from` on,
-CHUNK 32-bit words each.
+CHUNK 32-bit words each. The block tables come last, rows of the graph's full width (the
+capacity's blocks); of each row only the step's width (a word of the slot) is copied, so a step
+moves what its contexts hold, not what max_seq_len allows.
 
 Kernels later in the step read step inputs (positions, slots, context lengths, block tables)
 before they wait for their predecessor (programmatic dependent launch, `backend.kernels.pdl`), so
@@ -53,6 +55,9 @@ def _load_step_kernel(
     slot_ids,
     copy_from,
     copy_to,
+    table_from,
+    table_row_words,
+    width_word,
     ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
@@ -69,7 +74,9 @@ def _load_step_kernel(
         tl.store(slot_out, slot)
     else:
         words = copy_from + (pid - 1) * CHUNK + tl.arange(0, CHUNK)
-        inside = words < copy_to
+        width = tl.load(host_words + slot * slot_words + width_word)
+        column = (words - table_from) % table_row_words
+        inside = (words < copy_to) & ((words < table_from) | (column < width))
         tl.store(
             dev_words + words,
             tl.load(host_words + slot * slot_words + words, mask=inside),
@@ -88,10 +95,15 @@ def load_step_inputs(
     sampled: torch.Tensor,
     replays: torch.Tensor,
     slot: torch.Tensor,
+    table_from: int | None = None,
+    table_row_bytes: int = 4,
+    width_offset: int | None = None,
 ) -> None:
     """Copy bytes [copy_from, copy_to) of host slot `replays % 2` into `device_buffer`, and the
     n input ids at byte `ids_offset` with the in-flight ones (rows at `in_flight_offset`)
-    resolved from `sampled`; write the slot to `slot`.
+    resolved from `sampled`; write the slot to `slot`. From byte `table_from` on, the range holds
+    rows of `table_row_bytes` (int32 words) of which only the first `width` words are copied,
+    width being the int32 of the slot at byte `width_offset` (None: no such rows).
 
     device_buffer: uint8 [B]; host_ring: uint8 [2, B] (pinned on CUDA); ids and in-flight rows are
     int64 [n] at their offsets, 8-byte aligned; copy_from/copy_to are multiples of 4 and the
@@ -105,6 +117,9 @@ def load_step_inputs(
         and copy_to % 4 == 0
     )
     assert not (copy_from < ids_offset + 8 * n and ids_offset < copy_to)
+    if table_from is None:  # no rows: every word is before them
+        table_from, table_row_bytes, width_offset = copy_to, 4, copy_from
+    assert table_from % 4 == 0 and table_row_bytes % 4 == 0 and width_offset % 4 == 0
     dev_words, host_words = device_buffer.view(torch.int32), host_ring.view(torch.int32)
     dev_ids = device_buffer[ids_offset : ids_offset + 8 * n].view(torch.int64)
     host_longs = host_ring.view(torch.int64)
@@ -126,6 +141,9 @@ def load_step_inputs(
         width // 8,
         copy_from // 4,
         copy_to // 4,
+        table_from // 4,
+        table_row_bytes // 4,
+        width_offset // 4,
         ROWS=triton.next_power_of_2(n),
         CHUNK=CHUNK,
     )

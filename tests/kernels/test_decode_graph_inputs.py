@@ -84,8 +84,9 @@ def test_first_kernel_copies_the_staged_slot_pads_and_fills_in_flight_inputs():
     )
     assert graphs.sampled_ring[0, :4].tolist() == [3, 1, 4, 2] and graphs.replays.item() == 1
     graphs._replayed += 1  # what `replay` counts on the host
-    # The next step of 3 rows goes to slot 1 and is padded to the graph of 4; the wider table of
-    # the previous step is cleared. Rows 0 and 2 are in flight: the ids just sampled, rows 1 and 0.
+    # The next step of 3 rows goes to slot 1 and is padded to the graph of 4; of the block tables
+    # only its own 2 columns travel (the third, past every context, keeps what the previous step
+    # left: never read). Rows 0 and 2 are in flight: the ids just sampled, rows 1 and 0.
     graphs.stage(
         np.array([0, 12, 0]),
         np.array([41, 21, 36]),
@@ -102,7 +103,9 @@ def test_first_kernel_copies_the_staged_slot_pads_and_fills_in_flight_inputs():
     assert graphs.positions[:4].tolist() == [41, 21, 36, 0]
     assert graphs.slot_mapping[:4].tolist() == [71, 113, 131, -1]  # padded row: no KV write
     assert graphs.seq_lens[:4].tolist() == [42, 22, 37, 0]  # padded row: no context
-    assert graphs.block_tables[:4, :3].tolist() == [[4, 5, 0], [7, 0, 0], [8, 9, 0], [0, 0, 0]]
+    assert graphs.block_tables[:4, :2].tolist() == [[4, 5], [7, 0], [8, 9], [0, 0]]
+    assert graphs.block_tables[:4, 2].tolist() == [6, 0, 0, 0]
+    assert graphs.block_tables[:4, 3:].count_nonzero() == 0  # never written
 
 
 def test_previous_ids_from_elsewhere_are_copied_into_the_graphs_buffer():
