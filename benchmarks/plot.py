@@ -66,6 +66,35 @@ def variant_label(r: dict) -> str:
     return ", ".join(parts) + f"\ncontext {r['isl']}" * ("max_attention_window_size" in r)
 
 
+def plot_decode_context(paths: list[str], out: str) -> str:
+    """Decode step against the memory floor across contexts: one line per (commit, batch), step
+    time on the left, fraction of the floor on the right (files of `decode_floor --isl ...`)."""
+    rows = [r for path in paths for r in load(path) if "step_ms" in r]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    lines = dict.fromkeys((r["commit"], r["batch"]) for r in rows)
+    for commit, batch in lines:
+        kept = sorted(
+            (r for r in rows if (r["commit"], r["batch"]) == (commit, batch)),
+            key=lambda r: r["isl"],
+        )
+        label = f"batch {batch}, {commit}, max_seq_len {kept[0].get('max_seq_len', '?')}"
+        contexts = [r["isl"] for r in kept]
+        ax1.plot(contexts, [r["step_ms"] for r in kept], "o-", label=label)
+        ax2.plot(contexts, [r["fraction_of_floor"] for r in kept], "o-", label=label)
+        if commit == rows[-1]["commit"]:
+            ax1.plot(contexts, [r["floor_ms"] for r in kept], "k:", linewidth=1)
+    ax1.set(xscale="log", yscale="log", xlabel="context (prompt tokens)", ylabel="ms per step")
+    ax1.set_title("decode step (dotted: memory floor)", fontsize=9)
+    ax2.set(xscale="log", xlabel="context (prompt tokens)", ylabel="floor / step", ylim=(0, 1))
+    ax2.set_title(f"{rows[0]['model']} {rows[0]['dtype']}: fraction of the floor", fontsize=9)
+    ax2.legend(fontsize=7)
+    fig.suptitle(f"{rows[0]['device']} · {rows[-1]['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_variants(path: str) -> str:
     """Decode step and floor of each variant (weight format, KV dtype, window), per batch."""
     rows = load(path)
@@ -365,16 +394,18 @@ def model_label(r: dict) -> str:
 
 
 def plot_offline(paths: list[str], out: str) -> str:
-    rows = [load(p)[0] for p in paths]
+    rows = [r for p in paths for r in load(p)]
     labels, values, colours = [], [], []
     for r in rows:
         lengths = f"ISL {'-'.join(map(str, r['isl']))}\nOSL {'-'.join(map(str, r['osl']))}"
         engine = f"batch {r['engine']['max_batch_size']}" if "engine" in r else ""
+        if "max_seq_len" in r.get("engine", {}):
+            engine += f"\nmax_seq_len {r['engine']['max_seq_len']}"
         if r.get("kv_cache_dtype", "auto") != "auto":
             engine += f", kv {r['kv_cache_dtype']}"
-        labels.append(
-            f"{model_label(r)}\n{r['num_requests']} req, {engine}\n{lengths}\n{r['commit']}"
-        )
+        label = f"{model_label(r)}\n{r['num_requests']} req, {engine}\n{lengths}\n{r['commit']}"
+        repeats = sum(other.startswith(label) for other in labels)
+        labels.append(label if not repeats else f"{label} (run {repeats + 1})")
         values.append(r["output_tokens_per_s"])
         colours.append("tab:blue")
         if "hf_output_tokens_per_s" in r:
@@ -449,6 +480,12 @@ def main(argv: list[str] | None = None) -> None:
     results_dir = (argv or sys.argv[1:] or ["benchmarks/results"])[0]
     for path in glob.glob(os.path.join(results_dir, "decode_floor*.json")):
         print("wrote", plot_decode_floor(path))
+    for model in ("llama1b", "llama8b"):
+        paths = sorted(glob.glob(os.path.join(results_dir, f"decode_context*_{model}_h200.json")))
+        if paths:  # in the order they ran
+            paths.sort(key=lambda p: load(p)[0]["date"])
+            out = os.path.join(results_dir, f"decode_context_{model}_h200.png")
+            print("wrote", plot_decode_context(paths, out))
     for path in glob.glob(os.path.join(results_dir, "decode_attention_sweep*.json")):
         print("wrote", plot_attention_sweep(path))
     for path in glob.glob(os.path.join(results_dir, "decode_attention_splits*.json")):
