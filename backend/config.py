@@ -69,6 +69,18 @@ class EngineConfig:
     # A streamed request's outputs after its first carry at least this many new tokens (its last
     # may carry fewer): fewer outputs for the host to build, send and answer at high concurrency.
     stream_interval: int = 1
+    # A prompt's chunk while other requests share the step (running, or waiting to start): at
+    # most this many tokens, so a long prompt neither holds new requests back nor stretches
+    # running streams' steps. None = max_num_tokens // 4; 0 = no cap (a prompt takes what the
+    # budget leaves, as vLLM's default does). vLLM's name.
+    long_prefill_token_threshold: int | None = None
+
+    def prefill_chunk_cap(self) -> int:
+        """`long_prefill_token_threshold` resolved: the most tokens a shared prompt chunk takes
+        (max_num_tokens where there is no cap)."""
+        if self.long_prefill_token_threshold is None:
+            return max(1, self.max_num_tokens // 4)
+        return self.long_prefill_token_threshold or self.max_num_tokens
 
     def __post_init__(self) -> None:
         self.validate()
@@ -151,6 +163,7 @@ _LOWEST = {
     "tensor_parallel_size": 1,
     "stream_interval": 1,
     "cuda_graph_max_tokens": 0,
+    "long_prefill_token_threshold": 0,
 }
 CHOICES = {
     "batch_scheduler_policy": SCHEDULER_POLICIES,

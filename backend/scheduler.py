@@ -8,16 +8,19 @@ A prefill is many tokens, a decode one; both go into the same step.
 Rules, in the order `schedule()` applies them:
 
 1. Running requests first, oldest first. At most `max_num_tokens` new tokens per step in total.
-   This is "decodes first": admission is FCFS and a prefill is only cut when it exhausts the
-   budget, so at most one running request is mid-prefill and it is the newest one.
+   This is "decodes first".
 2. Then waiting requests, strictly FCFS: when the head of the queue does not fit (token budget,
    `max_batch_size`, or KV blocks) nobody behind it is admitted this step. Later requests never
    overtake an earlier one, so every request is admitted once those before it have made room.
    Nothing is admitted in a step that had to preempt (it would only be preempted again).
 3. Chunking. With `enable_chunked_context` a prefill larger than the remaining budget is cut to
-   it. Without it the prefill waits for a step with room; a prompt longer than `max_num_tokens`
-   could never fit, so `add()` refuses it. The one exception is recomputation after a preemption
-   (prompt + outputs may exceed `max_num_tokens`): it is always chunked.
+   it. While requests wait behind it, a prefill is first cut to `long_prefill_token_threshold`
+   (`EngineConfig.prefill_chunk_cap`) so that they can start in this step instead of after the
+   whole prompt; what the budget has left after admission goes back to the cut prefills, in
+   order, so no budget idles. Without chunking the prefill waits for a step with room; a prompt
+   longer than `max_num_tokens` could never fit, so `add()` refuses it. The one exception is
+   recomputation after a preemption (prompt + outputs may exceed `max_num_tokens`): it is
+   always chunked.
 4. Capacity, as TensorRT-LLM's batch scheduler policies:
    - `guaranteed_no_evict`: admit only if the pool can hold the request's whole life
      (blocks for `max_total_tokens`, minus blocks reused from the prefix cache; with sliding
@@ -79,6 +82,7 @@ class Scheduler:
             max_chunk_tokens=config.max_num_tokens,
         )
         self.no_evict = config.batch_scheduler_policy == "guaranteed_no_evict"
+        self.shared_chunk_cap = config.prefill_chunk_cap()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
         self._requests: dict[str, Request] = {}  # every waiting or running request
@@ -177,12 +181,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's chunks and allocate their blocks (slots up to start + num_tokens)."""
         batch = SchedulerOutput()
-        budget = self._schedule_running(batch)
+        cut: list[tuple[int, int]] = []  # (chunk index, its uncut size) of prefills cut
+        budget = self._schedule_running(batch, cut)
         if not batch.preempted:
-            self._admit_waiting(batch, budget)
+            budget = self._admit_waiting(batch, budget, cut)
+        self._extend_cut_prefills(batch, cut, budget)
         return batch
 
-    def _schedule_running(self, batch: SchedulerOutput) -> int:
+    def _schedule_running(self, batch: SchedulerOutput, cut: list[tuple[int, int]]) -> int:
         """Oldest first. Victims are the newest, so never one already scheduled this step.
 
         The common case, a decode whose last block still has a free slot, needs no allocation
@@ -214,6 +220,7 @@ class Scheduler:
             num_new = min(remaining, budget)
             if num_new <= 0 or (num_new < remaining and not self._may_chunk(request)):
                 continue
+            uncut, num_new = num_new, self._shared_size(request, num_new)
             while not self.kv.allocate(request, num_new):
                 if self.no_evict:
                     raise RuntimeError(
@@ -226,13 +233,16 @@ class Scheduler:
                 if victim is request:
                     break
             else:
+                if num_new < uncut:
+                    cut.append((len(chunks), uncut))
                 chunks.append(Chunk(request, computed, num_new, computed + num_new == num_tokens))
                 budget -= num_new
         return budget
 
-    def _admit_waiting(self, batch: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, batch: SchedulerOutput, budget: int, cut: list) -> int:
+        """Admit FCFS while the head fits; returns the budget left."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_batch_size:
-            return  # nothing can be admitted: skip the reservation sum
+            return budget  # nothing can be admitted: skip the reservation sum
         reserved = self._reserved() if self.no_evict else []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             request = self.waiting[0]
@@ -243,6 +253,7 @@ class Scheduler:
                 break
             if self.no_evict and not self._fits_whole_life(request, prefix, reserved):
                 break
+            uncut, num_tokens = num_tokens, self._shared_size(request, num_tokens, behind=1)
             if not self.kv.allocate(request, num_tokens, prefix):
                 break
             self.waiting.popleft()
@@ -254,10 +265,40 @@ class Scheduler:
                 for g, blocks in enumerate(self.kv.blocks_to_grow(request)):
                     reserved[g] += blocks
             start = request.num_computed_tokens  # past the reused prefix
+            if num_tokens < uncut:
+                cut.append((len(batch.chunks), uncut))
             batch.chunks.append(
                 Chunk(request, start, num_tokens, start + num_tokens == request.num_tokens)
             )
             budget -= num_tokens
+        return budget
+
+    def _shared_size(self, request: Request, num_tokens: int, behind: int = 0) -> int:
+        """`num_tokens` cut to the shared chunk cap while requests wait behind this one (more
+        than `behind` in the queue) and it may be chunked."""
+        if (
+            num_tokens > self.shared_chunk_cap
+            and len(self.waiting) > behind
+            and self._may_chunk(request)
+        ):
+            return self.shared_chunk_cap
+        return num_tokens
+
+    def _extend_cut_prefills(self, batch: SchedulerOutput, cut: list, budget: int) -> None:
+        """The budget admission left goes back to the prefills cut for it, in order (no
+        preemption for it: an extension the pool cannot hold is skipped)."""
+        for index, uncut in cut:
+            if budget <= 0:
+                return
+            chunk = batch.chunks[index]
+            num_tokens = min(uncut, chunk.num_tokens + budget)
+            if not self.kv.allocate(chunk.request, num_tokens):
+                continue
+            budget -= num_tokens - chunk.num_tokens
+            end = chunk.start + num_tokens
+            batch.chunks[index] = Chunk(
+                chunk.request, chunk.start, num_tokens, end == chunk.request.num_tokens
+            )
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV, keep the outputs, requeue at the front."""

@@ -46,8 +46,6 @@ class FakeModel:
     def step(self) -> list[Request]:
         """One executor iteration; returns the requests that finished."""
         sched, config = self.scheduler, self.scheduler.config
-        # Only the newest running request may be mid-prefill: the rest are decodes.
-        assert all(r.num_tokens - r.num_computed_tokens == 1 for r in sched.running[:-1])
         out = self.last_output = sched.schedule()
         self.num_steps += 1
         assert out.num_batched_tokens <= config.max_num_tokens
@@ -483,3 +481,78 @@ def test_chunk_start_and_samples_are_fixed_at_scheduling_time():
     request.num_computed_tokens = 3
     request.output_ids.append(7)
     assert (chunk.start, chunk.num_tokens, chunk.samples) == (0, 3, True)
+
+
+def _prefill_steps(sched: Scheduler, request: Request) -> list[int]:
+    """Run steps until `request` has computed its prompt; the chunk sizes it got."""
+    sizes = []
+    while request.num_computed_tokens < request.num_prompt_tokens:
+        out = sched.schedule()
+        sizes += [c.num_tokens for c in out.chunks if c.request is request]
+        sched.complete_step(out)
+    return sizes
+
+
+def test_a_long_prompt_alone_takes_the_whole_budget():
+    sched = make_scheduler(num_blocks=256, max_num_tokens=64, max_seq_len=512)
+    long = make_request("long", list(range(200)) * 1)
+    sched.add(long)
+    assert _prefill_steps(sched, long) == [64, 64, 64, 8]
+
+
+def test_a_short_request_starts_in_the_next_step_while_a_long_prompt_is_prefilled():
+    """A short chat arriving while a long prompt is being prefilled starts in the next step: the
+    long prompt's chunk is first cut to long_prefill_token_threshold, the newcomer takes what it
+    needs, and the rest of the budget goes back to the long prompt. Without the cap (0) the
+    newcomer waits for the whole prompt."""
+    for threshold, waited in ((16, 0), (0, 2)):
+        sched = make_scheduler(
+            num_blocks=256,
+            max_num_tokens=64,
+            max_seq_len=512,
+            long_prefill_token_threshold=threshold,
+        )
+        long = make_request("long", [i % 11 for i in range(250)])
+        sched.add(long)
+        first = sched.schedule()
+        assert [c.num_tokens for c in first.chunks] == [64]  # alone: the whole budget
+        sched.complete_step(first)
+        short = make_request("short", [1, 2, 3])
+        sched.add(short)
+        steps = 0
+        while True:
+            out = sched.schedule()
+            sched.complete_step(out)
+            sizes = {c.request.request_id: c.num_tokens for c in out.chunks}
+            if "short" in sizes:
+                break
+            steps += 1
+        assert steps == waited
+        if threshold:
+            assert sizes == {"long": 61, "short": 3}  # the whole budget, shared
+
+
+def test_long_prefill_token_threshold_is_checked():
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        EngineConfig(long_prefill_token_threshold=-1)
+    assert EngineConfig(max_num_tokens=8192).prefill_chunk_cap() == 2048
+    assert (
+        EngineConfig(max_num_tokens=8192, long_prefill_token_threshold=0).prefill_chunk_cap()
+        == 8192
+    )
+
+
+def test_prompts_waiting_together_share_the_budget():
+    """Two long prompts and a short one queued at once: the first two are cut to the cap so the
+    third starts in the same step, and the budget left goes back to the first."""
+    sched = make_scheduler(
+        num_blocks=256, max_num_tokens=64, max_seq_len=512, long_prefill_token_threshold=16
+    )
+    for rid, n in (("a", 200), ("b", 200), ("c", 5)):
+        sched.add(make_request(rid, [i % 11 for i in range(n)]))
+    out = sched.schedule()
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [
+        ("a", 43),
+        ("b", 16),
+        ("c", 5),
+    ]

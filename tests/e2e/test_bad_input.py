@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 import requests
 
-from tests.e2e.clients import generate, grpc_request
+from tests.e2e.clients import generate, grpc_request, metric, metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -183,3 +184,20 @@ def test_server_is_healthy_after_bad_input(triton, good_text):
     assert requests.get(f"http://{triton.http}/v2/health/ready", timeout=10).status_code == 200
     response = generate(triton.http, "ensemble", GOOD)
     assert response.json()["text_output"] == good_text
+
+
+def test_refusals_in_the_adapter_are_counted_as_invalid(triton, good_text):
+    """A prompt over max_seq_len is refused in the LLM model's stub, before the engine: the
+    refusal still counts in nv_llm_requests_rejected_total{reason="invalid"}."""
+
+    def invalid() -> float:
+        return metric(metrics(triton.metrics), "nv_llm_requests_rejected_total", reason="invalid")
+
+    before = invalid()
+    for _ in range(2):
+        result = grpc_request(triton.grpc, "ensemble", _ens(text_input="word " * 700))
+        assert result.error is not None and "max_seq_len" in result.error
+    deadline = time.monotonic() + 20
+    while invalid() < before + 2:
+        assert time.monotonic() < deadline, f"invalid refusals stayed at {invalid()}"
+        time.sleep(0.2)

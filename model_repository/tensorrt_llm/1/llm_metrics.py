@@ -177,6 +177,10 @@ class LlmMetrics:
     def record_finished(self, item: FinishedRequest) -> None:
         self._finished.put(item)
 
+    def record_rejected(self, reason: str) -> None:
+        """A request refused before it reached the engine (bad input checked in this stub)."""
+        self._finished.put(reason)
+
     # ---- called from the poll thread -----------------------------------------------------------
     def update(self, stats) -> None:
         if self.engine_gauges:
@@ -230,6 +234,10 @@ class LlmMetrics:
                 item = self._finished.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(item, str):  # refused in this stub: counted, nothing was served
+                if item in self.rejected:
+                    self.rejected[item].increment(1)
+                continue
             self.input_len.observe(item.num_input_tokens)
             self.output_len.observe(item.num_output_tokens)
             if item.finish_reason in self.finished:

@@ -93,8 +93,12 @@ class TritonPythonModel:
         if is_stop_request(tensors):
             self._stop(request, sender)
             return
-        rows = convert_request(tensors, self.defaults, self.engine.vocab_size)
-        self.dispatcher.submit(request, sender, rows)
+        try:
+            rows = convert_request(tensors, self.defaults, self.engine.vocab_size)
+            self.dispatcher.submit(request, sender, rows)
+        except ValueError:  # answered by `dispatch`; counted like the engine's own refusals
+            self.metrics.record_rejected("invalid")
+            raise
 
     def _stop(self, request, sender) -> None:
         user_id = request.request_id()
