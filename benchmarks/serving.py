@@ -411,11 +411,12 @@ def share_of_engine(rows: list[dict]) -> None:
 
 
 def _print(row: dict) -> None:
-    ttft, itl = row["ttft_ms"], row["itl_ms"]
+    ttft, itl, gap = row["ttft_ms"], row["itl_ms"], row.get("event_gap_ms", {})
     print(
         f"{row['target']:>22} c={row['concurrency']:<4} {row['output_tokens_per_s']:9.0f} tok/s "
         f"{row['requests_per_s']:7.1f} req/s  TTFT p50 {ttft.get('p50', 0):8.1f} ms  "
-        f"ITL p50 {itl.get('p50', 0):6.2f} ms  {row['responses_per_request']:5.1f} resp/req  "
+        f"ITL p50 {itl.get('p50', 0):6.2f} ms  gap p50/p99 {gap.get('p50', 0):6.1f}/"
+        f"{gap.get('p99', 0):6.1f} ms  {row['responses_per_request']:5.1f} events/req  "
         f"failed {row['failed']}"
         + (f"  wrong {row['wrong_outputs']}" if "wrong_outputs" in row else ""),
         flush=True,
@@ -452,19 +453,20 @@ def plot(result: dict, out: str) -> str | None:
         return None
     rows = result["runs"]
     targets = list(dict.fromkeys(r["target"] for r in rows))
-    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+    fig, axes = plt.subplots(1, 5, figsize=(23, 4.2))
     panels = (
         ("output_tokens_per_s", None, "output tokens/s"),
         ("ttft_ms", "p50", "TTFT p50 (ms)"),
         ("e2e_ms", "p50", "end-to-end latency p50 (ms)"),
         ("itl_ms", "p50", "inter-token latency p50 (ms)"),
+        ("event_gap_ms", "p99", "gap between events p99 (ms)"),
     )
     for target in targets:
         mine = sorted((r for r in rows if r["target"] == target), key=lambda r: r["concurrency"])
         cs = [r["concurrency"] for r in mine]
         style = "k--" if target == "engine" else "o-"
         for ax, (key, stat, _) in zip(axes, panels):
-            points = [(c, r[key].get(stat) if stat else r[key]) for c, r in zip(cs, mine)]
+            points = [(c, r.get(key, {}).get(stat) if stat else r[key]) for c, r in zip(cs, mine)]
             points = [(c, v) for c, v in points if v is not None]  # perf_analyzer: no ITL, E2E
             ax.plot([c for c, _ in points], [v for _, v in points], style, label=target)
     for ax, (_, _, label) in zip(axes, panels):

@@ -51,6 +51,16 @@ class Record:
     output: str | list[int] = ""  # text, or token ids for tensorrt_llm
     error: str | None = None
     engine: dict[str, float] | None = None  # the engine's perf-metric times, on `sent`'s clock
+    gaps: list[float] | None = None  # seconds between consecutive events that carried output
+
+    def event(self, now: float) -> None:
+        """An event with output reached the client at `now`."""
+        if self.last is not None:
+            self.gaps = self.gaps or []
+            self.gaps.append(now - self.last)
+        self.first = self.first or now
+        self.last = now
+        self.responses += 1
 
 
 @dataclass
@@ -74,6 +84,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
         "p50": float(np.percentile(arr, 50)),
         "p90": float(np.percentile(arr, 90)),
         "p99": float(np.percentile(arr, 99)),
+        "max": float(arr.max()),
     }
 
 
@@ -97,6 +108,9 @@ def summarize(records: list[Record], requests: list[LoadRequest]) -> dict:
         "responses_per_request": float(np.mean([r.responses for r in ok])) if ok else 0.0,
         "ttft_ms": percentiles([r.first - r.sent for r in ok]),
         "itl_ms": percentiles([(r.last - r.first) / (r.tokens - 1) for r in ok if r.tokens > 1]),
+        # What a streaming client sees: every gap between two events with output (a burst of
+        # tokens in one event shows here, not in the average above).
+        "event_gap_ms": percentiles([g for r in ok for g in r.gaps or ()]),
         "e2e_ms": percentiles([r.last - r.sent for r in ok]),
         **({"timeline_ms": timeline(ok)} if any(r.engine for r in ok) else {}),
     }
@@ -150,9 +164,7 @@ def engine_closed_loop(
         def on_output(out, rec=rec) -> None:
             now = time.perf_counter()
             if out.new_token_ids:
-                rec.first = rec.first or now
-                rec.last = now
-                rec.responses += 1
+                rec.event(now)
                 rec.tokens += len(out.new_token_ids)
                 rec.output += out.new_token_ids
             if out.finished:
@@ -398,9 +410,7 @@ def _grpc_slots(target: Target, requests, slots: int, take) -> list[Record]:
             response = result.get_response()
             value = result.as_numpy(output_name) if response.outputs else None
             if value is not None and value.size:
-                rec.first = rec.first or now
-                rec.last = now
-                rec.responses += 1
+                rec.event(now)
                 if output_name == "output_ids":
                     ids = value.reshape(-1).tolist()
                     rec.output += ids
@@ -469,9 +479,7 @@ async def _http_main(target: Target, requests, slots: int, take) -> list[Record]
                         if "error" in event:
                             rec.error = event["error"]
                             break
-                        rec.first = rec.first or now
-                        rec.last = now
-                        rec.responses += 1
+                        rec.event(now)
                         rec.output += event.get("text_output", "")
                     if response.status != 200 and rec.error is None:
                         rec.error = f"HTTP {response.status}"

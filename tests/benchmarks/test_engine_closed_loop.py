@@ -40,3 +40,19 @@ def test_closed_loop_serves_each_request_once_within_its_concurrency(executor, j
     assert 1 <= steps["engine_context_steps"] <= steps["engine_steps"]
     assert steps["tokens_per_step"] == row["output_tokens"] / steps["engine_steps"]
     assert 0 <= steps["host_share"] <= 1
+    # Every event is counted, and each gap between two of a request's events is measured.
+    assert sum(len(r.gaps or ()) for r in records) == sum(r.responses - 1 for r in records)
+    assert row["event_gap_ms"]["max"] <= 1e3 * max(r.last - r.first for r in records)
+
+
+def test_event_gaps_show_a_burst_that_the_average_hides():
+    """Ten tokens in three events: the inter-token average says 0.1 s, the gaps 0.1 and 0.8 s."""
+    from benchmarks.serving_load import Record
+
+    rec = Record(0, sent=0.0, tokens=10)
+    for now in (0.05, 0.15, 0.95):
+        rec.event(now)
+    row = summarize([rec], [LoadRequest("r", [1], 10)])
+    assert rec.responses == 3 and rec.gaps == pytest.approx([0.1, 0.8])
+    assert row["itl_ms"]["p50"] == pytest.approx(100.0)
+    assert row["event_gap_ms"]["max"] == pytest.approx(800.0)
