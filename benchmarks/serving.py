@@ -2,14 +2,18 @@
 
 Closed-loop streaming clients at each concurrency C (see benchmarks/serving_load.py) send the
 same requests to each target: `ensemble` over gRPC (tritonclient `async_stream_infer`) and HTTP
-`generate_stream`, `tensorrt_llm_bls` over gRPC and `tensorrt_llm` (token ids) over gRPC, and on
-request perf_analyzer's C++ clients (`ensemble:perf_analyzer`, see serving_perf_analyzer.py). In the
+`generate_stream`, `tensorrt_llm_bls` over gRPC and `tensorrt_llm` (token ids) over gRPC, the
+OpenAI front end's streamed `/v1/completions` (`openai:http`; started beside the server as
+`ensemble serve` starts it), and on request perf_analyzer's C++ clients (`ensemble:perf_analyzer`,
+see serving_perf_analyzer.py). In the
 same run the engine alone (an in-process `Executor` with the same settings) serves the same
 prompt ids in the same closed loop: the reference for what the Triton path costs. Output lengths
 are exact (min_tokens = max_tokens, or end_id = -1 with `--exact-with end_id`).
 
 Reported per target and concurrency: output tokens/s, requests/s, TTFT, inter-token latency and
-end-to-end latency (mean, p50, p90, p99), responses per request, failures; the share of the
+end-to-end latency (mean, p50, p90, p99), the gaps between the events a client receives
+(`event_gap_ms`: what a streaming client sees, where the inter-token average hides bursts),
+events per request, failures; the share of the
 engine alone's tokens/s. With `--timeline` the gRPC clients also ask for the perf-metric outputs
 and split each request's time into stages (client to engine, queued, to the first token, first
 and last token from the engine to the client), on one clock (client and server on one host).
@@ -56,7 +60,13 @@ from benchmarks.weight_format_options import (
 from backend.config import EngineConfig
 from backend.engine_outbox import STATS_PERIOD_S
 
-TARGETS = ("ensemble:grpc", "ensemble:http", "tensorrt_llm_bls:grpc", "tensorrt_llm:grpc")
+TARGETS = (
+    "ensemble:grpc",
+    "ensemble:http",
+    "tensorrt_llm_bls:grpc",
+    "tensorrt_llm:grpc",
+    "openai:http",  # the OpenAI front end's /v1/completions, streamed (started beside the server)
+)
 # The same load from perf_analyzer (C++ clients) where it is installed; text models only.
 PERF_ANALYZER_TARGETS = ("ensemble:perf_analyzer", "tensorrt_llm_bls:perf_analyzer")
 
@@ -341,11 +351,18 @@ def run_server_loads(
     )
     rows, checks = [], {}
 
+    front_end = None
+
     def gone() -> str | None:
         code = server.process.poll()
-        return None if code is None else f"tritonserver exited with code {code} (log {server_log})"
+        if code is not None:
+            return f"tritonserver exited with code {code} (log {server_log})"
+        code = front_end.exit_code() if front_end is not None else None
+        return None if code is None else f"the OpenAI front end exited with code {code}"
 
     with server:
+        if any(spec.startswith("openai:") for spec in args.targets):
+            front_end, served_name = start_front_end(settings)
         warm = [
             LoadRequest(r.text[::-1], list(reversed(r.prompt_ids)), r.output_len) for r in requests
         ]
@@ -355,6 +372,8 @@ def run_server_loads(
         for spec in args.targets:
             model, kind = spec.split(":")
             url = server.http_url if kind == "http" else server.grpc_url
+            if model == "openai":
+                model, kind, url = served_name, "openai", f"localhost:{front_end.port}"
             for c in args.concurrency:
                 load = requests[: requests_at(c, args)]
                 if kind == "perf_analyzer":
@@ -386,7 +405,39 @@ def run_server_loads(
                 server.http_url, requests[: args.check_text], args.exact_with
             )
             print(f"streamed == non-streamed: {checks}", flush=True)
+        if front_end is not None:
+            front_end.stop()
     return rows, checks
+
+
+def start_front_end(settings, timeout_s: float = 120.0):
+    """The OpenAI front end over the running server, as `ensemble serve` starts it; returns it
+    once it answers, with the name it serves the model under."""
+    import json
+    import urllib.request
+
+    from ensemble.openai_server.process import FrontEndProcess
+    from ensemble.server import free_port
+
+    front_end = FrontEndProcess(
+        free_port(),
+        settings.grpc_port,
+        settings.metrics_port,
+        settings.model_path,
+        settings.tokenizer_dir,
+    ).start()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if front_end.exit_code() is not None:
+            raise RuntimeError(f"the OpenAI front end exited with code {front_end.exit_code()}")
+        try:
+            with urllib.request.urlopen(f"{front_end.url}/models", timeout=5) as response:
+                return front_end, json.loads(response.read())["data"][0]["id"]
+        except OSError:
+            if time.monotonic() > deadline:
+                front_end.stop()
+                raise RuntimeError(f"the OpenAI front end did not answer in {timeout_s:.0f} s")
+            time.sleep(0.5)
 
 
 def check_streamed_text(http_url: str, requests, exact_with: str) -> dict:

@@ -67,8 +67,8 @@ class Record:
 class Target:
     """What one load run talks to."""
 
-    kind: str  # "grpc", "http" or "engine"
-    model: str = "ensemble"  # ensemble | tensorrt_llm_bls | tensorrt_llm
+    kind: str  # "grpc", "http", "openai" or "engine"
+    model: str = "ensemble"  # ensemble | tensorrt_llm_bls | tensorrt_llm; openai: the model name
     url: str = ""
     exact_with: str = "min_tokens"  # how output lengths are made exact: min_tokens | end_id
     timeline: bool = False  # gRPC: ask for the perf-metric outputs (where a request's time goes)
@@ -456,11 +456,49 @@ def _http_slots(target: Target, requests, slots: int, take) -> list[Record]:
     return asyncio.run(_http_main(target, requests, slots, take))
 
 
+def _stream_protocol(target: Target):
+    """(url, body of request i, event -> (text, error)) of a streaming HTTP target: Triton's
+    generate_stream, or the OpenAI front end's /v1/completions (`target.model` is then the
+    served model's name)."""
+    if target.kind == "openai":
+
+        def body(req: LoadRequest) -> dict:
+            exact = (
+                {"min_tokens": req.output_len}
+                if target.exact_with == "min_tokens"
+                else {"ignore_eos": True}
+            )
+            return {
+                "model": target.model,
+                "prompt": req.text,
+                "max_tokens": req.output_len,
+                "temperature": 0,
+                "stream": True,
+                **exact,
+            }
+
+        def parse(event: dict) -> tuple[str, str | None]:
+            if "error" in event:
+                return "", str(event["error"].get("message", event["error"]))
+            return "".join(c.get("text", "") for c in event.get("choices", ())), None
+
+        return f"http://{target.url}/v1/completions", body, parse
+
+    def triton_body(req: LoadRequest) -> dict:
+        return http_body(target.model, req, target.exact_with, stream=True)
+
+    def triton_parse(event: dict) -> tuple[str, str | None]:
+        return event.get("text_output", ""), event.get("error")
+
+    url = f"http://{target.url}/v2/models/{target.model}/generate_stream"
+    return url, triton_body, triton_parse
+
+
 async def _http_main(target: Target, requests, slots: int, take) -> list[Record]:
     import aiohttp
 
     records: list[Record] = []
-    url = f"http://{target.url}/v2/models/{target.model}/generate_stream"
+    url, body_of, parse = _stream_protocol(target)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     connector = aiohttp.TCPConnector(limit=slots)
 
@@ -468,19 +506,22 @@ async def _http_main(target: Target, requests, slots: int, take) -> list[Record]
         while (i := take()) is not None:
             rec = Record(i, time.perf_counter())
             records.append(rec)
-            body = http_body(target.model, requests[i], target.exact_with, stream=True)
             try:
-                async with session.post(url, json=body) as response:
+                async with session.post(url, json=body_of(requests[i])) as response:
                     async for line in response.content:
                         if not line.startswith(b"data:"):
                             continue
                         now = time.perf_counter()
-                        event = json.loads(line[5:])
-                        if "error" in event:
-                            rec.error = event["error"]
+                        payload = line[5:].strip()
+                        if payload == b"[DONE]":
                             break
-                        rec.event(now)
-                        rec.output += event.get("text_output", "")
+                        text, error = parse(json.loads(payload))
+                        if error is not None:
+                            rec.error = error
+                            break
+                        if text:  # an event the client sees output in
+                            rec.event(now)
+                            rec.output += text
                     if response.status != 200 and rec.error is None:
                         rec.error = f"HTTP {response.status}"
             except aiohttp.ClientError as exc:

@@ -124,6 +124,7 @@ class TritonServer:
     extra_args: list[str] = field(default_factory=list)
     process: subprocess.Popen | None = None
     _shm_before: set = field(default_factory=set)
+    _drained: bool = False
 
     @property
     def http_url(self) -> str:
@@ -179,6 +180,7 @@ class TritonServer:
         backends = prepare_backends(install)
         stubs = stub_environment()
         self._shm_before = set(SHM_DIR.glob(SHM_PATTERN))
+        self._drained = False
         output = open(self.log_file, "ab") if self.log_file else None
         self.process = subprocess.Popen(
             with_parent(self.command(install, backends)),
@@ -219,11 +221,7 @@ class TritonServer:
         if self.process is None:
             return None
         if self.process.poll() is None:
-            engines = engine_processes(self.process.pid)
-            for pid in engines:
-                send_signal(pid, signal.SIGTERM)
-            if engines:  # let the ends pass through the ensembles before Triton unloads their steps
-                time.sleep(DRAIN_S)
+            self.drain()
             self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout=timeout_s)
@@ -238,6 +236,19 @@ class TritonServer:
             wait_group_gone(self.process.pid)
             remove_orphan_shm_regions(self._shm_before)
         return self.process.returncode
+
+    def drain(self) -> None:
+        """End the requests in flight: each engine answers them "the server is shutting down"
+        and refuses new ones; wait while those ends pass through the ensembles (and reach the
+        OpenAI front end's streams). Once per server; `stop` drains first if no one did."""
+        if self._drained or self.process is None or self.process.poll() is not None:
+            return
+        self._drained = True
+        engines = engine_processes(self.process.pid)
+        for pid in engines:
+            send_signal(pid, signal.SIGTERM)
+        if engines:
+            time.sleep(DRAIN_S)
 
     def curl_example(self) -> str:
         # A question to an instruct model needs its chat template (else it may answer "").
@@ -348,6 +359,10 @@ def serve_forever(server: TritonServer, front_end=None, health_timeout_s: float 
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
+        # Drain first: streams on both front ends end with "the server is shutting down" (the
+        # OpenAI ones with an error event and [DONE]), then nothing holds the front end open.
+        if not hung:
+            server.drain()
         if front_end is not None:
             front_end.stop()
         server.stop(timeout_s=0.0 if hung else STOP_TIMEOUT_S)  # a hung server never handles SIGINT

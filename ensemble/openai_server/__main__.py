@@ -16,6 +16,9 @@ from ensemble.openai_server.context import Context
 from ensemble.openai_server.served_model import ServedModel
 from ensemble.openai_server.triton_llm import LLM_MODEL, TritonLLM
 
+# On SIGTERM, how long open streams may take to end (a drained engine ends them within a second).
+SHUTDOWN_TIMEOUT_S = 5.0
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ensemble.openai_server", description=__doc__)
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print=None,
         access_log=None,
         handler_cancellation=True,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     return 0
 

@@ -54,7 +54,11 @@ class FrontEndProcess:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH")) if p
         )
-        self.process = subprocess.Popen(with_parent(self.command()), env=env, cwd=PROJECT_ROOT)
+        # Its own session: a Ctrl-C reaches the launcher alone, which drains the engines before
+        # it stops this (streams then end with an error event and [DONE], not cut).
+        self.process = subprocess.Popen(
+            with_parent(self.command()), env=env, cwd=PROJECT_ROOT, start_new_session=True
+        )
         return self
 
     def exit_code(self) -> int | None:
