@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from aiohttp import web
@@ -64,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         handler_cancellation=True,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
-    return 0
+    # Streams and the gRPC client are closed by now; skip the interpreter's teardown, where
+    # gRPC's threads raised into a half-finalized interpreter ("Error in sys.excepthook").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -221,6 +221,57 @@ def test_a_signal_drains_and_stops_fast_and_clean(launcher, signum):
     assert not set(SHM_DIR.glob(SHM_PATTERN)) - shm_before, "shared memory left behind"
 
 
+def test_ctrl_c_ends_openai_and_triton_streams_alike_and_quietly(launcher):
+    """Ctrl-C (SIGINT to the launcher: the front end has a session of its own) with a stream
+    open on each front end: the engines drain first, so the OpenAI stream ends with the
+    shutting-down error event and [DONE] (not cut) and the gRPC stream with the same error; the
+    launcher exits 0 within 10 s and nothing prints "Error in sys.excepthook"."""
+    openai_port = free_port()
+    served = launcher("--openai-port", str(openai_port))
+    served.wait_ready()
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if requests.get(f"http://localhost:{openai_port}/v1/models", timeout=2).ok:
+                break
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, "the OpenAI front end did not answer"
+        time.sleep(0.5)
+    model = requests.get(f"http://localhost:{openai_port}/v1/models", timeout=5).json()
+    events: list[str] = []
+
+    def stream_openai():
+        body = {
+            "model": model["data"][0]["id"],
+            "prompt": LONG["text_input"],
+            "max_tokens": LONG["max_tokens"],
+            "ignore_eos": True,
+            "stream": True,
+        }
+        url = f"http://localhost:{openai_port}/v1/completions"
+        with requests.post(url, json=body, stream=True, timeout=120) as response:
+            events.extend(line for line in response.iter_lines(decode_unicode=True) if line)
+
+    results: list = []
+    threads = [
+        threading.Thread(target=stream_openai, daemon=True),
+        _stream_in_background(f"localhost:{served.grpc}", results),
+    ]
+    threads[0].start()
+    _wait_streaming(served, 2)
+    signalled_at = time.monotonic()
+    served.process.send_signal(signal.SIGINT)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert served.process.wait(timeout=30) == 0
+    assert time.monotonic() - signalled_at < 10, "shutdown took more than 10 s"
+    assert events[-1] == "data: [DONE]", events[-3:]
+    assert "shutting down" in events[-2] and '"error"' in events[-2], events[-3:]
+    assert results and "shutting down" in results[0][0].error, results
+    assert "Error in sys.excepthook" not in served.log.read_text(errors="replace")
+
+
 def test_a_taken_port_is_refused_before_starting(launcher):
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
