@@ -56,9 +56,11 @@ def recipe(tmp_path_factory) -> Image:
 
 
 def served_repository(image: Image) -> Path:
-    flags = [a for a in image.cmd if a.startswith("--model-repository=")]
-    assert image.cmd[:1] == ["tritonserver"] and len(flags) == 1, image.cmd
-    return image.path(flags[0].split("=", 1)[1])
+    """The repository the image's entry point serves: the launcher (`python3 -m ensemble serve
+    --repository R`, which drains the engines on SIGTERM), not bare tritonserver."""
+    assert image.cmd[:4] == ["python3", "-m", "ensemble", "serve"], image.cmd
+    assert image.cmd.count("--repository") == 1, image.cmd
+    return image.path(image.cmd[image.cmd.index("--repository") + 1])
 
 
 def pip_requirements(install: list[str]) -> list[Requirement]:
@@ -145,7 +147,8 @@ def test_stubs_load_every_model_from_the_image(image, tmp_path):
 
 
 def test_documented_docker_run_serves_another_model(image, tmp_path):
-    """The header's `docker run ... sh -c "..."` (another model) builds a servable repository."""
+    """The header's `docker run ... python3 -m ensemble serve --model ...` (another model): the
+    repository `serve` builds from those options is servable and names the mounted model."""
     from backend.model_paths import resolve_model
 
     text = " ".join(
@@ -153,9 +156,11 @@ def test_documented_docker_run_serves_another_model(image, tmp_path):
         for line in DOCKERFILE.read_text().splitlines()
         if line.startswith("#")
     )
-    match = re.search(r'-v (\S+):(\S+) .*?sh -c "([^"]+)"', text)
+    match = re.search(
+        r"-v (\S+):(\S+) .*? tritonllm (python3 -m ensemble serve(?: --\S+ \S+)+)", text
+    )
     assert match, "no documented docker run for another model"
-    mount, commands = match.group(2), match.group(3)
+    mount, served_args = match.group(2), shlex.split(match.group(3))[4:]
     here = {mount: resolve_model("default"), "/tmp": str(tmp_path)}
 
     def local(arg: str) -> str:
@@ -167,14 +172,12 @@ def test_documented_docker_run_serves_another_model(image, tmp_path):
                 return replacement + arg[len(path) :]
         return arg
 
-    served = None
-    for command in re.split(r"\s*&&\s*", commands):
-        argv = [local(a) for a in shlex.split(command)]
-        if argv[0] == "tritonserver":
-            served = Path(argv[1].split("=", 1)[1])
-        else:
-            image.run_python(argv)
-    assert served is not None and (served / "tensorrt_llm" / "config.pbtxt").exists()
+    # `serve` builds this repository before it starts the server: build it here the same way.
+    served = tmp_path / "repo"
+    image.run_python(
+        ["python3", "-m", "ensemble", "build", *map(local, served_args), "--out", str(served)]
+    )
+    assert (served / "tensorrt_llm" / "config.pbtxt").exists()
     assert here[mount] in (served / "tensorrt_llm" / "config.pbtxt").read_text()
 
 

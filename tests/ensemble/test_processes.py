@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from ensemble.build import PROJECT_ROOT
 
 LAUNCHER = """
@@ -44,3 +46,27 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"  # a zombie has ended (its parent, now init, reaps it)
+
+
+def test_a_system_tritonserver_install_is_found_and_its_backends_used(tmp_path, monkeypatch):
+    """TRITONSERVER_ROOT (or /opt/tritonserver in NVIDIA's containers, where no pytriton wheel
+    is installed) names a system install: its binary, its own backends directory (the stub built
+    for the Python beside it), its lib/; a missing part is named."""
+    from ensemble.server import TritonServer, locate_tritonserver, prepare_backends
+
+    root = tmp_path / "tritonserver"
+    for part in ("bin/tritonserver", "backends/python/triton_python_backend_stub"):
+        (root / part).parent.mkdir(parents=True, exist_ok=True)
+        (root / part).write_bytes(b"")
+    monkeypatch.setenv("TRITONSERVER_ROOT", str(root))
+    install = locate_tritonserver()
+    assert install.system and install.binary == root / "bin" / "tritonserver"
+    assert install.libs == root / "lib"
+    backends = prepare_backends(install)
+    assert backends == root / "backends"
+    command = TritonServer(tmp_path / "repo").command(install, backends)
+    assert command[0] == str(root / "bin" / "tritonserver")
+    assert f"--backend-directory={root / 'backends'}" in command
+    (root / "backends/python/triton_python_backend_stub").unlink()
+    with pytest.raises(RuntimeError, match="triton_python_backend_stub is missing"):
+        locate_tritonserver()
