@@ -257,7 +257,9 @@ class TritonServer:
                 pass
             self.process.wait()
             wait_group_gone(self.process.pid)
-            remove_orphan_shm_regions(self._shm_before)
+        # Also after a clean exit: a stub that died, or one Triton stopped waiting for at its exit
+        # timeout, leaves its region behind.
+        remove_orphan_shm_regions(self._shm_before)
         return self.process.returncode
 
     def drain(self) -> None:

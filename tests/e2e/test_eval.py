@@ -8,11 +8,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import requests
 
 from ensemble.server import free_port
 from tests.e2e.test_faults import launcher  # noqa: F401 (the fixture)
@@ -25,15 +23,7 @@ def test_lm_eval_scores_the_server_as_the_hf_model(launcher, tmp_path):  # noqa:
     port = free_port()
     served = launcher("--openai-port", str(port))
     served.wait_ready()
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if requests.get(f"http://localhost:{port}/health", timeout=1).ok:
-                break
-        except requests.RequestException:
-            pass
-        assert time.monotonic() < deadline, served.log.read_text()[-3000:]
-        time.sleep(0.5)
+    served.wait_openai(port)
     out = tmp_path / "eval.json"
     run = subprocess.run(
         [

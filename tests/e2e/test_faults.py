@@ -88,6 +88,20 @@ class Launcher:
             assert time.monotonic() < deadline, "not ready"
             time.sleep(0.5)
 
+    def wait_openai(self, port: int, timeout: float = 120) -> str:
+        """Until its OpenAI front end on `port` answers; the model name it serves."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            try:
+                response = requests.get(f"http://localhost:{port}/v1/models", timeout=2)
+                if response.ok:
+                    return response.json()["data"][0]["id"]
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "the OpenAI front end did not answer"
+            time.sleep(0.3)
+
     def server_pid(self) -> int:
         return next(p for p in descendants(self.process.pid) if "tritonserver" in _cmdline(p))
 
@@ -97,9 +111,15 @@ class Launcher:
         )
 
     def close(self) -> None:
+        """Stop the launcher as a supervisor would (SIGTERM: it removes its repository and what
+        the server left), killing it only when it does not exit."""
         if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 @pytest.fixture
@@ -229,21 +249,12 @@ def test_ctrl_c_ends_openai_and_triton_streams_alike_and_quietly(launcher):
     openai_port = free_port()
     served = launcher("--openai-port", str(openai_port))
     served.wait_ready()
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if requests.get(f"http://localhost:{openai_port}/v1/models", timeout=2).ok:
-                break
-        except requests.RequestException:
-            pass
-        assert time.monotonic() < deadline, "the OpenAI front end did not answer"
-        time.sleep(0.5)
-    model = requests.get(f"http://localhost:{openai_port}/v1/models", timeout=5).json()
+    model = served.wait_openai(openai_port)
     events: list[str] = []
 
     def stream_openai():
         body = {
-            "model": model["data"][0]["id"],
+            "model": model,
             "prompt": LONG["text_input"],
             "max_tokens": LONG["max_tokens"],
             "ignore_eos": True,
