@@ -1,19 +1,21 @@
-"""perf_analyzer drives a short gRPC streaming load against `ensemble` with no failed request.
-
-The request data is the one Triton's own CI uses for a TensorRT-LLM ensemble
-(text_input, stream, max_tokens, bad_words, stop_words).
+"""perf_analyzer drives a short gRPC streaming load against `ensemble` with no failed request:
+the README's command and request data, as printed (the one Triton's own CI uses for a
+TensorRT-LLM ensemble: text_input, stream, max_tokens, bad_words, stop_words).
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.e2e.clients import metrics
 
 pytestmark = pytest.mark.e2e
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _count(samples: dict, name: str, model: str) -> float:
@@ -32,30 +34,28 @@ def perf_analyzer():
     return pa
 
 
+def readme_command() -> tuple[str, list[str]]:
+    """The README's perf_analyzer example: the request data its heredoc writes, and the
+    arguments after `run --`."""
+    text = README.read_text()
+    block = text[text.index("Load with perf_analyzer") :]
+    block = block[
+        block.index("```bash") + len("```bash") : block.index("```", block.index("```bash") + 7)
+    ]
+    data = block[block.index("<<'JSON'") + len("<<'JSON'") : block.index("\nJSON\n")].strip()
+    command = block[block.index("ensemble.perf_analyzer run --") :].replace("\\\n", " ")
+    return data, shlex.split(command)[3:]
+
+
 def test_streaming_load_without_failures(triton, perf_analyzer, tmp_path):
+    data_text, printed = readme_command()
     data = tmp_path / "input_data.json"
-    data.write_text(
-        json.dumps(
-            {
-                "data": [
-                    {
-                        "text_input": ["Hello, my name is"],
-                        "stream": [True],
-                        "max_tokens": [8],
-                        "bad_words": [""],
-                        "stop_words": [""],
-                    },
-                    {
-                        "text_input": ["Le café à côté de l'église est très"],
-                        "stream": [True],
-                        "max_tokens": [12],
-                        "bad_words": [""],
-                        "stop_words": [""],
-                    },
-                ]
-            }
-        )
-    )
+    data.write_text(data_text)
+    args = [
+        triton.grpc if a == "localhost:8001" else str(data) if a == "/tmp/input_data.json" else a
+        for a in printed
+    ]
+    assert "localhost:8001" in printed and "/tmp/input_data.json" in printed
     before = metrics(triton.metrics)
     # Under a whole test run's load perf_analyzer has exited 0 with its throughput line and an
     # empty export file: then it runs again, into a new file (it refuses an existing one); the
@@ -63,38 +63,7 @@ def test_streaming_load_without_failures(triton, perf_analyzer, tmp_path):
     for attempt in range(3):
         export = tmp_path / f"profile_export_{attempt}.json"
         result = perf_analyzer.run(
-            [
-                "-m",
-                "ensemble",
-                "-u",
-                triton.grpc,
-                "-i",
-                "grpc",
-                "--async",
-                "--streaming",
-                "--input-data",
-                str(data),
-                "--shape",
-                "text_input:1",
-                "--shape",
-                "max_tokens:1",
-                "--shape",
-                "bad_words:1",
-                "--shape",
-                "stop_words:1",
-                "--concurrency-range",
-                "4",
-                "--measurement-mode",
-                "count_windows",
-                "--measurement-request-count",
-                "8",
-                "--stability-percentage",
-                "999",
-                "--max-trials",
-                "3",
-                "--profile-export-file",
-                str(export),
-            ],
+            [*args, "--profile-export-file", str(export)],
             capture_output=True,
             text=True,
             timeout=300,
