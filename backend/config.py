@@ -55,8 +55,9 @@ class EngineConfig:
     # FP8 GEMMs commonly run; off by default (README, "FP8 fast accumulation").
     fp8_fast_accumulation: bool = False
     seed: int = 0  # engine-wide generator for unseeded sampling
-    # Ranks the model is split across (backend/tensor_parallel.py): processes on this host, gloo
-    # on CPU, NCCL on CUDA; `gpu_device_ids` ("0,1") picks each rank's GPU (else rank i: GPU i).
+    # Ranks the model is split across (backend/distributed/tensor_parallel.py): processes on this
+    # host, gloo on CPU, NCCL on CUDA; `gpu_device_ids` ("0,1") picks each rank's GPU (else rank i:
+    # GPU i).
     tensor_parallel_size: int = 1
     gpu_device_ids: str | None = None
     # Overlap host work (scheduling, packing, stop checks, delivery) with the device's step;

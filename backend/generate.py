@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    from backend.executor import Executor
+    from backend.engine.executor import Executor
 
     sampling = SamplingParams(
         max_tokens=args.max_tokens,

@@ -44,8 +44,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # KV state: physical block ids, and how many tokens of `all_ids` are already in the cache.
     block_ids: list[int] = field(default_factory=list)
-    # The block tables of the KV cache groups after the first (`backend.kv_cache_manager`): a
-    # model mixing global and windowed layers; empty otherwise.
+    # The block tables of the KV cache groups after the first
+    # (`backend.scheduling.kv_cache_manager`): a model mixing global and windowed layers; empty
+    # otherwise.
     group_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from reused blocks (first admission)
@@ -53,7 +54,7 @@ class Request:
     num_new_blocks: int = 0
     num_preemptions: int = 0
     # Overlap scheduling: the newest token's row in the sampled ids of the step still on the
-    # device (`backend.engine`), or None. That token counts in num_tokens; it is in no id list.
+    # device (`backend.engine.step`), or None. That token counts in num_tokens; it is in no id list.
     in_flight_row: int | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None

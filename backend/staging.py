@@ -7,7 +7,7 @@ apiece; instead they are packed, each 16-byte aligned and in its own dtype, into
 pinned byte buffer, sent with a single non-blocking copy, and viewed on the device.
 
 (Decode CUDA graph steps do without it: the graph reads its inputs from pinned memory itself,
-`backend.cuda_graphs`.)
+`backend.runner.decode_graphs`.)
 
 The host buffer may be rewritten only after its last copy finished: `StagingTurns` keeps two of
 these, used in turn, and waits on each one's event before reusing it (the step may be packed while
@@ -81,7 +81,8 @@ class RingedFields:
     """Named arrays laid out in one device buffer (each 16-byte aligned) and mirrored by the two
     slots of a pinned host ring, as numpy views (cheaper to write): a CUDA graph reads the buffer
     at fixed addresses, and a step is written into one slot while the other's copy may still be
-    queued (`backend.cuda_graphs`, `backend.mixed_graphs`). `fields`: (name, dtype, shape)."""
+    queued (`backend.runner.decode_graphs`, `backend.runner.mixed_graphs`). `fields`: (name, dtype,
+    shape)."""
 
     def __init__(self, fields: list[tuple[str, torch.dtype, tuple[int, ...]]], device):
         sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in fields]

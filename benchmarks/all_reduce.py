@@ -1,6 +1,6 @@
 """All-reduce time inside a CUDA graph on two GPUs: NCCL against the peer-mapped buffer
-(`backend.peer_all_reduce`), for [rows, hidden] activations as a tensor-parallel decode step
-sums them (two per layer).
+(`backend.distributed.peer_all_reduce`), for [rows, hidden] activations as a tensor-parallel decode
+step sums them (two per layer).
 
 Each figure is one all-reduce's share of a graph of 64 back to back, replayed 50 times; the
 sums are checked against the expected values on both paths.
@@ -43,7 +43,7 @@ def graph_time_us(step) -> float:
 
 
 def rank_main(rank: int, port: int, args, out: dict) -> None:
-    from backend.tensor_parallel import TensorParallel, connect
+    from backend.distributed.tensor_parallel import TensorParallel, connect
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    from backend.tp_workers import free_port
+    from backend.distributed.tp_workers import free_port
 
     with mp.Manager() as manager:
         out = manager.dict()

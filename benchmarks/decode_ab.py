@@ -34,7 +34,7 @@ from unittest import mock
 import torch
 
 from backend.config import EngineConfig
-from backend.executor import Executor
+from backend.engine.executor import Executor
 from benchmarks.decode_floor import copy_rate_bytes_per_s, measure
 from benchmarks.provenance import provenance, save_json
 from benchmarks.weight_format_options import add_weight_format_options, weight_format_fields
@@ -49,7 +49,7 @@ def _launch_overrides(variant: str) -> dict[str, int]:
 def _changes(variant: str) -> list:
     """The patches that make `variant`, as context managers."""
     import backend.attention.kernels.decode_launch as decode_launch
-    import backend.cuda_graphs as cuda_graphs
+    import backend.runner.decode_graphs as cuda_graphs
     import backend.kernels.gemv as gemv
     import backend.kernels.qkv_rope as qkv_rope
     import backend.attention.triton_backend as triton_backend

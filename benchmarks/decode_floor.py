@@ -35,7 +35,7 @@ import time
 import torch
 
 from backend.config import EngineConfig
-from backend.executor import Executor
+from backend.engine.executor import Executor
 from backend.sampling_params import SamplingParams
 from backend.layers.embedding import Embedding
 from backend.quantization import QuantizedWeight

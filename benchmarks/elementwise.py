@@ -20,7 +20,7 @@ from backend.kernels.rmsnorm import rms_norm
 from backend.attention.kernels.rope import apply_rotary_
 from backend.layers.rotary import RotaryEmbedding
 from backend.model_config import ModelConfig
-from backend.model_paths import resolve_model
+from backend.loading.model_paths import resolve_model
 from benchmarks.graph_timing import graph_us_per_call
 from benchmarks.provenance import provenance, save_json
 

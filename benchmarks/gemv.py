@@ -39,7 +39,7 @@ from backend.kernels.gemv import gemv
 from backend.kernels.gemv_config import launch_config, tuning_key
 from backend.kernels.gemv_weight import StreamedWeight
 from backend.model_config import ModelConfig
-from backend.model_paths import resolve_model
+from backend.loading.model_paths import resolve_model
 from backend.quantization import Fp8Weight, Int4Weight, Int8Weight
 from benchmarks.decode_floor import copy_rate_bytes_per_s
 from benchmarks.graph_timing import graph_us_per_call

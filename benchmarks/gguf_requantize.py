@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 
-from backend.cache import cache_root
-from backend.model_paths import default_gguf_path
+from backend.loading.disk_cache import cache_root
+from backend.loading.model_paths import default_gguf_path
 
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")  # what gguf.quants can write
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from backend.config import EngineConfig
-from backend.executor import Executor
-from backend.model_runner import ModelRunner, StepLogits
+from backend.engine.executor import Executor
+from backend.runner.model_runner import ModelRunner, StepLogits
 from backend.sampling_params import SamplingParams
 
 

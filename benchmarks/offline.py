@@ -20,8 +20,8 @@ import time
 import torch
 
 from backend.config import EngineConfig
-from backend.executor import Executor
-from backend.model_paths import resolve_model
+from backend.engine.executor import Executor
+from backend.loading.model_paths import resolve_model
 from backend.sampling_params import SamplingParams
 from benchmarks.provenance import provenance, save_json
 from benchmarks.weight_format_options import (
@@ -71,7 +71,7 @@ def run_hf(model_dir: str, device, dtype, prompts, lengths, batch_size: int) -> 
     Tokens beyond a request's own length are generated but not counted."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from backend.presets import random_weights_spec
+    from backend.loading.presets import random_weights_spec
 
     if random_weights_spec(model_dir) is not None:  # a preset: random weights, speed is what counts
         config = AutoConfig.from_pretrained(model_dir)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from backend.config import EngineConfig
-from backend.model_runner import ModelRunner
+from backend.runner.model_runner import ModelRunner
 from backend.request import Chunk
 from benchmarks.provenance import provenance, save_json
 from benchmarks.weight_format_options import add_weight_format_options, weight_format_fields
@@ -89,7 +89,7 @@ def engine_profile(
     0's) is, its kernels, and the host functions that take the time between kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    from backend.executor import Executor
+    from backend.engine.executor import Executor
     from backend.sampling_params import SamplingParams
 
     executor = Executor(

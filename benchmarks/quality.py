@@ -7,13 +7,13 @@ The unquantized baseline (`none`) is the float32 checkpoint de-quantized from th
 GGUF; `gguf` serves those Q4_1 blocks kept quantized (the same values, so the same numbers);
 `int8_wo` and `fp8` quantize the baseline's weights at load (`fp8_ends`: all but the first and
 last two decoder layers, `quantization_exclude`); `int4_awq` loads an AWQ checkpoint
-calibrated by `backend.awq_calibration` (input-channel scales searched on other pages of the
+calibrated by `backend.tools.awq_calibration` (input-channel scales searched on other pages of the
 same documentation, `quality_corpus.CALIBRATION`, folded into the norms and the v / up rows,
 each group's range shrunk where it pays), `int4_awq_rtn` one written from the baseline by the
 round-to-nearest packer (`backend.quantization.int4_packing.awq_tensors`: AWQ's layout
 without its scales), `int4_awq_gptq` int4_awq's scales with GPTQ's rounding of the scaled
 weights in place of the range search; `int4_gptq` loads a GPTQ checkpoint calibrated by
-`backend.gptq_calibration` on the same text, and `fp8_gptq` (`fp8_gptq_ends`: the end layers
+`backend.tools.gptq_calibration` on the same text, and `fp8_gptq` (`fp8_gptq_ends`: the end layers
 kept float) an FP8 checkpoint calibrated the same way. Calibration windows start with the
 tokenizer's start tokens, as the scored ones do.
 SmolLM2's hidden size 576 is not a multiple of 128, so the int4 group is 64.
@@ -54,11 +54,11 @@ import time
 
 import torch
 
-from backend.cache import cache_root
+from backend.loading.disk_cache import cache_root
 from backend.config import EngineConfig
-from backend.executor import Executor
+from backend.engine.executor import Executor
 from backend.model_config import ModelConfig
-from backend.model_paths import resolve_model
+from backend.loading.model_paths import resolve_model
 from backend.sampling_params import SamplingParams
 from benchmarks import quality_corpus
 from benchmarks.gguf_requantize import requantized_gguf
@@ -69,13 +69,13 @@ ROWS = {
     "none": ("none", "auto"),
     "gguf": ("gguf", "auto"),
     "int8_wo": ("int8_wo", "auto"),
-    "int4_awq": ("int4_awq", "auto"),  # calibrated by backend.awq_calibration
+    "int4_awq": ("int4_awq", "auto"),  # calibrated by backend.tools.awq_calibration
     "int4_awq_rtn": ("int4_awq", "auto"),  # AWQ's layout, rounded to nearest (no scales)
     "int4_awq_gptq": ("int4_awq", "auto"),  # AWQ's scales, then GPTQ's rounding
     "int4_gptq": ("int4_gptq", "auto"),
     "int4_gptq_bf16_scales": ("int4_gptq", "auto"),  # its scales rounded as a bf16 model's are
     "int4_awq_gptq_bf16_scales": ("int4_awq", "auto"),
-    "fp8_gptq": ("fp8", "auto"),  # an FP8 checkpoint calibrated by backend.gptq_calibration
+    "fp8_gptq": ("fp8", "auto"),  # an FP8 checkpoint calibrated by backend.tools.gptq_calibration
     "fp8_gptq_ends": ("fp8", "auto"),  # the same with the END_LAYERS kept float
     "fp8": ("fp8", "auto"),
     "fp8_ends": ("fp8", "auto"),  # the first and last END_LAYERS decoder layers kept float
@@ -155,9 +155,9 @@ def awq_rtn_checkpoint(float_dir: str, group_size: int) -> str:
 
 def awq_checkpoint(model: str, group_size: int, rounding: str = "clip") -> str:
     """An AWQ checkpoint of `model` (a `model_source`), `calibrated_checkpoint`'s
-    (`backend.awq_calibration`: scales searched, then `rounding`: "clip", each group's range
+    (`backend.tools.awq_calibration`: scales searched, then `rounding`: "clip", each group's range
     shrunk where it pays, or "gptq", GPTQ's rounding of the scaled weights)."""
-    from backend.awq_calibration import quantize_model
+    from backend.tools.awq_calibration import quantize_model
 
     def write(text: str, out: str) -> None:
         quantize_model(model, text, out, group_size, GPTQ_WINDOWS, GPTQ_WINDOW_TOKENS, rounding)
@@ -169,9 +169,9 @@ def gptq_checkpoint(
     model: str, group_size: int, weights: str = "int4", exclude: str | None = None
 ) -> str:
     """A checkpoint of `model` (a `model_source`), `calibrated_checkpoint`'s
-    (`backend.gptq_calibration`): GPTQ 4-bit, or FP8 with `weights` "fp8"; `exclude`: the
+    (`backend.tools.gptq_calibration`): GPTQ 4-bit, or FP8 with `weights` "fp8"; `exclude`: the
     `quantization_exclude` fragments kept float."""
-    from backend.gptq_calibration import quantize_model
+    from backend.tools.gptq_calibration import quantize_model
 
     def write(text: str, out: str) -> None:
         fragments = tuple(exclude.split(",")) if exclude else ()
@@ -219,7 +219,7 @@ def bf16_scales_copy(checkpoint_dir: str) -> str:
 def windows_start(float_dir: str) -> str:
     """The start tokens of the calibration windows, for the cache's name ("" where none, as the
     names were before the windows had them)."""
-    from backend.calibration import start_tokens
+    from backend.tools.calibration import start_tokens
     from preprocessing.tokenizer import load_tokenizer
 
     first = start_tokens(load_tokenizer(float_dir))

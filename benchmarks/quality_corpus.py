@@ -5,8 +5,8 @@ Source: the Django 5.2.8 source distribution on PyPI (`pip download django==5.2.
 under docs/faq, docs/misc, docs/internals and docs/topics (sorted by path) the prose paragraphs
 are kept: code blocks (indented), directives (`..`), headings and tables are dropped, inline
 markup is reduced to its text. The result is committed (benchmarks/data/django_docs.txt), so a
-run needs no network. The calibration text of GPTQ (backend/gptq_calibration.py) comes from the
-other documentation directories of the same release (docs/howto, docs/intro, docs/ref): the same
+run needs no network. The calibration text of GPTQ (backend/tools/gptq_calibration.py) comes from
+the other documentation directories of the same release (docs/howto, docs/intro, docs/ref): the same
 kind of prose, no paragraph of the corpus (benchmarks/data/django_calibration.txt). This module
 rebuilds both:
 

@@ -40,7 +40,7 @@ from backend.kernels.tuning import rows_bucket
 from backend.kernels.w8a16_gemm import GemmConfig, config_key, w8a16_gemm
 from backend.gguf_blocks import BLOCK_TYPES
 from backend.model_config import ModelConfig
-from backend.model_paths import resolve_model
+from backend.loading.model_paths import resolve_model
 from backend.quantization import Fp8Weight, GGUFWeight, Int4Weight, Int8Weight, QuantizedWeight
 from benchmarks.gemv import projection_shapes
 from benchmarks.gguf_random import random_rows

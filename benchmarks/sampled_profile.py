@@ -18,7 +18,7 @@ RATE_HZ = 200
 def engine_process_pid() -> int | None:
     """The newest engine process on this host (started by the LLM model's stub)."""
     found = subprocess.run(
-        ["pgrep", "-n", "-f", "backend.engine_service"], capture_output=True, text=True
+        ["pgrep", "-n", "-f", "backend.process.service"], capture_output=True, text=True
     )
     return int(found.stdout.split()[0]) if found.stdout.strip() else None
 

@@ -58,7 +58,7 @@ from benchmarks.weight_format_options import (
     weight_format_fields,
 )
 from backend.config import EngineConfig
-from backend.engine_outbox import STATS_PERIOD_S
+from backend.process.outbox import STATS_PERIOD_S
 
 TARGETS = (
     "ensemble:grpc",
@@ -79,9 +79,9 @@ def parse_range(text: str) -> tuple[int, int]:
 def model_dir_for(model: str, tokenizer: str) -> str:
     """A served model needs a tokenizer: a random-weight preset takes `tokenizer`'s (and its
     vocabulary), anything else brings its own."""
-    from backend.cache import cache_root
-    from backend.model_paths import resolve_model
-    from backend.presets import PRESETS, write_preset
+    from backend.loading.disk_cache import cache_root
+    from backend.loading.model_paths import resolve_model
+    from backend.loading.presets import PRESETS, write_preset
 
     if model in PRESETS:
         return write_preset(model, cache_root(), tokenizer_from=resolve_model(tokenizer))
@@ -264,8 +264,8 @@ def logged_compiles(server_log: Path) -> list[str]:
 
 
 def run_engine_alone(settings, requests, args, expected) -> list[dict]:
-    from backend import compile_watch
-    from backend.executor import Executor
+    from backend.runner import compile_watch
+    from backend.engine.executor import Executor
 
     executor = Executor(settings.engine_config())
 
@@ -285,7 +285,7 @@ def run_engine_alone(settings, requests, args, expected) -> list[dict]:
 def run_engine_process(settings, requests, args) -> list[dict]:
     """The same loads through an engine process driven from here (`EngineProcess`: the IPC,
     the engine's output and request threads; no Triton): where the Triton path's cost lies."""
-    from backend.engine_process import EngineProcess
+    from backend.process.client import EngineProcess
 
     engine = EngineProcess(settings.engine_config())
 
@@ -636,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     args.client_cpu_set, server_cpus = split_cpus(args.client_cpus)
 
     from benchmarks.provenance import provenance, save_json
-    from backend.model_runner import pick_device
+    from backend.runner.model_runner import pick_device
     from preprocessing.tokenizer import load_tokenizer
 
     if args.model == "null":

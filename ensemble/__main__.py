@@ -17,7 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ensemble.build import SOURCE_REPOSITORY, build_repository, stale_configs
-from backend.model_paths import check_model, check_quantization, resolve_model
+from backend.loading.model_paths import check_model, check_quantization, resolve_model
 from ensemble.openai_server.process import FrontEndProcess
 from ensemble.server import TritonServer, check_ports_free, serve_forever
 from ensemble.settings import ServeSettings
@@ -71,7 +71,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     return settings
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
+    """The command line of `python -m ensemble` (build, serve, check)."""
     parser = argparse.ArgumentParser(
         prog="python -m ensemble",
         description=__doc__,
@@ -115,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     _add_settings_options(serve)
     commands.add_parser("check", help="check the checked-in repository against the defaults")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
     args = parser.parse_args(argv)
 
     if args.command == "check":

@@ -5,7 +5,7 @@ is started from. The stub of tritonserver 2.51 (the `nvidia-pytriton==0.7.0` whe
 against numpy 1.x: under numpy 2 it reads every input tensor wrong (a BYTES input fails its
 first request with "unpack_from requires a buffer of at least ... bytes"; numbers arrive with
 zero strides). So the stubs need numpy < 2, while the engine may need a GPU host's own stack
-(torch, CUDA, numpy 2). The engine runs in a process of its own (backend/engine_process.py), so
+(torch, CUDA, numpy 2). The engine runs in a process of its own (backend/process/client.py), so
 the two can differ:
 
 - where the launching Python has numpy < 2 (the project's .venv), stubs and engine share it;
@@ -27,7 +27,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.cache import cache_root
+from backend.loading.disk_cache import cache_root
 
 STUB_NUMPY_RULE = "numpy<2"
 

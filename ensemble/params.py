@@ -96,6 +96,6 @@ def tokenizer_dir(params: dict[str, str]) -> str:
     explicit = get_setting(params, "tokenizer_dir")
     if explicit:
         return explicit
-    from backend.model_paths import resolve_model  # only when needed
+    from backend.loading.model_paths import resolve_model  # only when needed
 
     return resolve_model(get_setting(params, "model_path"), get_setting(params, "quantization"))

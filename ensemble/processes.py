@@ -18,8 +18,8 @@ SHM_DIR, SHM_PATTERN = Path("/dev/shm"), "triton_python_backend_shm_region_*"
 
 def engine_processes(server_pid: int) -> list[int]:
     """The engine processes started by the server's models (descendants running
-    backend.engine_service)."""
-    return [pid for pid in descendants(server_pid) if b"backend.engine_service" in cmdline(pid)]
+    backend.process.service)."""
+    return [pid for pid in descendants(server_pid) if b"backend.process.service" in cmdline(pid)]
 
 
 def cmdline(pid: int) -> bytes:

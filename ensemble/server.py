@@ -23,8 +23,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend.engine_process import ENGINE_PYTHON_ENV
-from backend.cache import cache_root
+from backend.process.client import ENGINE_PYTHON_ENV
+from backend.loading.disk_cache import cache_root
 from ensemble.environment import StubEnvironment, stub_environment
 from ensemble.processes import (
     SHM_DIR,

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.tokenizer_dir is None:
-        from backend.model_paths import resolve_model  # only without --tokenizer-dir
+        from backend.loading.model_paths import resolve_model  # only without --tokenizer-dir
 
         args.tokenizer_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(args.tokenizer_dir)

@@ -43,7 +43,7 @@ def _cache_root() -> str:
 def smollm2_tokenizer_dir() -> str:
     """A Hugging Face tokenizer directory for the default model, converted once."""
     try:
-        from backend.model_paths import resolve_model  # the project's cached conversion
+        from backend.loading.model_paths import resolve_model  # the project's cached conversion
     except ImportError:  # e.g. torch not installed
         resolve_model = None
     if resolve_model is not None:

@@ -12,8 +12,8 @@ replay reads slot `replays % 2`, where `replays` (a device counter) counts the r
 far; the argmax advances it. This kernel copies `replays % 2` to `slot` for the argmax to write
 the ids in the same slot.
 
-It also resolves the input ids of in-flight tokens (overlap scheduling, `backend.engine`): row i
-takes sampled[in_flight_rows[i]], an id the previous replay left on the device, where
+It also resolves the input ids of in-flight tokens (overlap scheduling, `backend.engine.step`): row
+i takes sampled[in_flight_rows[i]], an id the previous replay left on the device, where
 in_flight_rows[i] >= 0.
 Program 0 does that and the slot; the others copy the rest of the slot, from `copy_from` on,
 CHUNK 32-bit words each. The block tables come last, rows of the graph's full width (the

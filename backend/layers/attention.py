@@ -32,7 +32,7 @@ from backend.layers.norm import RMSNorm
 from backend.layers.rotary import Rotation
 from backend.model_config import ModelConfig
 from backend.quantization import E4m3Rows
-from backend.tensor_parallel import TensorParallel
+from backend.distributed.tensor_parallel import TensorParallel
 
 
 @dataclass(slots=True)

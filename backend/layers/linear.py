@@ -11,8 +11,9 @@ silu·mul prologue, a residual-add epilogue, split attention merged as it is rea
 projection) rotary and the KV-cache write (`backend.kernels.qkv_rope`); int8, e4m3 and 4-bit
 weights stream through the same kernels, de-quantized in registers (`StreamedWeight`).
 
-Tensor parallel (`backend.tensor_parallel`): a column-parallel layer holds its rank's output rows
-(of each fused projection), a row-parallel one its input columns and all-reduces its partial
+Tensor parallel (`backend.distributed.tensor_parallel`): a column-parallel layer holds its rank's
+output rows (of each fused projection), a row-parallel one its input columns and all-reduces its
+partial
 sums before adding the bias; `shard_of` cuts a full checkpoint tensor down to the rank's part.
 """
 
@@ -26,7 +27,7 @@ from backend.kernels.split_partials import SplitPartials
 from backend.kernels.gemv_weight import StreamedWeight
 from backend.layers.norm import RMSNorm
 from backend.quantization import E4m3Rows, GGUFWeight, QuantizedWeight
-from backend.tensor_parallel import TensorParallel
+from backend.distributed.tensor_parallel import TensorParallel
 
 try:  # CPU-only installs without Triton use the torch path
     from backend.kernels import gemv

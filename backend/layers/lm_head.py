@@ -16,7 +16,7 @@ import torch
 from backend.layers.embedding import vocab_rows
 from backend.layers.linear import Linear
 from backend.layers.norm import RMSNorm
-from backend.tensor_parallel import TensorParallel
+from backend.distributed.tensor_parallel import TensorParallel
 
 
 class LMHead(Linear):

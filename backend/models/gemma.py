@@ -10,7 +10,7 @@ from backend.attention import AttentionBackend
 from backend.layers import AttentionStep, GatedMLP, SelfAttention
 from backend.model_config import ModelConfig
 from backend.models.llama import LlamaForCausalLM, model_norm
-from backend.tensor_parallel import TensorParallel
+from backend.distributed.tensor_parallel import TensorParallel
 from torch import nn
 
 

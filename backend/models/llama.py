@@ -33,7 +33,7 @@ from backend.layers import (
 )
 from backend.model_config import ModelConfig
 from backend.models.hf_weights import load_hf_weights
-from backend.tensor_parallel import TensorParallel
+from backend.distributed.tensor_parallel import TensorParallel
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -139,7 +139,8 @@ class LlamaForCausalLM(nn.Module):
     """See the module docstring for the engine interface.
 
     `max_positions` sizes the RoPE cache (the longest sequence served). `tp`: this rank's place
-    in a tensor-parallel group (`backend.tensor_parallel`); then the model holds its shard.
+    in a tensor-parallel group (`backend.distributed.tensor_parallel`); then the model holds its
+    shard.
     """
 
     supports_tensor_parallel = True

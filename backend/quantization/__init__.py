@@ -15,7 +15,8 @@ Formats (the engine parameter `quantization`, TensorRT-LLM's names where they ex
 - `fp8`      `Fp8Weight`: float8 e4m3 with per-channel scales, activations quantized per token
   (W8A8), quantized at load or from an FP8 checkpoint
 The lm_head and the embedding stay dense (quantized checkpoints leave them so too), except GGUF's
-and an lm_head that `quantize_lm_head` quantizes (`backend.quantized_checkpoint.quantize_lm_head`).
+and an lm_head that `quantize_lm_head` quantizes
+(`backend.loading.quantized_checkpoint.quantize_lm_head`).
 """
 
 from backend.quantization.base import QuantizedWeight

@@ -75,7 +75,7 @@ def scale_checkpoint(
 ) -> Scaled:
     """Search each group's scales on the float weights (`search_scales`), then apply them all:
     columns times s, 1 / s folded into the norm or rows before. `inputs` by engine module
-    name (`backend.calibration.collect_inputs`), `targets` (`weight_targets`) maps the
+    name (`backend.tools.calibration.collect_inputs`), `targets` (`weight_targets`) maps the
     Hugging Face names onto those."""
     module = {name: param.rpartition(".")[0] for name, (param, _) in targets.items()}
     tensors = dict(tensors)

@@ -1,7 +1,7 @@
 """A quantized copy of a float Hugging Face checkpoint: each decoder projection's `weight`
 replaced by a format's tensors, config.json given the `quantization_config` that such
 checkpoints carry, the other files copied. What the GPTQ calibration writes
-(backend/quantization/gptq.py, from backend/gptq_calibration.py), and the round-to-nearest
+(backend/quantization/gptq.py, from backend/tools/gptq_calibration.py), and the round-to-nearest
 checkpoints of the quality benchmark and the tests."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""GGUF blocks kept as a GGUF file stores them (`backend.gguf_blocks`). On GPU one row runs the
-GEMV over blocks (`backend.kernels.gguf_gemv`), a few rows the GEMM over blocks
+"""GGUF blocks kept as a GGUF file stores them (`backend.gguf_blocks`). On GPU one row runs
+the GEMV over blocks (`backend.kernels.gguf_gemv`), a few rows the GEMM over blocks
 (`backend.kernels.gguf_matmul`); longer steps (prefill) de-quantize in one kernel
 (`backend.kernels.gguf_dequantize`), then matmul; CPU takes the torch decoders."""
 

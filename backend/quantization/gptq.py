@@ -7,7 +7,7 @@ not yet rounded, weighted by the inverse of H = X^T X, the layer's input product
 calibration text: the layer's outputs on that text change as little as it can make them. The
 same error moving works for any grid: only the rounding of one column differs (`gptq_quantize`,
 `gptq_fp8`). Running the calibration text through the engine to get each H is
-backend/gptq_calibration.py's (the command line too).
+backend/tools/gptq_calibration.py's (the command line too).
 """
 
 from __future__ import annotations

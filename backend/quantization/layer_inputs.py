@@ -1,4 +1,4 @@
-"""What calibration (backend/calibration.py) gathers of one projection's inputs, for the
+"""What calibration (backend/tools/calibration.py) gathers of one projection's inputs, for the
 quantizers that take it (GPTQ's H, AWQ's output error and scales)."""
 
 from __future__ import annotations

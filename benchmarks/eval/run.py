@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args(argv)
 
-    from backend.model_paths import resolve_model
+    from backend.loading.model_paths import resolve_model
 
     checkpoint = resolve_model(args.model)  # the HF directory the engine loads
     served = evaluate(

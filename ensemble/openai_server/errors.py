@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Texts of the engine's refusals (backend/scheduler.py, backend/engine_process.py) that arrive as
-# a Triton error message, and what a client should do about them.
+# Texts of the engine's refusals (backend/scheduling/scheduler.py, backend/process/client.py) that
+# arrive as a Triton error message, and what a client should do about them.
 QUEUE_FULL = "request queue is full"
 SHUTTING_DOWN = "shutting down"
 UNAVAILABLE_HINTS = (

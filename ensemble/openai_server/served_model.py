@@ -25,7 +25,7 @@ class ServedModel:
         """`model` as `python -m ensemble serve --model` takes it ("default", a Hugging Face
         directory or a .gguf file); the name defaults to its file or directory name."""
         if tokenizer_dir is None:
-            from backend.model_paths import resolve_model  # converts a GGUF file once
+            from backend.loading.model_paths import resolve_model  # converts a GGUF file once
 
             tokenizer_dir = resolve_model(model)
         tokenizer = load_tokenizer(tokenizer_dir)
@@ -40,7 +40,7 @@ class ServedModel:
 def default_name(model: str) -> str:
     """The model's file name without .gguf, or its directory's name."""
     if model == "default":
-        from backend.model_paths import default_gguf_path
+        from backend.loading.model_paths import default_gguf_path
 
         model = default_gguf_path()
     path = Path(os.path.abspath(model))

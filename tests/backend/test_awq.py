@@ -1,5 +1,6 @@
-"""AWQ (backend/quantization/awq.py, awq_checkpoint.py, calibrated by backend/awq_calibration.py):
-folding the scales leaves the float model as it was (the default model; Gemma 3's (1 + w) norms
+"""AWQ (backend/quantization/awq.py, awq_checkpoint.py, calibrated by
+backend/tools/awq_calibration.py): folding the scales leaves the float model as it was (the default
+model; Gemma 3's (1 + w) norms
 and one kv head for four query heads), the scale search never does worse than round to nearest
 on the layer it measures, and the written checkpoint loads as int4_awq and scores the
 calibration text better than the round-to-nearest one."""
@@ -11,12 +12,12 @@ import math
 import pytest
 import torch
 
-from backend.awq_calibration import main
-from backend.calibration import calibrate, calibration_prompts
+from backend.tools.awq_calibration import main
+from backend.tools.calibration import calibrate, calibration_prompts
 from backend.config import EngineConfig
-from backend.executor import Executor
+from backend.engine.executor import Executor
 from backend.model_config import ModelConfig
-from backend.model_paths import resolve_model
+from backend.loading.model_paths import resolve_model
 from backend.quantization.awq import output_error, search_scales
 from backend.quantization.awq_checkpoint import (
     load_tensors,
@@ -26,7 +27,7 @@ from backend.quantization.awq_checkpoint import (
 from backend.quantization.checkpoint_writer import write_checkpoint
 from backend.quantization.int4_packing import dequantize_groups, quantize_groups
 from backend.sampling_params import SamplingParams
-from backend.weight_formats import declared_quantization
+from backend.loading.weight_formats import declared_quantization
 from benchmarks import quality_corpus
 from preprocessing.tokenizer import load_tokenizer
 from tests.quantized_checkpoints import quantized_checkpoint

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from backend import compile_watch
+from backend.runner import compile_watch
 from benchmarks.serving import logged_compiles
 
 
@@ -26,7 +26,7 @@ def test_a_compile_is_kept_logged_and_read_back(tmp_path, caplog):
         "constants": {(3,): 1, (4,): 8},
     }
     before = len(compile_watch.compiles())
-    with caplog.at_level(logging.WARNING, logger="backend.compile_watch"):
+    with caplog.at_level(logging.WARNING, logger="backend.runner.compile_watch"):
         assert compile_watch._before_compile(key=key, fn=fn) is False
         compile_watch._after_compile(key=key, fn=fn, compile=compile)
     [event] = compile_watch.compiles()[before:]
@@ -35,5 +35,7 @@ def test_a_compile_is_kept_logged_and_read_back(tmp_path, caplog):
         "num_splits: i32, stride_bt: i32; constants {'num_seqs': 1, 'SPLITS_PAD': 8}"
     )
     log = tmp_path / "server.log"
-    log.write_text("engine WARNING backend.compile_watch: " + caplog.records[-1].getMessage())
+    log.write_text(
+        "engine WARNING backend.runner.compile_watch: " + caplog.records[-1].getMessage()
+    )
     assert logged_compiles(log) == [f"_decode_kernel {event.seconds:.2f} s"]

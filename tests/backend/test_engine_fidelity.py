@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from backend.config import EngineConfig
-from backend.executor import Executor
-from backend.model_paths import resolve_model
+from backend.engine.executor import Executor
+from backend.loading.model_paths import resolve_model
 from backend.sampling_params import SamplingParams
 from tests.hf_reference import assert_hf_greedy, hf_greedy, teacher_forced
 from tests.tiny_models import TINY, TINY_CONFIGS, make_tiny_model, random_prompts

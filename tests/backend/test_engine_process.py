@@ -1,5 +1,5 @@
-"""The engine in a process of its own (backend/engine_service.py), driven like an Executor
-through its handle (backend/engine_process.py), by one client or several."""
+"""The engine in a process of its own (backend/process/service.py), driven like an Executor
+through its handle (backend/process/client.py), by one client or several."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from multiprocessing.connection import Connection
 import pytest
 
 from backend.config import EngineConfig
-from backend.engine_process import EngineProcess
-from backend.engine_outbox import MIDDLE_FIELDS, Outbox, output_values
-from backend.executor import Executor
+from backend.process.client import EngineProcess
+from backend.process.outbox import MIDDLE_FIELDS, Outbox, output_values
+from backend.engine.executor import Executor
 from backend.request import FinishReason, RequestOutput
 from backend.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model, random_prompts

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from backend.config import EngineConfig
-from backend.executor import Executor
+from backend.engine.executor import Executor
 from backend.model_config import ModelConfig
 from backend.sampling_params import SamplingParams
 from tests.hf_reference import assert_hf_greedy, check_logprobs, hf_greedy

@@ -52,7 +52,7 @@ def test_blocks_the_package_quantizes_decode_bit_for_bit(quant_type):
 
 
 def test_the_default_models_tensors_decode_bit_for_bit():
-    from backend.model_paths import default_gguf_path
+    from backend.loading.model_paths import default_gguf_path
 
     reader = gguf.GGUFReader(default_gguf_path())
     seen = set()

@@ -1,5 +1,6 @@
-"""GPTQ (backend/quantization/gptq.py, calibrated by backend/gptq_calibration.py): without input
-correlations it is round to nearest; with them it leaves a layer's outputs closer than round to
+"""GPTQ (backend/quantization/gptq.py, calibrated by backend/tools/gptq_calibration.py): without
+input correlations it is round to nearest; with them it leaves a layer's outputs closer than round
+to
 nearest does; its checkpoint loads as int4_gptq, and the engine serves exactly the de-quantized
 weights it wrote."""
 
@@ -10,13 +11,13 @@ import pytest
 import torch
 
 from backend.quantization import Fp8Weight
-from backend.calibration import calibration_prompts
-from backend.gptq_calibration import calibrate, main
-from backend.model_paths import resolve_model
+from backend.tools.calibration import calibration_prompts
+from backend.tools.gptq_calibration import calibrate, main
+from backend.loading.model_paths import resolve_model
 from backend.quantization.gptq import gptq_fp8, gptq_quantize, write_gptq_checkpoint
 from backend.quantization.int4_packing import dequantize_groups as dequantize
 from backend.quantization.int4_packing import quantize_groups
-from backend.weight_formats import declared_quantization
+from backend.loading.weight_formats import declared_quantization
 from benchmarks import quality_corpus
 from preprocessing.tokenizer import load_tokenizer
 from tests.backend.test_quantization import WIDE, _load, _projections, _tokens
@@ -130,7 +131,7 @@ def test_an_fp8_checkpoint_keeps_the_excluded_layers_float(tiny_hf_model, tmp_pa
 def test_the_command_line_writes_the_asked_format_and_keeps_the_excluded_layers(
     tiny_hf_model, tmp_path
 ):
-    """`python -m backend.gptq_calibration` passes --weights and --exclude on (it once wrote a
+    """`python -m backend.tools.gptq_calibration` passes --weights and --exclude on (it once wrote a
     4-bit checkpoint whatever --weights said)."""
     _, directory = tiny_hf_model("llama", vocab_size=700, **WIDE)
     copy_sentencepiece_tokenizer(directory)  # under 700 tokens

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from backend import model_runner
+from backend.runner import model_runner
 from backend.config import EngineConfig
-from backend.executor import Executor
+from backend.engine.executor import Executor
 from backend.sampling_params import SamplingParams
 
 PROMPTS = [

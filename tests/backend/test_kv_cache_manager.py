@@ -9,8 +9,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from backend.block_pool import BlockPool, hash_block
-from backend.kv_cache_manager import KVCacheManager
+from backend.scheduling.block_pool import BlockPool, hash_block
+from backend.scheduling.kv_cache_manager import KVCacheManager
 from backend.request import Request
 from backend.sampling_params import SamplingParams
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from backend.config import EngineConfig
-from backend.executor import Executor
+from backend.engine.executor import Executor
 from backend.sampling_params import SamplingParams
 from tests.hf_reference import check_logprobs, check_top, hf_greedy, reference_logprobs
 from tests.tiny_models import TINY, make_tiny_model, random_prompts

@@ -9,17 +9,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from backend import gguf_convert
+from backend.loading import gguf_convert
 from backend.attention import AttentionMetadata, get_attention_backend
 from backend.config import EngineConfig
 from backend.model_config import ModelConfig
-from backend.model_loader import build_model, iter_safetensors, load_model
-from backend.model_paths import default_gguf_path, resolve_model
-from backend.model_runner import ModelRunner
+from backend.loading.model_loader import build_model, iter_safetensors, load_model
+from backend.loading.model_paths import default_gguf_path, resolve_model
+from backend.runner.model_runner import ModelRunner
 from backend.request import Chunk
-from backend.executor import Executor
+from backend.engine.executor import Executor
 from backend.models.null import NullModel
-from backend.presets import PRESETS, init_random_weights
+from backend.loading.presets import PRESETS, init_random_weights
 from backend.sampling_params import SamplingParams
 
 TORCH = get_attention_backend("torch")
@@ -238,7 +238,7 @@ def test_default_model_converts_once_and_matches_transformers(cache, monkeypatch
 
 
 def test_a_preset_can_carry_another_models_tokenizer_and_vocabulary(tmp_path):
-    from backend.presets import write_preset
+    from backend.loading.presets import write_preset
     from preprocessing.tokenizer import load_tokenizer
 
     source = resolve_model("default")

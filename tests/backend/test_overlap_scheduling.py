@@ -8,14 +8,14 @@ import threading
 import pytest
 
 from backend.config import EngineConfig
-from backend.engine import Engine
-from backend.executor import Executor
-from backend.model_runner import ModelRunner
-from backend.output_processor import OutputProcessor
+from backend.engine.step import Engine
+from backend.engine.executor import Executor
+from backend.runner.model_runner import ModelRunner
+from backend.engine.output_processor import OutputProcessor
 from backend.request import FinishReason, Request
-from backend.sampler import Sampler
+from backend.sampling.sampler import Sampler
 from backend.sampling_params import SamplingParams
-from backend.scheduler import Scheduler
+from backend.scheduling.scheduler import Scheduler
 from tests.backend.test_executor import POISON, Collector
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import TINY, TINY_CONFIGS, make_tiny_model, random_prompts

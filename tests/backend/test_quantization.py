@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from backend.attention import get_attention_backend
 from backend.config import EngineConfig
 from backend.layers import Linear
-from backend.model_loader import load_model, weight_bytes
+from backend.loading.model_loader import load_model, weight_bytes
 from backend.quantization import Fp8Weight, Int4Weight, Int8Weight
-from backend.weight_formats import declared_quantization, pick_quantization
+from backend.loading.weight_formats import declared_quantization, pick_quantization
 from backend.quantization.fp8 import quantize_rows
 from tests.backend.test_engine_fidelity import serve
 from tests.quantized_checkpoints import (
@@ -230,7 +230,7 @@ def test_packed_layouts_are_the_formats_words():
 
 
 def test_building_a_repository_checks_the_format_first(tiny_hf_model, tmp_path, capsys):
-    from backend.model_paths import check_quantization
+    from backend.loading.model_paths import check_quantization
     from ensemble.__main__ import main
 
     _, directory = tiny_hf_model("llama", **WIDE)

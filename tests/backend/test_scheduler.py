@@ -16,7 +16,7 @@ from backend.config import EngineConfig
 from backend.logprobs import PromptLogprobs
 from backend.request import FinishReason, Request, RequestStatus
 from backend.sampling_params import SamplingParams
-from backend.scheduler import QueueFullError, Scheduler
+from backend.scheduling.scheduler import QueueFullError, Scheduler
 
 SYSTEM_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [5, 5, 5, 5, 6, 6, 6, 6])
 

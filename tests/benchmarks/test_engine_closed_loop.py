@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from backend.config import EngineConfig
-from backend.executor import Executor
+from backend.engine.executor import Executor
 from benchmarks.serving import stats_counts, step_counts
 from benchmarks.serving_load import LoadRequest, engine_closed_loop, summarize
 from tests.tiny_models import make_tiny_model

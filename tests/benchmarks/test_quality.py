@@ -31,7 +31,7 @@ def test_agreement_measures():
 def test_the_corpus_is_english_prose_of_the_stated_size():
     from transformers import AutoTokenizer
 
-    from backend.model_paths import resolve_model
+    from backend.loading.model_paths import resolve_model
 
     text = quality_corpus.CORPUS.read_text()
     assert "Django Software Foundation" in quality_corpus.LICENSE.read_text()
@@ -49,7 +49,7 @@ def test_requantized_gguf_holds_the_default_model_in_the_new_blocks(quant_type):
     the float16 rounding of d."""
     gguf = pytest.importorskip("gguf")
 
-    from backend.model_paths import default_gguf_path
+    from backend.loading.model_paths import default_gguf_path
     from benchmarks.gguf_requantize import requantized_gguf
 
     source = {t.name: t for t in gguf.GGUFReader(default_gguf_path()).tensors}

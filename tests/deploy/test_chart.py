@@ -30,6 +30,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from ensemble.__main__ import main as ensemble_main
+from ensemble.__main__ import make_parser
 from ensemble.server import TritonServer
 from ensemble.settings import ServeSettings
 from tests.deploy.gotemplate import Chart, TemplateError
@@ -324,16 +325,18 @@ def test_probes_and_ports_are_those_the_server_uses(chart):
 
 
 def test_the_containers_run_commands_of_our_image(chart, tmp_path):
-    """tritonserver is the image's CMD; the init container's `python3 -m ensemble build`, which
-    the image's own build runs too, accepts every rendered argument: run here, it builds."""
+    """The server container runs the image's entry point, the launcher (`python3 -m ensemble
+    serve`, which drains the engine on SIGTERM), whose own parser accepts every rendered argument,
+    over the repository the init container builds; that `python3 -m ensemble build`, which the
+    image's own build runs too, accepts every rendered argument: run here, it builds."""
     image = replay(tmp_path / "recipe", execute=False)
     found = containers(chart.manifests({"engine": NON_DEFAULT["engine"]}))
     server, build = found["tritonserver"], found["build-repository"]
-    assert server["command"] == image.cmd[:1] == ["tritonserver"]
-    served_flags = TritonServer(Path("/repository")).command(_Install(), Path("/b"))[1:]
-    served = {a.split("=", 1)[0] for a in served_flags}
-    assert {a.split("=", 1)[0] for a in server["args"]} <= served
-    assert flag(server["args"], "--model-repository") == flag(build["args"], "--out")
+    assert server["command"] == image.cmd[:1] == ["python3"]
+    assert server["args"][:3] == image.cmd[1:4] == ["-m", "ensemble", "serve"]
+    served = make_parser().parse_args(server["args"][2:])
+    assert served.openai_port == 0  # the front end has a container of its own
+    assert str(served.repository) == flag(build["args"], "--out")
     assert any(cmd[:3] == ["python3", "-m", "ensemble"] for cmd in image.ran), image.ran
     assert build["command"] == ["python3"] and build["args"][:3] == ["-m", "ensemble", "build"]
     args = build["args"][2:]
@@ -430,12 +433,6 @@ def test_kserve_runtime_serves_the_example_inference_service(tmp_path):
     args[args.index("--model") + 1] = "default"  # no /mnt/models here
     args[args.index("--out") + 1] = str(tmp_path / "repository")
     assert ensemble_main(args) == 0
-
-
-class _Install:
-    """The paths TritonServer.command needs, for reading its flags."""
-
-    binary = Path("tritonserver")
 
 
 def test_the_image_installs_what_the_openai_front_end_imports(tmp_path):

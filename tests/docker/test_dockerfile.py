@@ -149,7 +149,7 @@ def test_stubs_load_every_model_from_the_image(image, tmp_path):
 def test_documented_docker_run_serves_another_model(image, tmp_path):
     """The header's `docker run ... python3 -m ensemble serve --model ...` (another model): the
     repository `serve` builds from those options is servable and names the mounted model."""
-    from backend.model_paths import resolve_model
+    from backend.loading.model_paths import resolve_model
 
     text = " ".join(
         line.lstrip("# ").rstrip("\\ ")

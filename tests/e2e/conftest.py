@@ -69,7 +69,7 @@ def triton(tmp_path_factory) -> Triton:
 def running_triton(tmp: Path, **settings_overrides) -> Iterator[Triton]:
     """A tritonserver on free ports with E2E_SETTINGS (and the overrides), stopped on exit."""
     pytest.importorskip("pytriton", reason="nvidia-pytriton (the tritonserver binary) is missing")
-    from backend.model_paths import resolve_model
+    from backend.loading.model_paths import resolve_model
 
     resolve_model("default")  # convert once here, not in three stubs at once
     settings = ServeSettings(
@@ -93,7 +93,7 @@ def running_triton(tmp: Path, **settings_overrides) -> Iterator[Triton]:
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from backend.model_paths import resolve_model
+    from backend.loading.model_paths import resolve_model
     from preprocessing.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model("default"))

@@ -228,7 +228,7 @@ def reference():
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    from backend.model_paths import resolve_model
+    from backend.loading.model_paths import resolve_model
     from tests.hf_reference import reference_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model("default"), dtype=torch.float32)

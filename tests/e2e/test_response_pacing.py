@@ -20,9 +20,9 @@ STREAMS, TOKENS = 16, 64
 
 @pytest.fixture(scope="module")
 def null_dir():
-    from backend.cache import cache_root
-    from backend.model_paths import resolve_model
-    from backend.presets import write_preset
+    from backend.loading.disk_cache import cache_root
+    from backend.loading.model_paths import resolve_model
+    from backend.loading.presets import write_preset
 
     return write_preset("null", cache_root(), tokenizer_from=resolve_model("default"))
 

@@ -21,7 +21,7 @@ PROMPT_OUTPUTS = {"prompt_log_probs", "prompt_top_log_probs", "prompt_top_token_
 def engine_result(tokenizer):
     """The same request served by the engine in this process (the server's engine settings)."""
     from backend.config import EngineConfig
-    from backend.executor import Executor
+    from backend.engine.executor import Executor
     from backend.sampling_params import SamplingParams
     from tests.e2e.conftest import E2E_SETTINGS
 

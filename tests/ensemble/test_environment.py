@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy
 import pytest
 
-from backend.engine_process import ENGINE_PYTHON_ENV
+from backend.process.client import ENGINE_PYTHON_ENV
 from ensemble import environment
 from ensemble.environment import StubEnvironment, check_stub_numpy, stub_numpy_problem
 from ensemble.server import TritonInstall, TritonServer

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.engine_process import SHUTTING_DOWN
-from backend.scheduler import QueueFullError
+from backend.process.client import SHUTTING_DOWN
+from backend.scheduling.scheduler import QueueFullError
 from ensemble.openai_server.errors import ApiError, from_triton
 from ensemble.openai_server.protocol import ChatCompletionRequest, CompletionRequest, parse
 
@@ -75,7 +75,7 @@ def test_echo_allows_zero_max_tokens_and_chat_text_parts():
 
 def test_engine_refusals_map_to_openai_statuses():
     full = QueueFullError("request queue is full (max_queue_size=1); retry later")
-    queue_full = f"Exceeds maximum queue size: {full}"  # as backend/engine_process.py words it
+    queue_full = f"Exceeds maximum queue size: {full}"  # as backend/process/client.py words it
     assert from_triton(queue_full).status == 429
     assert from_triton(SHUTTING_DOWN).status == 503
     assert from_triton("top_p (input runtime_top_p) must be in (0, 1], got 1.5").status == 400

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from backend.config import EngineConfig
-from backend.executor import Executor
-from backend.model_paths import resolve_model
+from backend.engine.executor import Executor
+from backend.loading.model_paths import resolve_model
 from backend.sampling_params import SamplingParams
 from tests.hf_reference import check_logprobs, hf_greedy
 from tests.tiny_models import TINY, make_tiny_model, random_prompts
@@ -58,7 +58,7 @@ PROMPTS = [
 def small_runner(model_dir, **config):
     """A model runner of the tiny model saved at `model_dir`, on the GPU in bf16 unless `config`
     says otherwise: 4 sequences of up to 128 tokens, 16-token blocks."""
-    from backend.model_runner import ModelRunner
+    from backend.runner.model_runner import ModelRunner
 
     shape = dict(
         max_batch_size=4, max_seq_len=128, tokens_per_block=16, max_tokens_in_paged_kv_cache=512
@@ -266,7 +266,7 @@ def test_top_k_and_prompt_logprobs_with_decode_graphs_and_overlap(tmp_path, monk
     requests asking for top-k and prompt log-probs get transformers' values; their decode steps
     still replay the graphs (top-k is taken from the graph's logits); requests beside them that
     ask for nothing get the same tokens."""
-    from backend.cuda_graphs import DecodeGraphs
+    from backend.runner.decode_graphs import DecodeGraphs
 
     replays = []
     replay = DecodeGraphs.replay
@@ -532,7 +532,7 @@ def test_a_kernel_compiled_after_the_warm_up_is_reported(tmp_path):
     """Once an engine has warmed up, a launch it never met compiles a kernel, and the compile
     watch reports it. Here float64 and an odd width: no other test of the session launches that
     variant (float32 widths divisible by 16, as the tiny models have, compile the same one)."""
-    from backend import compile_watch
+    from backend.runner import compile_watch
     from backend.kernels.activation import silu_and_mul
 
     make_tiny_model("qwen2", tmp_path)
@@ -554,7 +554,7 @@ def test_fp8_mlp_with_silu_writing_e4m3_rows_equals_the_unfused_path(monkeypatch
     and the scaled GEMM run apart, bit for bit."""
     from backend.layers import mlp as mlp_module
     from backend.layers.mlp import GatedMLP
-    from backend.quantized_checkpoint import quantize_at_load
+    from backend.loading.quantized_checkpoint import quantize_at_load
 
     torch.manual_seed(0)
     mlp = GatedMLP(512, 1024).to("cuda", torch.bfloat16)

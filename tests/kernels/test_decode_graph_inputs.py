@@ -18,8 +18,8 @@ pytest.importorskip("triton")
 
 from backend.config import EngineConfig  # noqa: E402
 from backend.kernels.argmax import argmax_rows  # noqa: E402
-from backend.cuda_graphs import DecodeGraphs  # noqa: E402
-from backend.model_runner import ModelRunner  # noqa: E402
+from backend.runner.decode_graphs import DecodeGraphs  # noqa: E402
+from backend.runner.model_runner import ModelRunner  # noqa: E402
 from backend.request import Chunk  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("interpretable_triton_language")
@@ -221,7 +221,7 @@ def test_graph_steps_of_a_model_with_two_kv_cache_groups_match_eager_steps(tmp_p
     graphs' buffer (each group's slots and block tables, rows g * n ..) and replayed give the
     eager engine's tokens, which are transformers' (the local group's blocks past the window are
     freed meanwhile)."""
-    from backend.executor import Executor
+    from backend.engine.executor import Executor
     from backend.sampling_params import SamplingParams
     from tests.hf_reference import hf_greedy
     from tests.tiny_models import random_prompts, save_tiny_hf_model
@@ -276,7 +276,7 @@ def test_graph_steps_on_two_ranks_give_one_ranks_tokens(kind, options, tmp_path,
     min-tokens ban sent along) and broadcast from rank 0 while a seeded sample is in the batch:
     one rank's tokens. Gemma 3 with local and global layers sends each KV cache group's slots
     and block tables."""
-    from backend.executor import Executor
+    from backend.engine.executor import Executor
     from backend.sampling_params import SamplingParams
     from tests.tiny_models import random_prompts, save_tiny_hf_model
 

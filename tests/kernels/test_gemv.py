@@ -135,8 +135,8 @@ def test_one_token_layers_match_the_general_layers(model_type, attention, quanti
     kernels (the general layers de-quantize them)."""
     from backend.attention import AttentionMetadata, get_attention_backend
     from backend.model_config import ModelConfig
-    from backend.model_loader import build_model
-    from backend.presets import init_random_weights
+    from backend.loading.model_loader import build_model
+    from backend.loading.presets import init_random_weights
     from backend.layers import AttentionStep
 
     config = ModelConfig.from_dict(
@@ -157,7 +157,7 @@ def test_one_token_layers_match_the_general_layers(model_type, attention, quanti
     )
     init_random_weights(model, seed=3)
     if quantization != "none":
-        from backend.quantized_checkpoint import quantize_at_load
+        from backend.loading.quantized_checkpoint import quantize_at_load
 
         assert quantize_at_load(model, quantization) == 8  # qkv, o, gate_up, down of 2 layers
     input_ids = torch.tensor([99], device=DEVICE)

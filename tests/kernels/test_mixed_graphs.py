@@ -17,8 +17,8 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 pytest.importorskip("triton")
 
 from backend.config import EngineConfig  # noqa: E402
-from backend.mixed_graphs import MixedGraphs, token_sizes  # noqa: E402
-from backend.model_runner import ModelRunner  # noqa: E402
+from backend.runner.mixed_graphs import MixedGraphs, token_sizes  # noqa: E402
+from backend.runner.model_runner import ModelRunner  # noqa: E402
 from backend.request import Chunk  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("interpretable_triton_language")
@@ -104,7 +104,7 @@ def test_engine_steps_in_mixed_graphs_match_transformers(kind, options, tmp_path
     prompts beside decodes, every step of up to 32 tokens staged into the graphs: transformers'
     greedy tokens, and every block back in the pool. Gemma 3's local and global layers read
     their own group's slots and block tables."""
-    from backend.executor import Executor
+    from backend.engine.executor import Executor
     from backend.sampling_params import SamplingParams
     from tests.hf_reference import hf_greedy
     from tests.tiny_models import random_prompts, save_tiny_hf_model

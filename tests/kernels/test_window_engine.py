@@ -12,7 +12,7 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 pytest.importorskip("triton")
 
 from backend.config import EngineConfig  # noqa: E402
-from backend.executor import Executor  # noqa: E402
+from backend.engine.executor import Executor  # noqa: E402
 from backend.sampling_params import SamplingParams  # noqa: E402
 from tests.tiny_models import random_prompts, save_tiny_hf_model  # noqa: E402
 

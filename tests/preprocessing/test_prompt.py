@@ -77,7 +77,7 @@ def test_chat_prompt_equals_transformers_on_the_default_model():
 
 def test_the_default_models_template_is_the_ggufs():
     gguf = pytest.importorskip("gguf")
-    from backend.model_paths import default_gguf_path
+    from backend.loading.model_paths import default_gguf_path
 
     field = gguf.GGUFReader(default_gguf_path()).fields["tokenizer.chat_template"]
     assert load_tokenizer(smollm2_tokenizer_dir()).chat_template == field.contents()

@@ -202,7 +202,7 @@ def test_the_stub_side_imports_neither_torch_nor_transformers():
         "import sys; from preprocessing.tokenizer import load_tokenizer; "
         "import preprocessing.word_lists, preprocessing.prompt, postprocessing.detokenizer, "
         "ensemble.params, "
-        "backend.engine_process, backend.model_paths, ensemble.environment; "
+        "backend.process.client, backend.loading.model_paths, ensemble.environment; "
         f"t = load_tokenizer({smollm2_tokenizer_dir()!r}); t.decode(t.encode('hi')); "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )

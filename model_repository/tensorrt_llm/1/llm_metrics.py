@@ -12,7 +12,8 @@ the same series crashed tritonserver 2.51: heap corruption under load). Families
       total_context_tokens|generation_requests|micro_batch_id|preemptions|context_iterations}
   nv_trt_llm_general_metrics{general_type=iteration_counter|timestamp}   (timestamp: µs since epoch)
   nv_llm_engine_step_metrics{engine_step_metric=step_seconds|device_wait_seconds|
-      decode_streak_steps|decode_streak_seconds}  (cumulative; see backend.stats.ExecutorStats)
+      decode_streak_steps|decode_streak_seconds}  (cumulative; see
+      backend.engine.stats.ExecutorStats)
   nv_llm_input_token_len / nv_llm_output_token_len  histograms, buckets 10 50 100 500 1000
   nv_llm_requests_finished_total{finish_reason=length|stop|end_id|cancelled|error}  counter
   nv_llm_requests_rejected_total{reason=queue_full|shutting_down|invalid}  counter

@@ -1,7 +1,7 @@
 """Triton adapter of the engine: token ids in, token ids out (TensorRT-LLM names); decoupled
 unless rendered with decoupled_mode=false (then one response per request).
 
-The engine runs in a process of its own (backend/engine_service.py): this stub answers Triton,
+The engine runs in a process of its own (backend/process/service.py): this stub answers Triton,
 the engine process computes, and neither waits for the other's interpreter. The model's
 instances (`llm_instance_count`, each a stub process) share one engine: the first to initialize
 starts it, the others attach, so the response path has several interpreters. execute() converts
@@ -25,7 +25,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from backend.config import EngineConfig
-from backend.engine_process import EngineProcess
+from backend.process.client import EngineProcess
 from ensemble.environment import check_stub_numpy
 from ensemble.params import engine_kwargs, get_setting, parameters
 from ensemble.request_loop import dispatch

@@ -1,0 +1,1 @@
+"""Tensor parallelism: the rank protocol, the worker processes and the peer all-reduce."""

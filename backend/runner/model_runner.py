@@ -1,0 +1,647 @@
+"""The model runner: loads the model, owns the paged KV cache, runs one packed step.
+
+The engine hands it the chunks scheduled this step (prefill chunks and decodes together); the
+runner packs them into one batch (`backend.runner.step_packing`: token ids, positions, cache slots,
+block tables), puts it on the device, runs the model and returns logits for the chunks that sample,
+and
+the prompt log-probs of the requests that ask for them (`backend.logprobs`: only then are other
+rows projected to the vocabulary). An in-flight
+token's input id (overlap scheduling, `backend.engine.step`) is taken on the device from the sampled
+ids of the step in flight. On GPU, decode-only steps replay CUDA graphs
+(`backend.runner.decode_graphs`), and so do steps with prompt tokens of up to
+`cuda_graph_max_tokens` (`backend.runner.mixed_graphs`);
+longer steps, and those that compute prompt log-probs, run eagerly.
+
+KV cache (`backend.runner.kv_cache_memory`: block bytes, the groups' shares, the tensors): one
+tensor kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V), in the model dtype,
+or
+quantized (`kv_cache_dtype` fp8 / int8) with its scales beside it in
+kv_scales[layer, 0 | 1, block, offset, kv_head]. Blocks are counted from their real bytes, scales
+included, so a quantized cache holds more of them in the same memory. Budget:
+`max_tokens_in_paged_kv_cache` when set; on CUDA otherwise `kv_cache_free_gpu_mem_fraction` of
+the memory left free after a warm-up step of `max_num_tokens` tokens (peak activations are set
+aside); on CPU enough for `max_batch_size` sequences of `max_seq_len` tokens (at most 8,192
+each), at most 4 GiB.
+A model mixing global and windowed layers (`ModelConfig.kv_cache_groups`) has a tensor per group
+(its layers, its own block ids; `kv_cache` is then indexed by layer through a tuple of views) and
+a block table per group in each step (`AttentionMetadata.for_group`); the budget above, in
+blocks of every layer, is shared among the groups (`KVCacheLayout.share`).
+
+Tensor parallel (`tensor_parallel_size` > 1, `backend.distributed.tp_workers`): this runner is rank
+0; it starts the other ranks, each a runner of its own shard that `follow`s the steps rank 0 sends
+from `prepare`: eager steps, or decode steps that every rank replays in its own CUDA graphs
+(captured on every rank in the same order, collectives included).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from itertools import accumulate
+
+import numpy as np
+import torch
+
+from backend.runner import compile_watch
+from backend.attention import AttentionMetadata, get_attention_backend
+from backend.attention.kv_dtype import storage_dtype
+from backend.config import EngineConfig
+from backend.runner.decode_graphs import DecodeGraphs, ReplayIds
+from backend.runner.kv_cache_memory import KVCacheLayout
+from backend.runner.mixed_graphs import MixedGraphs
+from backend.logprobs import PromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
+from backend.staging import StagingTurns
+from backend.runner.step_packing import pack_step
+from backend.model_config import ModelConfig
+from backend.loading.model_loader import load_model, weight_bytes
+from backend.loading.model_paths import kept_gguf, resolve_model
+from backend.request import Chunk
+from backend.distributed.tensor_parallel import TensorParallel, TensorParallelError, connect
+from backend.distributed import tp_workers
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+CPU_KV_CACHE_SEQ_LEN = 8192  # a CPU pool holds max_batch_size sequences of at most this
+CPU_KV_CACHE_CAP_BYTES = 4 << 30
+
+
+@dataclass
+class StepLogits:
+    """What one step computed."""
+
+    logits: torch.Tensor  # float32 [sampling chunks, vocab], in chunk order
+    argmax_ids: torch.Tensor | None  # int64 argmax of each row skipping its banned ids, where the
+    # step computed it (decode CUDA graphs; valid until the
+    # next step runs)
+    argmax_host: ReplayIds | None = None  # the same ids on their way to the host (graphs)
+    # (PromptLogprobs, log-probs, top-k or None) per request whose prompt rows this step computed
+    prompt: list[tuple] | None = None
+
+
+@dataclass
+class StepInputs:
+    """One packed step, on the model device."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [N] int, rows of the last token of each sampling chunk
+    in_graph: bool = False  # staged for a decode CUDA graph, which reads it when replayed
+    graph_tokens: int = 0  # staged for the mixed-step CUDA graph of this many tokens (0: eager)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_port: int | None = None):
+        """`tp_rank`, `tp_port`: a tensor-parallel worker's rank and its group's port (rank 0,
+        the engine's runner, starts the workers and picks the port)."""
+        config.validate()
+        self.config = config
+        self.tp = TensorParallel()
+        self.workers: tp_workers.Workers | None = None
+        self.model = self.kv_cache = self.kv_scales = None
+        self.decode_graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
+        self._sends_steps = False  # rank 0 of a group, once every rank has started
+        self._step_sent = False  # the step being executed has reached the workers
+        self.device = pick_device(config.device)
+        if config.tensor_parallel_size > 1:
+            self.device = tp_workers.rank_device(config, tp_rank, self.device)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            elif "OMP_NUM_THREADS" not in os.environ:  # the ranks share this host's cores
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+        try:
+            self._load(config, tp_rank, tp_port)
+        except BaseException:
+            self.release()
+            raise
+
+    def _load(self, config: EngineConfig, tp_rank: int, tp_port: int | None) -> None:
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.kv_dtype = storage_dtype(config.kv_cache_dtype, self.dtype)
+        gguf_file = kept_gguf(config.model_path, config.quantization)
+        self.model_dir = resolve_model(config.model_path, config.quantization)
+        self.model_config = ModelConfig.from_dir(self.model_dir).with_attention_windows(
+            config.attention_windows(), config.sink_token_length
+        )
+        self.max_seq_len = self._pick_max_seq_len()
+        self.tokens_per_block = config.tokens_per_block or (
+            32 if self.device.type == "cuda" else 16
+        )
+        self.attention = get_attention_backend(config.attention_backend, self.device)
+        check_kv_dtype(self.kv_dtype, self.attention.name, self.device)
+        size = config.tensor_parallel_size
+        self.num_kv_heads = check_split(self.model_config, TensorParallel(tp_rank, size))
+        if size > 1:
+            if gguf_file is not None:  # row-parallel layers would cut blocks across columns
+                raise ValueError(
+                    "quantization 'gguf' keeps GGUF blocks, which are not split across ranks: "
+                    "use quantization 'none' with tensor_parallel_size > 1"
+                )
+            if tp_rank == 0:  # the model splits: start the other ranks
+                tp_port = tp_workers.free_port()
+                self.workers = tp_workers.Workers(config, tp_port, type(self))
+            self.tp = connect(tp_rank, size, tp_port, self.device, self.dtype)
+        # With overlap scheduling step n+1 is packed while step n's inputs may still wait in
+        # pinned memory for their copy: two buffers, used in turn.
+        self._staging = StagingTurns(self.device)
+        self.model = load_model(
+            self.model_dir,
+            self.device,
+            self.dtype,
+            self.attention,
+            self.max_seq_len,
+            self.model_config,
+            gguf_file,
+            config.quantization,
+            self.tp,
+            config.excluded_modules(),
+            config.quantize_lm_head,
+            config.fp8_fast_accumulation,
+        )
+        self.weight_bytes = weight_bytes(self.model)  # resident parameters and buffers
+        self.kv_layout = KVCacheLayout(
+            self.model_config, self.tokens_per_block, self.num_kv_heads, self.kv_dtype, self.device
+        )
+        self.kv_group_blocks = self._pick_kv_group_blocks()  # per KV cache group
+        if self.tp.enabled:  # block ids address every rank's pool: the least of them
+            blocks = torch.tensor(self.kv_group_blocks)
+            self.tp.cpu_group.allreduce([blocks], dist_min()).wait()
+            self.kv_group_blocks = blocks.tolist()
+        # The block ids every group's pool has (a bare sequence's: `Chunk.of_sequence`).
+        self.num_kv_blocks = min(self.kv_group_blocks)
+        self.kv_cache, self.kv_scales = self.kv_layout.allocate(self.kv_group_blocks)
+        if self.device.type == "cuda":
+            self._warm_up_eager()
+        self.decode_graphs = self._capture_decode_graphs()
+        self.mixed_graphs = self._capture_mixed_graphs()
+        if self.workers is not None:
+            self.workers.on_death = lambda message: self.on_fatal(message)
+            # From now on the workers follow (a warm-up step ran on every rank by itself).
+            self._sends_steps = True
+        log.info(
+            "model %s on %s (%s): %s KV blocks x %d tokens (%s), max_seq_len %d, attention %s%s",
+            self.model_dir,
+            self.device,
+            self.dtype,
+            " + ".join(map(str, self.kv_group_blocks)),
+            self.tokens_per_block,
+            self.kv_dtype,
+            self.max_seq_len,
+            self.attention.name,
+            f", tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp.enabled else "",
+        )
+        if self.device.type == "cuda":  # from here on a compile holds up a served step
+            compile_watch.watch()
+
+    def explain(self, exc: TensorParallelError) -> TensorParallelError:
+        """A failed collective, named after the rank that died when one did."""
+        return exc if self.workers is None else self.workers.explain(exc)
+
+    def on_fatal(self, message: str) -> None:
+        """Called from the watchdog thread when a tensor-parallel worker dies: the runner cannot
+        compute again (the executor sets its own, to fail its requests and stop)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.model_config.eos_token_ids
+
+    def release(self) -> None:
+        """Drop the model, the KV cache and the decode graphs, and hand their device memory back
+        at once, without waiting for the garbage collector to find the engine's reference cycles
+        (on an 80 GB GPU a benchmark's transformers baseline needs it). Rank 0 stops its
+        tensor-parallel workers. The runner is unusable afterwards."""
+        if self.workers is not None:
+            self.workers.stop(self.tp if self.tp.enabled else None)
+            self.workers = None
+        self.tp.close()
+        self.decode_graphs = self.mixed_graphs = None
+        self.model = self.kv_cache = self.kv_scales = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    # ---- one step ----------------------------------------------------------------------------
+    def execute(
+        self,
+        chunks: list[Chunk],
+        in_flight_ids: torch.Tensor | None = None,
+        banned_ids: np.ndarray | None = None,
+        prompt_logprobs: bool = False,
+    ) -> StepLogits:
+        """The logits of the sampling chunks (and their argmax where the step computes it anyway,
+        skipping `banned_ids` [rows, k], -1 = none).
+
+        `in_flight_ids`: the sampled ids of the step in flight, on the device, where the input of
+        a chunk whose request has an `in_flight_row` is. `prompt_logprobs`: some request may want
+        prompt log-probs (else no chunk is looked at for them). Returns once the work is queued.
+        """
+        rows = None
+        if prompt_logprobs:
+            rows = prompt_rows(chunks, accumulate((c.num_tokens for c in chunks), initial=0))
+        if self.workers is None:
+            return self._execute(chunks, in_flight_ids, banned_ids, rows)
+        self._step_sent = False
+        try:
+            return self._execute(chunks, in_flight_ids, banned_ids, rows)
+        except TensorParallelError as exc:
+            raise self.explain(exc) from exc
+        except Exception as exc:
+            if not self._step_sent:  # nothing reached the workers: this step's requests' fault
+                raise
+            # The workers are inside a step rank 0 left: their collectives would pair wrongly.
+            raise TensorParallelError(f"rank 0 failed inside a tensor-parallel step: {exc!r}")
+
+    def _execute(self, chunks, in_flight_ids, banned_ids, rows) -> StepLogits:
+        if self.workers is not None and self.workers.dead:
+            raise TensorParallelError(self.workers.dead)
+        spans = [(r.first_row, len(r.targets)) for r in rows] if self.tp.enabled and rows else []
+        inputs = self.prepare(
+            chunks, in_flight_ids, banned_ids, allow_graph=not rows, prompt_spans=spans
+        )
+        with torch.inference_mode():
+            graphs = self.decode_graphs
+            if inputs.in_graph:
+                return StepLogits(*graphs.replay(len(chunks)))  # logits, ids, ids to the host
+            if inputs.graph_tokens:
+                hidden = self.mixed_graphs.replay(inputs.graph_tokens)
+            else:
+                hidden = self._run_model(inputs)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            prompt = (
+                compute_prompt_logprobs(self.model.compute_logits, hidden, rows) if rows else None
+            )
+            return StepLogits(logits, None, prompt=prompt)
+
+    def follow(self) -> None:
+        """A tensor-parallel worker: run the steps rank 0 sends, computing what its forward
+        pass and logits compute (their collectives pair up), until rank 0 stops."""
+        with torch.inference_mode():
+            while (step := tp_workers.receive_step(self.tp)) is not None:
+                command, arrays, spans = step
+                if command == tp_workers.GRAPH_STEP:
+                    self._follow_graph_step(arrays)
+                    continue
+                inputs = self._device_inputs(arrays)
+                hidden = self._run_model(inputs)
+                self.model.compute_logits(hidden[inputs.logits_indices])
+                if spans:  # the same slices as rank 0's, for nobody
+                    unused = PromptLogprobs(0, 0)
+                    compute_prompt_logprobs(
+                        self.model.compute_logits,
+                        hidden,
+                        [PromptRows(unused, [0] * n, first) for first, n in spans],
+                    )
+
+    def _follow_graph_step(self, arrays: list[np.ndarray]) -> None:
+        """Stage and replay the decode step rank 0 replays (`tp_workers.GraphStep`)."""
+        graphs, step = self.decode_graphs, tp_workers.GraphStep.from_arrays(arrays)
+        self._stage(step, None if step.in_flight is None else graphs.sampled_ids)  # own argmax
+        if step.ids_sent:
+            self.tp.broadcast(graphs.sampled_ids)
+        graphs.replay(len(step.input_ids))
+
+    def _stage(self, step: tp_workers.GraphStep, previous_ids: torch.Tensor | None):
+        """Write `step` into the decode graphs' next slot (`DecodeGraphs.stage`)."""
+        return self.decode_graphs.stage(
+            step.input_ids,
+            step.positions,
+            step.slots,
+            step.seq_lens,
+            step.block_tables,
+            step.in_flight,
+            previous_ids,
+            step.banned_ids,
+        )
+
+    def _send_graph_step(self, step: tp_workers.GraphStep) -> None:
+        """Rank 0: the decode step just staged into the graphs, to the workers, and the
+        previous ids the inputs in flight read when they are not the graphs' own argmax."""
+        tp_workers.send_step(self.tp, step.arrays(), [], tp_workers.GRAPH_STEP)
+        self._step_sent = True
+        if step.ids_sent:
+            self.tp.broadcast(self.decode_graphs.sampled_ids)
+
+    def _run_model(self, inputs: StepInputs) -> torch.Tensor:
+        """The eager forward pass (prefill chunks, mixed batches, CPU)."""
+        scales = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
+        return self.model(
+            inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn_meta, **scales
+        )
+
+    def _warm_up_eager(self) -> StepLogits | None:
+        """A mixed step (a prompt chunk beside a decode) on blocks no request holds yet: the
+        eager path's kernels compile here, not in a served step."""
+        n = 2 * self.tokens_per_block + 3
+        per_chunk = -(-n // self.tokens_per_block)
+        if self.num_kv_blocks < 2 * per_chunk:
+            return None
+        prompt = Chunk.of_sequence([0] * n, list(range(per_chunk)))
+        decode = Chunk.of_sequence([0] * n, list(range(per_chunk, 2 * per_chunk)), start=n - 1)
+        return self.execute([prompt, decode])
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """Decode-only steps replay CUDA graphs on GPU with the Triton kernels (they skip padded
+        rows; the torch reference does not)."""
+        if not (
+            self.config.cuda_graphs
+            and self.device.type == "cuda"
+            and self.attention.name == "triton"
+        ):
+            return None
+        graphs = self.new_decode_graphs()
+        graphs.capture()
+        return graphs
+
+    def _capture_mixed_graphs(self) -> MixedGraphs | None:
+        """Steps with prompt tokens replay CUDA graphs on GPU, up to `cuda_graph_max_tokens`
+        tokens, with the Triton kernels (rank 0 of a tensor-parallel group runs them eagerly:
+        its workers follow eager steps)."""
+        if not self._takes_mixed_graphs():
+            return None
+        graphs = self.new_mixed_graphs()
+        graphs.capture()
+        return graphs
+
+    def _takes_mixed_graphs(self) -> bool:
+        return bool(
+            self.config.cuda_graphs
+            and self.config.cuda_graph_max_tokens
+            and self.device.type == "cuda"
+            and self.attention.name == "triton"
+            and not self.tp.enabled
+        )
+
+    def new_mixed_graphs(self) -> MixedGraphs:
+        """Mixed-step graphs over this runner's model and KV cache, not captured (until
+        `capture`, a replay runs their work eagerly)."""
+        return MixedGraphs(
+            self.model,
+            self.kv_cache,
+            self.config.max_batch_size,
+            min(self.config.cuda_graph_max_tokens, self.config.max_num_tokens),
+            self.max_seq_len,
+            self.tokens_per_block,
+            kv_scales=self.kv_scales,
+            num_kv_groups=len(self.kv_group_blocks),
+        )
+
+    def new_decode_graphs(self) -> DecodeGraphs:
+        """Decode graphs over this runner's model and KV cache, not captured (until `capture`,
+        a replay runs their work eagerly)."""
+        return DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            self.config.max_batch_size,
+            self.max_seq_len,
+            self.tokens_per_block,
+            max_banned=max(1, len(self.eos_token_ids)),
+            kv_scales=self.kv_scales,
+            num_kv_groups=len(self.kv_group_blocks),
+        )
+
+    def prepare(
+        self,
+        chunks: list[Chunk],
+        in_flight_ids: torch.Tensor | None = None,
+        banned_ids: np.ndarray | None = None,
+        allow_graph: bool = True,
+        prompt_spans: list[tuple[int, int]] = (),
+    ) -> StepInputs:
+        """Pack the chunks into one batch (`backend.runner.step_packing`) on the device (tensor
+        parallel: and send it to the other ranks, with the prompt rows `prompt_spans` whose
+        logits the step computes). A step that a decode CUDA graph will run is staged straight
+        into the graph's inputs (`in_graph`)."""
+        packed = pack_step(
+            chunks, self.tokens_per_block, self.max_seq_len, len(self.kv_group_blocks)
+        )
+        in_flight, n = packed.in_flight, len(chunks)
+        if in_flight is not None and in_flight_ids is None:
+            raise ValueError("chunks of in-flight tokens but no in-flight ids were given")
+        graphs = self.decode_graphs
+        if (
+            graphs is not None
+            and allow_graph
+            and packed.num_tokens == n
+            and n <= graphs.max_batch_size
+            and packed.samples.all()
+        ):
+            own = in_flight_ids is not None and (
+                in_flight_ids.data_ptr() == graphs.sampled_ids.data_ptr()
+            )
+            step = tp_workers.GraphStep(
+                packed.input_ids,
+                packed.positions,
+                packed.slots,
+                packed.seq_lens,
+                packed.block_tables,
+                in_flight,
+                banned_ids,
+                ids_sent=in_flight is not None and not own,
+            )
+            meta = self._stage(step, in_flight_ids)
+            if self._sends_steps:
+                self._send_graph_step(step)
+            return StepInputs(
+                graphs.input_ids[:n],
+                graphs.positions[:n],
+                meta,
+                graphs.query_start_loc[:n],
+                in_graph=True,
+            )
+        mixed = self.mixed_graphs
+        size = mixed.size_for(packed.num_tokens, n) if mixed is not None and allow_graph else None
+        if size:
+            meta = mixed.stage(packed, size, in_flight_ids)
+            return StepInputs(
+                mixed.input_ids[: packed.num_tokens],
+                mixed.positions[: packed.num_tokens],
+                meta,
+                mixed.logits_indices[: packed.logits_indices.size],
+                graph_tokens=size,
+            )
+        arrays = [
+            packed.input_ids,
+            packed.positions,
+            packed.slots,
+            packed.query_start_loc.astype(np.int32),
+            packed.seq_lens.astype(np.int32),
+            packed.block_tables.astype(np.int32),
+            packed.logits_indices,
+        ]
+        if in_flight is not None:
+            chunks_in_flight = np.flatnonzero(in_flight >= 0)
+            arrays.append((packed.query_start_loc[1:] - 1)[chunks_in_flight])
+        if self._sends_steps:
+            tp_workers.send_step(self.tp, arrays, list(prompt_spans))
+            self._step_sent = True
+        if in_flight is not None:
+            arrays.append(in_flight[chunks_in_flight])
+        return self._device_inputs(arrays, in_flight_ids)
+
+    def _device_inputs(
+        self, arrays: list[np.ndarray], in_flight_ids: torch.Tensor | None = None
+    ) -> StepInputs:
+        """A step's packed host arrays (`prepare`'s, or those rank 0 sent) on the device. The
+        ids of the rows in flight come from `in_flight_ids` (by the last array's rows), or from
+        rank 0 when tensor parallel."""
+        ids_d, pos_d, slots_d, qsl_d, seq_d, bt_d, li_d, *fill = self._staging.to_device(arrays)
+        num_groups, total, n = len(self.kv_group_blocks), arrays[0].size, arrays[4].size
+        if fill:
+            if len(fill) == 2:
+                filled = in_flight_ids[fill[1]].to(torch.int64)
+            else:  # a worker
+                filled = torch.empty(fill[0].shape, dtype=torch.int64, device=self.device)
+            if self.tp.enabled:
+                self.tp.broadcast(filled)
+            ids_d[fill[0]] = filled
+        query_lens = np.diff(arrays[3])
+        seq_lens = arrays[4]
+        meta = AttentionMetadata(
+            slot_mapping=slots_d[:total],
+            query_start_loc=qsl_d,
+            seq_lens=seq_d,
+            block_tables=bt_d[:n],
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        meta.groups = tuple(
+            replace(
+                meta,
+                slot_mapping=slots_d[g * total : (g + 1) * total],
+                block_tables=bt_d[g * n : (g + 1) * n],
+            )
+            for g in range(1, num_groups)
+        )
+        return StepInputs(ids_d, pos_d, meta, li_d)
+
+    # ---- sizing ------------------------------------------------------------------------------
+    def _pick_max_seq_len(self) -> int:
+        mc = self.model_config
+        limit = mc.max_context
+        requested = self.config.max_seq_len
+        if requested is None:  # decode steps cost what their contexts hold, not the capacity
+            return limit
+        if requested > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len {requested} exceeds the model's "
+                f"max_position_embeddings {mc.max_position_embeddings}"
+            )
+        return min(requested, limit)
+
+    def kv_block_bytes(self) -> int:
+        return self.kv_layout.block_bytes()
+
+    def _pick_kv_group_blocks(self) -> list[int]:
+        """Each KV cache group's blocks (`KVCacheLayout.share`) from the budget in blocks of
+        every layer: `max_tokens_in_paged_kv_cache`, free GPU memory, or the CPU default."""
+        per_seq = -(-min(self.max_seq_len, CPU_KV_CACHE_SEQ_LEN) // self.tokens_per_block)
+        if self.config.max_tokens_in_paged_kv_cache is not None:
+            budget = -(-self.config.max_tokens_in_paged_kv_cache // self.tokens_per_block)
+        elif self.device.type == "cuda":
+            budget = self._blocks_from_free_memory()
+        else:
+            cap = CPU_KV_CACHE_CAP_BYTES // self.kv_block_bytes()
+            budget = min(self.config.max_batch_size * per_seq, cap)
+        return self.kv_layout.share(budget, self.max_seq_len, self.config.max_num_tokens)
+
+    def _blocks_from_free_memory(self) -> int:
+        """Warm up at max_num_tokens with a temporary cache, then size the real one."""
+        total = min(self.config.max_num_tokens, self.config.max_batch_size * self.max_seq_len)
+        lengths = [self.max_seq_len] * (total // self.max_seq_len)
+        if total % self.max_seq_len:
+            lengths.append(total % self.max_seq_len)
+        chunks, next_block = [], 0
+        num_groups = len(self.model_config.kv_cache_groups)
+        for n in lengths:
+            blocks = list(range(next_block, next_block + -(-n // self.tokens_per_block)))
+            chunks.append(Chunk.of_sequence([0] * n, blocks))
+            next_block += len(blocks)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self.kv_group_blocks = [next_block] * num_groups  # prepare() reads the group count
+        self.kv_cache, self.kv_scales = self.kv_layout.allocate(self.kv_group_blocks)
+        warmup_cache_bytes = next_block * self.kv_block_bytes()
+        self.execute(chunks)
+        rows = min(self.config.max_batch_size, total)
+        with torch.inference_mode():  # logits of a full decode batch
+            self.model.compute_logits(
+                torch.zeros(
+                    rows, self.model_config.hidden_size, dtype=self.dtype, device=self.device
+                )
+            )
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - base - warmup_cache_bytes
+        self.kv_cache = self.kv_scales = None
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        # The mixed-step graphs keep a step's activations in a pool of their own: set aside twice.
+        reserved = activations * (2 if self._takes_mixed_graphs() else 1)
+        budget = (free - reserved) * self.config.kv_cache_free_gpu_mem_fraction
+        log.info(
+            "warm-up: %.2f GiB peak activations, %.2f GiB free, %.2f GiB for the KV cache",
+            activations / 2**30,
+            free / 2**30,
+            budget / 2**30,
+        )
+        return int(budget // self.kv_block_bytes())
+
+
+def check_kv_dtype(kv_dtype: torch.dtype, attention: str, device: torch.device) -> None:
+    """Raise ValueError for an fp8 cache the Triton kernels cannot convert on this GPU."""
+    if (
+        kv_dtype == torch.float8_e4m3fn
+        and attention == "triton"
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) < (8, 9)
+    ):
+        raise ValueError(
+            "kv_cache_dtype 'fp8' needs compute capability 8.9 or newer with the triton "
+            "attention backend (float8 e4m3 conversions): use 'int8' or attention_backend 'torch'"
+        )
+
+
+def check_split(mc: ModelConfig, tp: TensorParallel) -> int:
+    """Raise ValueError naming what `tp` cannot split evenly; -> the KV heads of a rank."""
+    kv_heads = tp.kv_heads(mc.num_heads, mc.num_kv_heads)[1]
+    tp.part(mc.intermediate_size, "intermediate size")
+    return kv_heads
+
+
+def dist_min():
+    import torch.distributed as dist
+
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    return options

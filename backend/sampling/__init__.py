@@ -1,0 +1,1 @@
+"""Sampling: the batched sampler and its logits processors."""
