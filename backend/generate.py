@@ -3,6 +3,9 @@
     python -m backend.generate --model default --prompt "Hello" --prompt "Bonjour" --max-tokens 32
     python -m backend.generate --prompt "What is 2+2?" --chat --json
     python -m backend.generate --model default --quantization gguf --prompt "Hello"
+    python -m backend.generate --model llama-3.2-1b --tensor-parallel-size 2 --max-seq-len 8192 ...
+
+Every engine option is a flag, as for `python -m ensemble serve` (`--help` lists them).
 
 Greedy unless --temperature is given. With --json, one JSON object per prompt is printed:
 {"prompt", "token_ids" (generated ids only, end id excluded), "text", "finish_reason"}.
@@ -14,16 +17,14 @@ import argparse
 import json
 import sys
 
-from backend.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from backend.config import EngineConfig
+from backend.config_options import add_config_options, given_fields
 from backend.sampling_params import SamplingParams
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m backend.generate", description=__doc__.splitlines()[0]
-    )
-    p.add_argument(
-        "--model", default="default", help="'default', a preset, a HF directory or a .gguf file"
     )
     p.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -40,23 +41,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    p.add_argument(
-        "--quantization",
-        default="none",
-        choices=QUANTIZATIONS,
-        help="weight format (README, Weight formats); auto: what the checkpoint declares",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="what the KV cache stores (README, KV cache dtype); auto: the model dtype",
-    )
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--max-num-tokens", type=int, default=2048)
-    return p.parse_args(argv)
+    # Every engine option, as `python -m ensemble serve` takes them (its `seed` is --seed here: a
+    # sampling seed, which an engine-wide generator would only stand in for).
+    add_config_options(p, EngineConfig, skip=("seed",))
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's configuration from the command line (checked: ValueError names the field)."""
+    return EngineConfig(**given_fields(args, EngineConfig))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,16 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         sampling.validate()
-        config = EngineConfig(
-            model_path=args.model,
-            quantization=args.quantization,
-            kv_cache_dtype=args.kv_cache_dtype,
-            device=args.device,
-            dtype=args.dtype,
-            max_batch_size=args.max_batch_size,
-            max_num_tokens=args.max_num_tokens,
-        )
-        executor = Executor(config)
+        executor = Executor(engine_config(args))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

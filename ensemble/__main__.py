@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from dataclasses import fields
 from pathlib import Path
 
+from backend.config_options import add_config_options, given_fields
 from ensemble.build import SOURCE_REPOSITORY, build_repository, stale_configs
 from backend.loading.model_paths import check_model, check_quantization, resolve_model
 from ensemble.openai_server.process import FrontEndProcess
@@ -23,50 +23,12 @@ from ensemble.server import TritonServer, check_ports_free, serve_forever
 from ensemble.settings import ServeSettings
 
 
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
 def _add_settings_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        dest="model_path",
-        default=None,
-        help="'default', a Hugging Face directory or a .gguf file",
-    )
-    for f in fields(ServeSettings):
-        if f.name == "model_path":
-            continue
-        kind = str(f.type)
-        convert = (
-            _parse_bool
-            if kind.startswith("bool")
-            else int
-            if kind.startswith("int")
-            else float
-            if kind.startswith("float")
-            else str
-        )
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            type=convert,
-            default=None,
-            help=f"(default: {f.default})",
-        )
+    add_config_options(parser, ServeSettings)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
-    given = {
-        f.name: getattr(args, f.name)
-        for f in fields(ServeSettings)
-        if getattr(args, f.name, None) is not None
-    }
-    settings = ServeSettings(**given)
+    settings = ServeSettings(**given_fields(args, ServeSettings))
     settings.validate()
     return settings
 

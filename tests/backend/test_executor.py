@@ -257,6 +257,36 @@ def test_offline_command_unknown_model(tiny_dir, capsys):
     assert "expected" in capsys.readouterr().err
 
 
+def test_offline_command_takes_every_engine_option(tiny_dir, capsys):
+    """Each EngineConfig field is a flag of `python -m backend.generate` (the engine's seed is
+    its sampling --seed), and a value given reaches the engine; a bad one is refused by name."""
+    from dataclasses import fields
+
+    from backend.config import EngineConfig
+
+    option_names = {a.dest for a in generate.build_parser()._actions}
+    assert {f.name for f in fields(EngineConfig)} <= option_names
+    args = generate.parse_args(
+        [
+            "--model",
+            str(tiny_dir),
+            "--prompt",
+            "hi",
+            "--max-seq-len",
+            "96",
+            "--long-prefill-token-threshold",
+            "8",
+            "--enable-kv-cache-reuse",
+            "false",
+        ]
+    )
+    config = generate.engine_config(args)
+    assert (config.max_seq_len, config.long_prefill_token_threshold) == (96, 8)
+    assert config.enable_kv_cache_reuse is False and config.model_path == str(tiny_dir)
+    code = generate.main(["--model", str(tiny_dir), "--prompt", "hi", "--quantization", "int3"])
+    assert code == 2 and "quantization must be one of" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_offline_command_default_model(capsys):
     code = generate.main(
