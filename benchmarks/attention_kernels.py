@@ -319,11 +319,11 @@ def write_tuning(kernel: str, timings: dict[str, dict[str, dict]]) -> None:
 
 
 def bench_fused():
-    from backend.kernels.rmsnorm import rms_norm
     from backend.attention.kernels.rope import apply_rotary_
-    from backend.model_config import RopeConfig
+    from backend.kernels.rmsnorm import rms_norm
     from backend.layers.norm import RMSNorm
     from backend.layers.rotary import RotaryEmbedding, apply_rotary
+    from backend.model_config import RopeConfig
 
     print("== fused kernels, 4096 tokens, bf16 (do_bench medians, us)")
     tokens, hidden = 4096, 4096

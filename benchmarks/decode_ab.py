@@ -49,11 +49,11 @@ def _launch_overrides(variant: str) -> dict[str, int]:
 def _changes(variant: str) -> list:
     """The patches that make `variant`, as context managers."""
     import backend.attention.kernels.decode_launch as decode_launch
-    import backend.runner.decode_graphs as cuda_graphs
+    import backend.attention.triton_backend as triton_backend
     import backend.kernels.gemv as gemv
     import backend.kernels.qkv_rope as qkv_rope
-    import backend.attention.triton_backend as triton_backend
     import backend.layers.embedding as embedding
+    import backend.runner.decode_graphs as cuda_graphs
 
     if variant == "default":
         return []

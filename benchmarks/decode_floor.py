@@ -36,9 +36,9 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine.executor import Executor
-from backend.sampling_params import SamplingParams
 from backend.layers.embedding import Embedding
 from backend.quantization import QuantizedWeight
+from backend.sampling_params import SamplingParams
 from benchmarks.provenance import provenance, save_json
 from benchmarks.weight_format_options import (
     add_kv_cache_dtype_option,

@@ -15,12 +15,12 @@ import argparse
 import torch
 
 from backend.attention.kernels.kv_write import write_kv
+from backend.attention.kernels.rope import apply_rotary_
 from backend.kernels.activation import silu_and_mul_e4m3
 from backend.kernels.rmsnorm import rms_norm
-from backend.attention.kernels.rope import apply_rotary_
 from backend.layers.rotary import RotaryEmbedding
-from backend.model_config import ModelConfig
 from backend.loading.model_paths import resolve_model
+from backend.model_config import ModelConfig
 from benchmarks.graph_timing import graph_us_per_call
 from benchmarks.provenance import provenance, save_json
 

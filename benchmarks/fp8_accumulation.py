@@ -15,8 +15,8 @@ import argparse
 import torch
 
 from backend.kernels.fp8_gemm import fp8_linear, quantize_rows
-from backend.model_config import ModelConfig
 from backend.loading.model_paths import resolve_model
+from backend.model_config import ModelConfig
 from backend.quantization.fp8 import Fp8Weight
 from benchmarks.gemv import projection_shapes
 from benchmarks.provenance import provenance, save_json

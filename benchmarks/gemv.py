@@ -38,8 +38,8 @@ from backend.kernels import tuning
 from backend.kernels.gemv import gemv
 from backend.kernels.gemv_config import launch_config, tuning_key
 from backend.kernels.gemv_weight import StreamedWeight
-from backend.model_config import ModelConfig
 from backend.loading.model_paths import resolve_model
+from backend.model_config import ModelConfig
 from backend.quantization import Fp8Weight, Int4Weight, Int8Weight
 from benchmarks.decode_floor import copy_rate_bytes_per_s
 from benchmarks.graph_timing import graph_us_per_call

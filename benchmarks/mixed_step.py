@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from backend.config import EngineConfig
-from backend.runner.model_runner import ModelRunner
 from backend.request import Chunk
+from backend.runner.model_runner import ModelRunner
 from benchmarks.profile_step import kernel_table
 from benchmarks.provenance import provenance, save_json
 

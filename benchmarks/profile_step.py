@@ -16,8 +16,8 @@ import time
 import torch
 
 from backend.config import EngineConfig
-from backend.runner.model_runner import ModelRunner
 from backend.request import Chunk
+from backend.runner.model_runner import ModelRunner
 from benchmarks.provenance import provenance, save_json
 from benchmarks.weight_format_options import add_weight_format_options, weight_format_fields
 

@@ -54,11 +54,11 @@ import time
 
 import torch
 
-from backend.loading.disk_cache import cache_root
 from backend.config import EngineConfig
 from backend.engine.executor import Executor
-from backend.model_config import ModelConfig
+from backend.loading.disk_cache import cache_root
 from backend.loading.model_paths import resolve_model
+from backend.model_config import ModelConfig
 from backend.sampling_params import SamplingParams
 from benchmarks import quality_corpus
 from benchmarks.gguf_requantize import requantized_gguf

@@ -28,19 +28,19 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 
+from backend.gguf_blocks import BLOCK_TYPES
+from backend.kernels import fp8_gemm, gguf_matmul, int4_matmul, tuning
 from backend.kernels import gguf_gemv as gguf_gemv_kernel
-from backend.kernels import gguf_matmul, int4_matmul
 from backend.kernels.gguf_gemv import GGUFGemvConfig, gguf_gemv
 from backend.kernels.gguf_matmul import GGUFGemmConfig, gguf_gemm
-from backend.kernels.gguf_values import KERNEL_TYPES as GGUF_TYPES, blocks_of_128_values
+from backend.kernels.gguf_values import KERNEL_TYPES as GGUF_TYPES
+from backend.kernels.gguf_values import blocks_of_128_values
 from backend.kernels.int4_matmul import int4_gemm
-from backend.kernels import fp8_gemm, tuning
 from backend.kernels.split_k import SwappedGemmConfig
 from backend.kernels.tuning import rows_bucket
 from backend.kernels.w8a16_gemm import GemmConfig, config_key, w8a16_gemm
-from backend.gguf_blocks import BLOCK_TYPES
-from backend.model_config import ModelConfig
 from backend.loading.model_paths import resolve_model
+from backend.model_config import ModelConfig
 from backend.quantization import Fp8Weight, GGUFWeight, Int4Weight, Int8Weight, QuantizedWeight
 from benchmarks.gemv import projection_shapes
 from benchmarks.gguf_random import random_rows

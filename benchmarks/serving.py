@@ -42,6 +42,9 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+from backend.config import EngineConfig
+from backend.process.outbox import STATS_PERIOD_S
+from benchmarks.sampled_profile import engine_process_pid, sampled_profile
 from benchmarks.serving_load import (
     LoadRequest,
     Target,
@@ -50,15 +53,12 @@ from benchmarks.serving_load import (
     run_clients,
     summarize,
 )
-from benchmarks.sampled_profile import engine_process_pid, sampled_profile
 from benchmarks.serving_perf_analyzer import perf_analyzer_summary
 from benchmarks.weight_format_options import (
     add_kv_cache_dtype_option,
     add_weight_format_options,
     weight_format_fields,
 )
-from backend.config import EngineConfig
-from backend.process.outbox import STATS_PERIOD_S
 
 TARGETS = (
     "ensemble:grpc",
@@ -264,8 +264,8 @@ def logged_compiles(server_log: Path) -> list[str]:
 
 
 def run_engine_alone(settings, requests, args, expected) -> list[dict]:
-    from backend.runner import compile_watch
     from backend.engine.executor import Executor
+    from backend.runner import compile_watch
 
     executor = Executor(settings.engine_config())
 
@@ -635,8 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.client_cpu_set, server_cpus = split_cpus(args.client_cpus)
 
-    from benchmarks.provenance import provenance, save_json
     from backend.runner.model_runner import pick_device
+    from benchmarks.provenance import provenance, save_json
     from preprocessing.tokenizer import load_tokenizer
 
     if args.model == "null":

@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 
 from backend.config_options import add_config_options, given_fields
-from ensemble.build import SOURCE_REPOSITORY, build_repository, stale_configs
 from backend.loading.model_paths import check_model, check_quantization, resolve_model
+from ensemble.build import SOURCE_REPOSITORY, build_repository, stale_configs
 from ensemble.openai_server.process import FrontEndProcess
 from ensemble.server import TritonServer, check_ports_free, serve_forever
 from ensemble.settings import ServeSettings

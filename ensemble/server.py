@@ -23,8 +23,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend.process.client import ENGINE_PYTHON_ENV
 from backend.loading.disk_cache import cache_root
+from backend.process.client import ENGINE_PYTHON_ENV
 from ensemble.environment import StubEnvironment, stub_environment
 from ensemble.processes import (
     SHM_DIR,
@@ -32,8 +32,8 @@ from ensemble.processes import (
     engine_processes,
     remove_orphan_shm_regions,
     send_signal,
-    with_parent,
     wait_group_gone,
+    with_parent,
 )
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent

@@ -22,7 +22,6 @@ import numpy as np
 
 from preprocessing.tokenizer import encode
 
-
 # Per list and request: each word is tokenized in the preprocessing model, ahead of the
 # requests queued behind it, so a list must stay cheap.
 MAX_WORDS = 256

@@ -23,18 +23,18 @@ from dataclasses import replace
 import torch
 
 from backend.config import EngineConfig
-from backend.engine.step import Engine, reads_token_history
-from backend.scheduling.kv_cache_manager import KVCacheManager
+from backend.distributed.tensor_parallel import TensorParallelError
 from backend.engine.limits import EngineLimits
-from backend.logprobs import PromptLogprobs
-from backend.runner.model_runner import ModelRunner
 from backend.engine.output_processor import OutputCallback, OutputProcessor
+from backend.engine.stats import ExecutorStats
+from backend.engine.step import Engine, reads_token_history
+from backend.logprobs import PromptLogprobs
 from backend.request import FinishReason, Request, RequestOutput
+from backend.runner.model_runner import ModelRunner
 from backend.sampling.sampler import Sampler
 from backend.sampling_params import SamplingParams
+from backend.scheduling.kv_cache_manager import KVCacheManager
 from backend.scheduling.scheduler import QueueFullError, Scheduler, SchedulerOutput
-from backend.engine.stats import ExecutorStats
-from backend.distributed.tensor_parallel import TensorParallelError
 
 __all__ = ["Executor", "QueueFullError"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from backend.request import FinishReason, Request, RequestOutput, RequestStatus
 from backend.engine.stopping import check_finish
+from backend.request import FinishReason, Request, RequestOutput, RequestStatus
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]

@@ -39,12 +39,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 
-from backend.runner.model_runner import ModelRunner
+from backend.distributed.tensor_parallel import TensorParallelError
 from backend.engine.output_processor import OutputProcessor
 from backend.request import Chunk, FinishReason, Request
+from backend.runner.model_runner import ModelRunner
 from backend.sampling.sampler import PendingSample, Sampler
 from backend.scheduling.scheduler import Scheduler, SchedulerOutput
-from backend.distributed.tensor_parallel import TensorParallelError
 
 log = logging.getLogger(__name__)
 STEP_FAILED = "the model step failed for this request"

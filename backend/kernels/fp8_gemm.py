@@ -29,7 +29,6 @@ import triton.language as tl
 from backend.kernels.split_k import SwappedGemmConfig, add_split_partials, split_launch
 from backend.kernels.tuning import device_name, lookup, rows_bucket, shape_key
 
-
 FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
 
 

@@ -46,12 +46,12 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.split_partials import SplitPartials
 from backend.kernels.gemv_config import checked_config
-from backend.kernels.gemv_weight import ACTIVATION_DTYPES, INT4, StreamedWeight, streamed
 from backend.kernels.gemv_stream import stream_rows_dot
+from backend.kernels.gemv_weight import ACTIVATION_DTYPES, INT4, StreamedWeight, streamed
 from backend.kernels.pdl import Ordering, launch_options
 from backend.kernels.split_k import add_split_partials, split_launch
+from backend.kernels.split_partials import SplitPartials
 
 NO_PROLOGUE, NORM, SILU_MUL, MERGE = 0, 1, 2, 3
 ACT_DTYPES = dict(zip(ACTIVATION_DTYPES, (tl.float16, tl.bfloat16)))  # torch -> Triton

@@ -18,8 +18,6 @@ import triton
 import triton.language as tl
 
 from backend.gguf_blocks import BLOCK_TYPES
-from backend.kernels.split_k import split_launch, store_tile
-from backend.kernels.tuning import device_name, lookup, shape_key
 from backend.kernels.gguf_values import (
     block_scales,
     blocks_of_128_values,
@@ -28,6 +26,8 @@ from backend.kernels.gguf_values import (
     shared_bytes,
     type_constexprs,
 )
+from backend.kernels.split_k import split_launch, store_tile
+from backend.kernels.tuning import device_name, lookup, shape_key
 
 
 @triton.jit

@@ -31,7 +31,6 @@ import triton.language as tl
 from backend.kernels.split_k import SwappedGemmConfig, split_launch, store_tile
 from backend.kernels.tuning import compiles_for_gpu, device_name, lookup, rows_bucket, shape_key
 
-
 Int4GemmConfig = SwappedGemmConfig
 
 # A byte's two nibbles as bfloat16 128 + q (0x4300 | q, exact), both in one word (the byte

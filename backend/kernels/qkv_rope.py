@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels.gemv_stream import stream_rows_dot
 from backend.kernels.gemv_config import checked_config
+from backend.kernels.gemv_stream import stream_rows_dot
 from backend.kernels.gemv_weight import StreamedWeight, streamed
 from backend.kernels.pdl import Ordering, launch_options
 

@@ -27,12 +27,12 @@ import torch
 from torch import nn
 
 from backend.attention import AttentionBackend, AttentionMetadata
+from backend.distributed.tensor_parallel import TensorParallel
 from backend.layers.linear import ONE_TOKEN_MAX_HIDDEN, Linear
 from backend.layers.norm import RMSNorm
 from backend.layers.rotary import Rotation
 from backend.model_config import ModelConfig
 from backend.quantization import E4m3Rows
-from backend.distributed.tensor_parallel import TensorParallel
 
 
 @dataclass(slots=True)

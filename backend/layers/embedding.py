@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.gguf_blocks import BLOCK_TYPES, dequantize
 from backend.distributed.tensor_parallel import TensorParallel
+from backend.gguf_blocks import BLOCK_TYPES, dequantize
 
 try:  # CPU-only installs without Triton use the torch path
     from backend.kernels.embedding import embedding as fused_embedding

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.kernels.split_partials import SplitPartials
+from backend.distributed.tensor_parallel import TensorParallel
 from backend.kernels.gemv_weight import StreamedWeight
+from backend.kernels.split_partials import SplitPartials
 from backend.layers.norm import RMSNorm
 from backend.quantization import E4m3Rows, GGUFWeight, QuantizedWeight
-from backend.distributed.tensor_parallel import TensorParallel
 
 try:  # CPU-only installs without Triton use the torch path
     from backend.kernels import gemv

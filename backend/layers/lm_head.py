@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from backend.distributed.tensor_parallel import TensorParallel
 from backend.layers.embedding import vocab_rows
 from backend.layers.linear import Linear
 from backend.layers.norm import RMSNorm
-from backend.distributed.tensor_parallel import TensorParallel
 
 
 class LMHead(Linear):

@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backend.distributed.tensor_parallel import TensorParallel
 from backend.layers.activation import GATED_ACTIVATIONS, silu_and_mul_e4m3
 from backend.layers.linear import ONE_TOKEN_MAX_HIDDEN, Linear
 from backend.layers.norm import RMSNorm
 from backend.quantization import E4m3Rows
-from backend.distributed.tensor_parallel import TensorParallel
 
 
 class GatedMLP(nn.Module):

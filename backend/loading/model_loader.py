@@ -17,9 +17,7 @@ from typing import Iterator
 import torch
 
 from backend.attention import AttentionBackend
-from backend.model_config import ModelConfig
-from backend.models import FAMILIES
-from backend.models.null import NullModel
+from backend.distributed.tensor_parallel import TensorParallel
 from backend.loading.presets import init_random_weights, random_weights_spec
 from backend.loading.quantized_checkpoint import (
     FORMATS,
@@ -28,10 +26,12 @@ from backend.loading.quantized_checkpoint import (
     quantize_at_load,
     quantize_lm_head,
 )
+from backend.loading.weight_formats import pick_quantization, quantization_config
+from backend.model_config import ModelConfig
+from backend.models import FAMILIES
+from backend.models.null import NullModel
 from backend.quantization import QuantizedWeight
 from backend.quantization.fp8 import use_fast_accumulation
-from backend.loading.weight_formats import pick_quantization, quantization_config
-from backend.distributed.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 

@@ -6,12 +6,13 @@ whole hidden state: the row-parallel projections' outputs are all-reduced before
 
 from __future__ import annotations
 
+from torch import nn
+
 from backend.attention import AttentionBackend
+from backend.distributed.tensor_parallel import TensorParallel
 from backend.layers import AttentionStep, GatedMLP, SelfAttention
 from backend.model_config import ModelConfig
 from backend.models.llama import LlamaForCausalLM, model_norm
-from backend.distributed.tensor_parallel import TensorParallel
-from torch import nn
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from backend.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from backend.distributed.tensor_parallel import TensorParallel
 from backend.layers import (
     AttentionStep,
     Embedding,
@@ -33,7 +34,6 @@ from backend.layers import (
 )
 from backend.model_config import ModelConfig
 from backend.models.hf_weights import load_hf_weights
-from backend.distributed.tensor_parallel import TensorParallel
 
 
 class LlamaDecoderLayer(nn.Module):

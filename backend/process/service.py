@@ -42,8 +42,8 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
-from backend.process.outbox import Outbox
 from backend.engine.limits import EngineLimits
+from backend.process.outbox import Outbox
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.quantization.layer_inputs import LayerInputs
 from backend.model_config import ModelConfig
 from backend.quantization.awq import ALPHAS, Scaling, quantize_scaled, search_scales
 from backend.quantization.checkpoint_writer import PROJECTION, write_checkpoint
 from backend.quantization.gptq import gptq_quantize
 from backend.quantization.int4_packing import pack_awq
+from backend.quantization.layer_inputs import LayerInputs
 
 ROUNDINGS = ("nearest", "clip", "gptq")  # of the scaled weights (`write_awq_checkpoint`)
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from backend.attention.kv_dtype import KV_SCALE_DTYPE, is_scaled, vector_bytes
-from backend.scheduling.kv_cache_group import max_blocks_held
 from backend.model_config import ModelConfig
+from backend.scheduling.kv_cache_group import max_blocks_held
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ import torch
 
 from backend.attention.metadata import AttentionMetadata
 from backend.runner.graph_capture import capture_largest_first
-from backend.staging import RingedFields
 from backend.runner.step_packing import PackedStep
+from backend.staging import RingedFields
 
 log = logging.getLogger(__name__)
 

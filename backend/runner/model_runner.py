@@ -43,22 +43,22 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from backend.runner import compile_watch
 from backend.attention import AttentionMetadata, get_attention_backend
 from backend.attention.kv_dtype import storage_dtype
 from backend.config import EngineConfig
+from backend.distributed import tp_workers
+from backend.distributed.tensor_parallel import TensorParallel, TensorParallelError, connect
+from backend.loading.model_loader import load_model, weight_bytes
+from backend.loading.model_paths import kept_gguf, resolve_model
+from backend.logprobs import PromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
+from backend.model_config import ModelConfig
+from backend.request import Chunk
+from backend.runner import compile_watch
 from backend.runner.decode_graphs import DecodeGraphs, ReplayIds
 from backend.runner.kv_cache_memory import KVCacheLayout
 from backend.runner.mixed_graphs import MixedGraphs
-from backend.logprobs import PromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
-from backend.staging import StagingTurns
 from backend.runner.step_packing import pack_step
-from backend.model_config import ModelConfig
-from backend.loading.model_loader import load_model, weight_bytes
-from backend.loading.model_paths import kept_gguf, resolve_model
-from backend.request import Chunk
-from backend.distributed.tensor_parallel import TensorParallel, TensorParallelError, connect
-from backend.distributed import tp_workers
+from backend.staging import StagingTurns
 
 log = logging.getLogger(__name__)
 

@@ -32,14 +32,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from backend.logprobs import top_logprobs
+from backend.request import Request
 from backend.sampling.logits_processors import (
     PromptTokenCache,
     apply_logits_processors,
     has_processors,
     min_tokens_end_ban,
 )
-from backend.logprobs import top_logprobs
-from backend.request import Request
 from backend.sampling_params import SamplingParams
 from backend.staging import to_device
 

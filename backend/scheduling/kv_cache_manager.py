@@ -32,9 +32,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from backend.request import Request
 from backend.scheduling.block_pool import BlockHash, hash_block
 from backend.scheduling.kv_cache_group import FREED, KVCacheGroup
-from backend.request import Request
 
 
 @dataclass

@@ -42,8 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from backend.config import EngineConfig
-from backend.scheduling.kv_cache_manager import KVCacheManager, KVCacheStats, PrefixMatch
 from backend.request import Chunk, FinishReason, Request, RequestStatus
+from backend.scheduling.kv_cache_manager import KVCacheManager, KVCacheStats, PrefixMatch
 
 
 class QueueFullError(RuntimeError):

@@ -11,8 +11,8 @@ the float model as it was, so no layer's inputs depend on another layer's scales
 
 from __future__ import annotations
 
-from backend.tools.calibration import calibrate_on_text, calibration_parser, read_text
 from backend.quantization.awq_checkpoint import ROUNDINGS, write_awq_checkpoint
+from backend.tools.calibration import calibrate_on_text, calibration_parser, read_text
 
 
 def quantize_model(

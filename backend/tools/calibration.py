@@ -15,11 +15,10 @@ from backend.config import EngineConfig
 from backend.engine.executor import Executor
 from backend.layers.linear import Linear
 from backend.loading.model_paths import resolve_model
-from backend.quantization.layer_inputs import LayerInputs
 from backend.models.hf_weights import weight_targets
+from backend.quantization.layer_inputs import LayerInputs
 from backend.sampling_params import SamplingParams
 from preprocessing.tokenizer import load_tokenizer
-
 
 CACHED_WINDOWS = 16  # windows the KV cache holds at once
 

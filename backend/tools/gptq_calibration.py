@@ -17,9 +17,9 @@ keeps this to one pass.
 
 from __future__ import annotations
 
+from backend.quantization.gptq import write_gptq_checkpoint
 from backend.tools.calibration import calibrate as calibrate_inputs
 from backend.tools.calibration import calibrate_on_text, calibration_parser, read_text
-from backend.quantization.gptq import write_gptq_checkpoint
 
 
 def quantize_model(

@@ -12,12 +12,11 @@ import math
 import pytest
 import torch
 
-from backend.tools.awq_calibration import main
-from backend.tools.calibration import calibrate, calibration_prompts
 from backend.config import EngineConfig
 from backend.engine.executor import Executor
-from backend.model_config import ModelConfig
 from backend.loading.model_paths import resolve_model
+from backend.loading.weight_formats import declared_quantization
+from backend.model_config import ModelConfig
 from backend.quantization.awq import output_error, search_scales
 from backend.quantization.awq_checkpoint import (
     load_tensors,
@@ -27,7 +26,8 @@ from backend.quantization.awq_checkpoint import (
 from backend.quantization.checkpoint_writer import write_checkpoint
 from backend.quantization.int4_packing import dequantize_groups, quantize_groups
 from backend.sampling_params import SamplingParams
-from backend.loading.weight_formats import declared_quantization
+from backend.tools.awq_calibration import main
+from backend.tools.calibration import calibrate, calibration_prompts
 from benchmarks import quality_corpus
 from preprocessing.tokenizer import load_tokenizer
 from tests.quantized_checkpoints import quantized_checkpoint

@@ -4,7 +4,6 @@ within 1e-4."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer

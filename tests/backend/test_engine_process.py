@@ -14,9 +14,9 @@ from multiprocessing.connection import Connection
 import pytest
 
 from backend.config import EngineConfig
+from backend.engine.executor import Executor
 from backend.process.client import EngineProcess
 from backend.process.outbox import MIDDLE_FIELDS, Outbox, output_values
-from backend.engine.executor import Executor
 from backend.request import FinishReason, RequestOutput
 from backend.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model, random_prompts

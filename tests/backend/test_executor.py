@@ -13,8 +13,8 @@ import pytest
 from backend import generate
 from backend.config import EngineConfig
 from backend.engine.executor import Executor, QueueFullError
-from backend.runner.model_runner import ModelRunner
 from backend.request import FinishReason
+from backend.runner.model_runner import ModelRunner
 from backend.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model, random_prompts
 

@@ -10,7 +10,6 @@ transformers' own windowed attention.
 
 from __future__ import annotations
 
-
 import pytest
 
 from backend.config import EngineConfig

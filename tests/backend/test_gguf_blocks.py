@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 gguf = pytest.importorskip("gguf")
-from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize  # noqa: E402
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+from gguf.quants import quantize as gguf_quantize
 
 from backend.gguf_blocks import BLOCK_TYPES, dequantize  # noqa: E402
 from backend.layers import Embedding, Linear  # noqa: E402

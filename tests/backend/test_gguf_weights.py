@@ -17,12 +17,12 @@ from transformers import AutoTokenizer
 from backend.attention import get_attention_backend
 from backend.config import EngineConfig
 from backend.engine.executor import Executor
-from backend.loading.gguf_weights import GGUFTensor, hf_name
 from backend.layers import Embedding, Linear
-from backend.model_config import ModelConfig
+from backend.loading.gguf_weights import GGUFTensor, hf_name
 from backend.loading.model_loader import load_gguf_tensors, load_model, weight_bytes
-from backend.models.hf_weights import weight_targets
 from backend.loading.model_paths import default_gguf_path, kept_gguf, resolve_model
+from backend.model_config import ModelConfig
+from backend.models.hf_weights import weight_targets
 from backend.sampling_params import SamplingParams
 from tests.backend.test_engine_fidelity import PROMPTS, chat_ids
 

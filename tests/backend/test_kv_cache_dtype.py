@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from backend.runner import model_runner
 from backend.config import EngineConfig
 from backend.engine.executor import Executor
+from backend.runner import model_runner
 from backend.sampling_params import SamplingParams
 
 PROMPTS = [

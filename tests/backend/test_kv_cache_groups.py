@@ -17,15 +17,15 @@ from itertools import chain
 import pytest
 
 from backend.config import EngineConfig
-from backend.engine.step import Engine
 from backend.engine.executor import Executor
-from backend.scheduling.kv_cache_group import FREED
-from backend.model_config import LayerGroup, ModelConfig
-from backend.runner.model_runner import ModelRunner
 from backend.engine.output_processor import OutputProcessor
+from backend.engine.step import Engine
+from backend.model_config import LayerGroup, ModelConfig
 from backend.request import Request
+from backend.runner.model_runner import ModelRunner
 from backend.sampling.sampler import Sampler
 from backend.sampling_params import SamplingParams
+from backend.scheduling.kv_cache_group import FREED
 from backend.scheduling.scheduler import Scheduler
 from tests.hf_reference import assert_hf_greedy, hf_greedy
 from tests.tiny_models import random_prompts, save_tiny_hf_model

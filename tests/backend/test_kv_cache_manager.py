@@ -6,13 +6,14 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from backend.scheduling.block_pool import BlockPool, hash_block
-from backend.scheduling.kv_cache_manager import KVCacheManager
 from backend.request import Request
 from backend.sampling_params import SamplingParams
+from backend.scheduling.block_pool import BlockPool, hash_block
+from backend.scheduling.kv_cache_manager import KVCacheManager
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 8) -> Request:

@@ -18,8 +18,8 @@ from backend.layers import (
     AttentionStep,
     Embedding,
     GatedMLP,
-    LMHead,
     Linear,
+    LMHead,
     RMSNorm,  # noqa: E402
     RotaryEmbedding,
     Rotation,

@@ -11,10 +11,10 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from backend.config import EngineConfig
-from backend.model_config import ModelConfig, RopeConfig
 from backend.layers.rotary import inverse_frequencies
-from backend.runner.model_runner import ModelRunner
+from backend.model_config import ModelConfig, RopeConfig
 from backend.request import Chunk, Request
+from backend.runner.model_runner import ModelRunner
 from backend.sampling_params import SamplingParams
 from tests.tiny_models import FAMILY_KINDS, LLAMA3_ROPE
 

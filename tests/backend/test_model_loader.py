@@ -9,17 +9,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from backend.loading import gguf_convert
 from backend.attention import AttentionMetadata, get_attention_backend
 from backend.config import EngineConfig
-from backend.model_config import ModelConfig
+from backend.engine.executor import Executor
+from backend.loading import gguf_convert
 from backend.loading.model_loader import build_model, iter_safetensors, load_model
 from backend.loading.model_paths import default_gguf_path, resolve_model
-from backend.runner.model_runner import ModelRunner
-from backend.request import Chunk
-from backend.engine.executor import Executor
-from backend.models.null import NullModel
 from backend.loading.presets import PRESETS, init_random_weights
+from backend.model_config import ModelConfig
+from backend.models.null import NullModel
+from backend.request import Chunk
+from backend.runner.model_runner import ModelRunner
 from backend.sampling_params import SamplingParams
 
 TORCH = get_attention_backend("torch")

@@ -8,11 +8,11 @@ import threading
 import pytest
 
 from backend.config import EngineConfig
-from backend.engine.step import Engine
 from backend.engine.executor import Executor
-from backend.runner.model_runner import ModelRunner
 from backend.engine.output_processor import OutputProcessor
+from backend.engine.step import Engine
 from backend.request import FinishReason, Request
+from backend.runner.model_runner import ModelRunner
 from backend.sampling.sampler import Sampler
 from backend.sampling_params import SamplingParams
 from backend.scheduling.scheduler import Scheduler

@@ -17,8 +17,8 @@ from backend.attention import get_attention_backend
 from backend.config import EngineConfig
 from backend.layers import Linear
 from backend.loading.model_loader import load_model, weight_bytes
-from backend.quantization import Fp8Weight, Int4Weight, Int8Weight
 from backend.loading.weight_formats import declared_quantization, pick_quantization
+from backend.quantization import Fp8Weight, Int4Weight, Int8Weight
 from backend.quantization.fp8 import quantize_rows
 from tests.backend.test_engine_fidelity import serve
 from tests.quantized_checkpoints import (

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from backend.sampling.logits_processors import apply_logits_processors, banned_token_ids
 from backend.request import Request
+from backend.sampling.logits_processors import apply_logits_processors, banned_token_ids
 from backend.sampling.sampler import Sampler, filter_logits
 from backend.sampling_params import SamplingParams
 

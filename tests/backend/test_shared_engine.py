@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
-from backend.process.client import EngineProcess
 from backend.engine.executor import Executor
+from backend.process.client import EngineProcess
 from backend.request import FinishReason
 from backend.sampling_params import SamplingParams
 from tests.backend.test_engine_process import Outputs, config_for

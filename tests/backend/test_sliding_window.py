@@ -12,10 +12,10 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine.executor import Executor
-from backend.scheduling.kv_cache_group import FREED
 from backend.model_config import ModelConfig
 from backend.request import Request
 from backend.sampling_params import SamplingParams
+from backend.scheduling.kv_cache_group import FREED
 from backend.scheduling.scheduler import Scheduler
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import random_prompts, save_tiny_hf_model

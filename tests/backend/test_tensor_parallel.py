@@ -12,19 +12,19 @@ import time
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.process.client import EngineProcess
-from backend.engine.executor import Executor
 from backend.attention import get_attention_backend
-from backend.model_config import ModelConfig
+from backend.config import EngineConfig
+from backend.distributed.tensor_parallel import TensorParallel
+from backend.engine.executor import Executor
 from backend.loading.model_loader import build_model
 from backend.loading.model_paths import resolve_model
-from backend.runner.model_runner import ModelRunner
+from backend.model_config import ModelConfig
 from backend.models import FAMILIES
 from backend.models.llama import LlamaForCausalLM
+from backend.process.client import EngineProcess
 from backend.request import Chunk, FinishReason
+from backend.runner.model_runner import ModelRunner
 from backend.sampling_params import SamplingParams
-from backend.distributed.tensor_parallel import TensorParallel
 from tests.tiny_models import FAMILY_KINDS, random_prompts, save_tiny_hf_model
 
 

@@ -16,8 +16,8 @@ import ast
 import inspect
 import json
 import re
-import shutil
 import shlex
+import shutil
 import subprocess
 import sys
 from importlib import metadata

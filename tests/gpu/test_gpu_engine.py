@@ -82,8 +82,8 @@ def test_one_token_path_is_as_close_to_fp32_as_the_general_path(tmp_path, monkey
     """Batch-1 decode steps run the fused one-token kernels (GEMVs with norm / silu·mul /
     residual fusions, rotary+KV write, programmatic dependent launch) inside a CUDA graph. Its
     bf16 logits are as close to the fp32 model's as the general layers' bf16 logits are."""
-    from backend.request import Chunk
     from backend.models.llama import LlamaModel
+    from backend.request import Chunk
     from tests.tiny_models import save_tiny_hf_model
 
     save_tiny_hf_model(tmp_path, "qwen2", **SMALL_QWEN2)
@@ -532,8 +532,8 @@ def test_a_kernel_compiled_after_the_warm_up_is_reported(tmp_path):
     """Once an engine has warmed up, a launch it never met compiles a kernel, and the compile
     watch reports it. Here float64 and an odd width: no other test of the session launches that
     variant (float32 widths divisible by 16, as the tiny models have, compile the same one)."""
-    from backend.runner import compile_watch
     from backend.kernels.activation import silu_and_mul
+    from backend.runner import compile_watch
 
     make_tiny_model("qwen2", tmp_path)
     executor = Executor(EngineConfig(model_path=str(tmp_path), device="cuda", max_seq_len=128))

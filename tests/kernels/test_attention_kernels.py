@@ -18,8 +18,10 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 
 pytest.importorskip("triton")
 
-from backend.attention import reference  # noqa: E402
-from backend.attention import triton_backend  # noqa: E402
+from backend.attention import (
+    reference,  # noqa: E402
+    triton_backend,  # noqa: E402
+)
 from backend.attention.kernels import decode, decode_launch  # noqa: E402
 from backend.attention.kernels.decode import decode_attention  # noqa: E402
 from backend.attention.kernels.decode_launch import choose_num_splits  # noqa: E402

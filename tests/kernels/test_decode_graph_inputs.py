@@ -18,9 +18,9 @@ pytest.importorskip("triton")
 
 from backend.config import EngineConfig  # noqa: E402
 from backend.kernels.argmax import argmax_rows  # noqa: E402
+from backend.request import Chunk  # noqa: E402
 from backend.runner.decode_graphs import DecodeGraphs  # noqa: E402
 from backend.runner.model_runner import ModelRunner  # noqa: E402
-from backend.request import Chunk  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("interpretable_triton_language")
 FIELDS = (

@@ -11,16 +11,17 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 
 pytest.importorskip("triton")
 
+from backend.attention.kernels.kv_write import write_kv  # noqa: E402
+from backend.attention.kernels.rope import apply_rotary_  # noqa: E402
 from backend.kernels.activation import silu_and_mul, silu_and_mul_e4m3  # noqa: E402
 from backend.kernels.argmax import CHUNK, argmax_rows  # noqa: E402
-from backend.kernels.embedding import BLOCK as EMBEDDING_BLOCK, embedding  # noqa: E402
+from backend.kernels.embedding import BLOCK as EMBEDDING_BLOCK  # noqa: E402
+from backend.kernels.embedding import embedding
 from backend.kernels.fp8_gemm import quantize_rows  # noqa: E402
 from backend.kernels.rmsnorm import rms_norm  # noqa: E402
-from backend.attention.kernels.rope import apply_rotary_  # noqa: E402
-from backend.attention.kernels.kv_write import write_kv  # noqa: E402
-from backend.model_config import RopeConfig  # noqa: E402
 from backend.layers.norm import RMSNorm  # noqa: E402
 from backend.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+from backend.model_config import RopeConfig  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("interpretable_triton_language"),

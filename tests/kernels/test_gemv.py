@@ -134,10 +134,10 @@ def test_one_token_layers_match_the_general_layers(model_type, attention, quanti
     backends: the Triton one is what GPU steps run. Quantized weights stream through the same
     kernels (the general layers de-quantize them)."""
     from backend.attention import AttentionMetadata, get_attention_backend
-    from backend.model_config import ModelConfig
+    from backend.layers import AttentionStep
     from backend.loading.model_loader import build_model
     from backend.loading.presets import init_random_weights
-    from backend.layers import AttentionStep
+    from backend.model_config import ModelConfig
 
     config = ModelConfig.from_dict(
         {
@@ -206,8 +206,8 @@ def test_qkv_rope_matches_norm_projection_rotary_and_cache_write(
     num_heads, num_kv_heads, head_dim, block_n, slot
 ):
     from backend.kernels.qkv_rope import qkv_rope_gemv
-    from backend.model_config import RopeConfig
     from backend.layers.rotary import RotaryEmbedding, apply_rotary
+    from backend.model_config import RopeConfig
 
     torch.manual_seed(6)
     dtype, hidden, position = torch.float16, 128, 9

@@ -18,8 +18,8 @@ pytest.importorskip("triton")
 from backend.gguf_blocks import BLOCK_TYPES, dequantize  # noqa: E402
 from backend.kernels.gguf_dequantize import gguf_dequantize  # noqa: E402
 from backend.kernels.gguf_gemv import GGUFGemvConfig, gguf_gemv  # noqa: E402
-from backend.kernels.gguf_values import KERNEL_TYPES  # noqa: E402
 from backend.kernels.gguf_matmul import GGUFGemmConfig, gguf_gemm  # noqa: E402
+from backend.kernels.gguf_values import KERNEL_TYPES  # noqa: E402
 from backend.kernels.tuning import compiles_for_gpu  # noqa: E402
 from backend.layers import Linear  # noqa: E402
 from backend.quantization import QuantizedWeight  # noqa: E402

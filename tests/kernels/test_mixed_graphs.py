@@ -17,9 +17,9 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 pytest.importorskip("triton")
 
 from backend.config import EngineConfig  # noqa: E402
+from backend.request import Chunk  # noqa: E402
 from backend.runner.mixed_graphs import MixedGraphs, token_sizes  # noqa: E402
 from backend.runner.model_runner import ModelRunner  # noqa: E402
-from backend.request import Chunk  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("interpretable_triton_language")
 

@@ -57,11 +57,11 @@ def test_a_one_token_decode_step_as_the_decode_graph_runs_it_keeps_the_rule(monk
     eagerly on CPU: recorded, they pass the check; with the pre-b9758bf input copy and embedding
     they would not."""
     from backend.attention import get_attention_backend
-    from backend.runner.decode_graphs import DecodeGraphs
-    from backend.model_config import ModelConfig
     from backend.loading.model_loader import build_model
-    from backend.models.llama import LlamaModel
     from backend.loading.presets import init_random_weights
+    from backend.model_config import ModelConfig
+    from backend.models.llama import LlamaModel
+    from backend.runner.decode_graphs import DecodeGraphs
 
     config = ModelConfig.from_dict(
         {

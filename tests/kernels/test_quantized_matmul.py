@@ -15,12 +15,12 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 
 pytest.importorskip("triton")
 
-from backend.kernels.split_partials import SplitPartials  # noqa: E402
 from backend.kernels import fp8_gemm  # noqa: E402
 from backend.kernels.arrivals import arrival_counters  # noqa: E402
 from backend.kernels.fp8_gemm import Fp8GemmConfig, fp8_linear  # noqa: E402
 from backend.kernels.gemv import gemv, supports, takes_partials  # noqa: E402
 from backend.kernels.int4_matmul import Int4GemmConfig, int4_gemm  # noqa: E402
+from backend.kernels.split_partials import SplitPartials  # noqa: E402
 from backend.kernels.w8a16_gemm import GemmConfig, w8a16_gemm  # noqa: E402
 from backend.quantization import Fp8Weight, Int4Weight, Int8Weight  # noqa: E402
 from backend.quantization.fp8 import quantize_rows  # noqa: E402

@@ -13,9 +13,9 @@ from tests.kernels.triton_cpu import DEVICE, interpretable_triton_language  # no
 pytest.importorskip("triton")
 
 from backend.attention import kv_dtype  # noqa: E402
-from backend.kernels.split_partials import SplitPartials  # noqa: E402
 from backend.attention.kernels import decode, decode_launch, prefill  # noqa: E402
 from backend.kernels import gemv, gemv_config, tuning  # noqa: E402
+from backend.kernels.split_partials import SplitPartials  # noqa: E402
 from tests.kernels.test_attention_kernels import (  # noqa: E402
     assert_matches_reference,
     make_batch,

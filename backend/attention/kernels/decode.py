@@ -53,8 +53,6 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.attention.kernels.kv_write import check_scales, quantize_rule
-from backend.attention.kernels.own_token import own_key_value
 from backend.attention.kernels import decode_launch
 from backend.attention.kernels.decode_partials import (
     arrive_last,
@@ -62,6 +60,8 @@ from backend.attention.kernels.decode_partials import (
     merge_splits_of_group,
     store_partial,
 )
+from backend.attention.kernels.kv_write import check_scales, quantize_rule
+from backend.attention.kernels.own_token import own_key_value
 from backend.attention.kernels.prefill import window_bounds
 from backend.attention.kernels.tile import (
     attend_key_tile,

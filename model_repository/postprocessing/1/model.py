@@ -17,6 +17,7 @@ from ensemble.request_loop import respond
 from ensemble.stub_watch import dismiss, watch_stub
 from postprocessing.detokenizer import text_delta
 from preprocessing.tokenizer import load_tokenizer
+
 from stop_forwarder import StopForwarder
 
 

@@ -35,6 +35,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend.request import FinishReason, RequestOutput
 from ensemble.request_loop import triton_error
+
 from llm_inputs import RowRequest
 from llm_metrics import FinishedRequest, LlmMetrics
 from llm_outputs import RowStream, stack_rows

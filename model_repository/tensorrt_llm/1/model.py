@@ -30,6 +30,7 @@ from ensemble.environment import check_stub_numpy
 from ensemble.params import engine_kwargs, get_setting, parameters
 from ensemble.request_loop import dispatch
 from ensemble.stub_watch import dismiss, watch_stub
+
 from llm_inputs import Defaults, convert_request, is_stop_request
 from llm_metrics import LlmMetrics
 from llm_responses import ResponseDispatcher
