@@ -56,8 +56,7 @@ class EngineConfig:
     fp8_fast_accumulation: bool = False
     seed: int = 0  # engine-wide generator for unseeded sampling
     # Ranks the model is split across (backend/distributed/tensor_parallel.py): processes on this
-    # host, gloo on CPU, NCCL on CUDA; `gpu_device_ids` ("0,1") picks each rank's GPU (else rank i:
-    # GPU i).
+    # host, gloo on CPU, NCCL on CUDA; `gpu_device_ids` ("0,1") picks each rank's GPU (else GPU i).
     tensor_parallel_size: int = 1
     gpu_device_ids: str | None = None
     # Overlap host work (scheduling, packing, stop checks, delivery) with the device's step;
@@ -70,15 +69,14 @@ class EngineConfig:
     # A streamed request's outputs after its first carry at least this many new tokens (its last
     # may carry fewer): fewer outputs for the host to build, send and answer at high concurrency.
     stream_interval: int = 1
-    # A prompt's chunk while other requests share the step (running, or waiting to start): at
-    # most this many tokens, so a long prompt neither holds new requests back nor stretches
-    # running streams' steps. None = max_num_tokens // 4; 0 = no cap (a prompt takes what the
-    # budget leaves, as vLLM's default does). vLLM's name.
+    # While requests wait to start, a prompt's chunk is first cut to this many tokens so they
+    # start in the same step (the budget they leave goes back to it): a long prompt does not hold
+    # new requests back. None = max_num_tokens // 4; 0 = no cut. vLLM's name.
     long_prefill_token_threshold: int | None = None
 
     def prefill_chunk_cap(self) -> int:
-        """`long_prefill_token_threshold` resolved: the most tokens a shared prompt chunk takes
-        (max_num_tokens where there is no cap)."""
+        """`long_prefill_token_threshold` resolved: the most tokens a prompt chunk takes while
+        requests wait behind it (max_num_tokens where there is no cut)."""
         if self.long_prefill_token_threshold is None:
             return max(1, self.max_num_tokens // 4)
         return self.long_prefill_token_threshold or self.max_num_tokens

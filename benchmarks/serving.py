@@ -412,12 +412,12 @@ def run_server_loads(
 
 def start_front_end(settings, timeout_s: float = 120.0):
     """The OpenAI front end over the running server, as `ensemble serve` starts it; returns it
-    once it answers, with the name it serves the model under."""
+    once it listens, with the name it serves the model under."""
     import json
     import urllib.request
 
     from ensemble.openai_server.process import FrontEndProcess
-    from ensemble.server import free_port
+    from ensemble.server import free_port, wait_listening
 
     front_end = FrontEndProcess(
         free_port(),
@@ -426,18 +426,13 @@ def start_front_end(settings, timeout_s: float = 120.0):
         settings.model_path,
         settings.tokenizer_dir,
     ).start()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if front_end.exit_code() is not None:
-            raise RuntimeError(f"the OpenAI front end exited with code {front_end.exit_code()}")
-        try:
-            with urllib.request.urlopen(f"{front_end.url}/models", timeout=5) as response:
-                return front_end, json.loads(response.read())["data"][0]["id"]
-        except OSError:
-            if time.monotonic() > deadline:
-                front_end.stop()
-                raise RuntimeError(f"the OpenAI front end did not answer in {timeout_s:.0f} s")
-            time.sleep(0.5)
+    try:
+        wait_listening(front_end.port, front_end.exit_code, timeout_s)
+        with urllib.request.urlopen(f"{front_end.url}/models", timeout=10) as response:
+            return front_end, json.loads(response.read())["data"][0]["id"]
+    except BaseException:
+        front_end.stop()
+        raise
 
 
 def check_streamed_text(http_url: str, requests, exact_with: str) -> dict:

@@ -95,15 +95,15 @@ def load_step_inputs(
     sampled: torch.Tensor,
     replays: torch.Tensor,
     slot: torch.Tensor,
-    table_from: int | None = None,
-    table_row_bytes: int = 4,
-    width_offset: int | None = None,
+    table_from: int,
+    table_row_bytes: int,
+    width_offset: int,
 ) -> None:
     """Copy bytes [copy_from, copy_to) of host slot `replays % 2` into `device_buffer`, and the
     n input ids at byte `ids_offset` with the in-flight ones (rows at `in_flight_offset`)
     resolved from `sampled`; write the slot to `slot`. From byte `table_from` on, the range holds
     rows of `table_row_bytes` (int32 words) of which only the first `width` words are copied,
-    width being the int32 of the slot at byte `width_offset` (None: no such rows).
+    width being the int32 of the slot at byte `width_offset`.
 
     device_buffer: uint8 [B]; host_ring: uint8 [2, B] (pinned on CUDA); ids and in-flight rows are
     int64 [n] at their offsets, 8-byte aligned; copy_from/copy_to are multiples of 4 and the
@@ -117,8 +117,6 @@ def load_step_inputs(
         and copy_to % 4 == 0
     )
     assert not (copy_from < ids_offset + 8 * n and ids_offset < copy_to)
-    if table_from is None:  # no rows: every word is before them
-        table_from, table_row_bytes, width_offset = copy_to, 4, copy_from
     assert table_from % 4 == 0 and table_row_bytes % 4 == 0 and width_offset % 4 == 0
     dev_words, host_words = device_buffer.view(torch.int32), host_ring.view(torch.int32)
     dev_ids = device_buffer[ids_offset : ids_offset + 8 * n].view(torch.int64)

@@ -117,7 +117,7 @@ def test_served_repository_is_complete(image):
 
 
 def test_stubs_load_every_model_from_the_image(image, tmp_path):
-    from ensemble.server import locate_tritonserver
+    from ensemble.triton_install import locate_tritonserver
 
     try:
         backend_utils = locate_tritonserver().root / "backends" / "python"

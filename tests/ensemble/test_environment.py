@@ -13,7 +13,8 @@ import pytest
 from backend.process.client import ENGINE_PYTHON_ENV
 from ensemble import environment
 from ensemble.environment import StubEnvironment, check_stub_numpy, stub_numpy_problem
-from ensemble.server import TritonInstall, TritonServer
+from ensemble.server import TritonServer
+from ensemble.triton_install import TritonInstall
 
 
 def test_numpy_2_is_refused_with_what_to_install():
@@ -73,7 +74,7 @@ def test_the_server_runs_stubs_from_their_environment_and_the_engine_under_this_
 def test_the_backends_directory_is_per_python_version_under_the_cache(tmp_path, monkeypatch):
     """A 3.12 checkout must not overwrite the stub a running 3.11 server executes."""
     pytest.importorskip("pytriton")
-    from ensemble.server import default_backends_dir, locate_tritonserver, prepare_backends
+    from ensemble.triton_install import default_backends_dir, locate_tritonserver, prepare_backends
 
     monkeypatch.setenv("TRITONLLM_CACHE", str(tmp_path))
     version = f"{sys.version_info.major}.{sys.version_info.minor}"

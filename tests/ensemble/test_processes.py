@@ -52,7 +52,8 @@ def test_a_system_tritonserver_install_is_found_and_its_backends_used(tmp_path, 
     """TRITONSERVER_ROOT (or /opt/tritonserver in NVIDIA's containers, where no pytriton wheel
     is installed) names a system install: its binary, its own backends directory (the stub built
     for the Python beside it), its lib/; a missing part is named."""
-    from ensemble.server import TritonServer, locate_tritonserver, prepare_backends
+    from ensemble.server import TritonServer
+    from ensemble.triton_install import locate_tritonserver, prepare_backends
 
     root = tmp_path / "tritonserver"
     for part in ("bin/tritonserver", "backends/python/triton_python_backend_stub"):
