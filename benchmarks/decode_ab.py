@@ -170,6 +170,10 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "batch": args.batch,
         "isl": args.isl,
+        # Pinned below the server's defaults (build): the variants' graphs differ, not their sizes.
+        "max_seq_len": args.isl + args.n2 + 1,
+        "max_seq_len_pinned": True,
+        "kv_pool_pinned": True,
         **weight_format_fields(args),
         "rounds": args.rounds,
         "floor_ms": round(floor_ms, 4),
