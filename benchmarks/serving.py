@@ -172,7 +172,7 @@ def settings_for(args, model_dir: str):
     from ensemble.settings import ServeSettings
 
     top = max(args.concurrency)
-    isl, osl = parse_range(args.isl), parse_range(args.osl)
+    osl = parse_range(args.osl)
     return ServeSettings(
         model_path=model_dir,
         device=args.device,
@@ -182,8 +182,9 @@ def settings_for(args, model_dir: str):
         max_batch_size=top,
         max_num_tokens=args.max_num_tokens,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
-        max_seq_len=isl[1] + osl[1] + 64,
-        max_tokens_in_paged_kv_cache=args.kv_tokens or top * (isl[1] + osl[1] + 64),
+        # The server's defaults (the model's context, the pool from free memory) unless pinned.
+        max_seq_len=args.max_seq_len,
+        max_tokens_in_paged_kv_cache=args.kv_tokens,
         default_max_tokens=osl[1],
         triton_max_batch_size=min(64, top),
         postprocessing_batching=args.postprocessing_batching,
@@ -572,7 +573,18 @@ def main(argv: list[str] | None = None) -> int:
         default=EngineConfig.cuda_graph_max_tokens,
         help="steps with prompt tokens up to this many replay CUDA graphs (0: eagerly)",
     )
-    p.add_argument("--kv-tokens", type=int, default=None, help="KV cache size in tokens")
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help="pin the KV cache size in tokens (default: the server's, from free GPU memory)",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="pin max_seq_len (default: the server's, the model's context)",
+    )
     p.add_argument("--no-engine-alone", action="store_true")
     p.add_argument(
         "--engine-process",
@@ -658,6 +670,9 @@ def main(argv: list[str] | None = None) -> int:
         "server_cpus": sorted(server_cpus or ()),
         "mean_prompt_tokens": sum(len(r.prompt_ids) for r in requests) / len(requests),
         "settings": {f.name: getattr(settings, f.name) for f in fields(settings)},
+        "pinned_below_defaults": [
+            name for name in ("max_seq_len", "kv_tokens") if getattr(args, name) is not None
+        ],
         "runs": [],
     }
     if not args.no_engine_alone:
