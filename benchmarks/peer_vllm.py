@@ -86,11 +86,11 @@ class Vllm:
 
 
 class Ours:
-    def __init__(self, model_dir: str, seed: int):
+    def __init__(self, model_dir: str, seed: int, **overrides):
         from backend.config import EngineConfig
         from backend.engine.executor import Executor
 
-        self.executor = Executor(EngineConfig(model_path=model_dir))
+        self.executor = Executor(EngineConfig(model_path=model_dir, **overrides))
         runner = self.executor.runner
         self.settings = {
             "max_seq_len": self.executor.max_seq_len,
@@ -107,8 +107,8 @@ class Ours:
         return run_engine(self.executor, prompts, lengths)
 
 
-def load_engine(name: str, model_dir: str, seed: int):
-    return Vllm(model_dir, seed) if name == "vllm" else Ours(model_dir, seed)
+def load_engine(name: str, model_dir: str, seed: int, **overrides):
+    return Vllm(model_dir, seed) if name == "vllm" else Ours(model_dir, seed, **overrides)
 
 
 def versions(engine: str) -> dict:
@@ -275,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 4096, 16384])
     p.add_argument("--tokens", type=int, default=128, help="itl: tokens timed per sample")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-batch-size", type=int, default=None, help="ours: (default: the engine's)")
+    p.add_argument("--max-num-tokens", type=int, default=None, help="ours: (default: the engine's)")
     p.add_argument("--tokenizer", default=None, help="serve: a model directory's tokenizer")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--serve-isl", dest="isl_text", default="128:512")
@@ -308,7 +310,13 @@ def main(argv: list[str] | None = None) -> int:
         result.update(measure_serve(args))
     else:
         model_dir = preset_dir(args.model)
-        engine = load_engine(args.engine, model_dir, args.seed)
+        overrides = {
+            k: getattr(args, k)
+            for k in ("max_batch_size", "max_num_tokens")
+            if getattr(args, k) is not None
+        }
+        engine = load_engine(args.engine, model_dir, args.seed, **overrides)
+        result["set_above_defaults"] = overrides
         result["settings"] = engine.settings
         measure = measure_offline if args.measure == "offline" else measure_itl
         result.update(measure(engine, args, vocab_of(model_dir)))
