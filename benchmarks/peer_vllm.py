@@ -165,7 +165,7 @@ def measure_itl(engine, args, vocab: int) -> dict:
     return {"tokens": args.tokens, "repeats": args.repeats, "rows": rows}
 
 
-def measure_serve(args) -> dict:
+def measure_serve(args, result: dict) -> dict:
     """vLLM's OpenAI server under the closed loop of benchmarks/serving.py."""
     from benchmarks.serving import make_requests as serving_requests
     from benchmarks.serving_load import Target, run_clients, summarize
@@ -192,6 +192,8 @@ def measure_serve(args) -> dict:
             records = run_clients(target, load, c, args.processes)
             row = {"target": "vllm:openai", "concurrency": c, **summarize(records, load)}
             rows.append(row)
+            if args.json:  # each level as it ends: a run cut short keeps what it measured
+                save_json(args.json, {**result, "isl": args.isl_text, "runs": rows})
             print(
                 f"vllm c={c}: {row['output_tokens_per_s']:.0f} tok/s, ttft p50 "
                 f"{row['ttft_ms'].get('p50', 0):.1f} ms, gap p99 "
@@ -292,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         for row in result["rows"]:
             print(json.dumps(row))
         save_json(args.json, result)
+        if args.json:
+            from benchmarks.plot import plot_side_by_side
+
+            print("wrote", plot_side_by_side(args.json))
         return 0
     import torch
 
@@ -307,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions(engine_name),
     }
     if args.measure == "serve":
-        result.update(measure_serve(args))
+        result.update(measure_serve(args, result))
     else:
         model_dir = preset_dir(args.model)
         overrides = {

@@ -425,6 +425,30 @@ def plot_offline(paths: list[str], out: str) -> str:
     return out
 
 
+def plot_side_by_side(path: str) -> str:
+    """benchmarks/peer_vllm.py compare: ours over vLLM per row (above 1: ours ahead)."""
+    result = json.load(open(path))
+    rows = result["rows"]
+    labels = [f"{r['measure']} {r['model']}\n{r['at'] or ''} {r['unit']}" for r in rows]
+    # Higher is better for every bar: time per token is inverted.
+    values = [
+        r["vllm"] / r["ours"] if r["unit"] == "ms/token" else r["ours_over_vllm"] for r in rows
+    ]
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(rows)), 4.8))
+    bars = ax.bar(labels, values, color=["tab:blue" if v >= 1 else "tab:red" for v in values])
+    ax.bar_label(bars, fmt="%.2fx")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set(ylabel="ours / vLLM (speed)", title="Side by side with vLLM, same GPU, same requests")
+    sources = result["sources"][0]
+    commits = ", ".join(sorted({str(s["commit"]) for s in result["sources"]}))
+    fig.suptitle(f"{sources['device']}, {commits}", fontsize=8)
+    fig.tight_layout()
+    out = path.replace(".json", ".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_all_reduce(path: str) -> str:
     """Time of one all-reduce per size, through NCCL and through the peer-mapped buffer."""
     rows = load(path)
