@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from backend.request import Chunk, FinishReason
 from backend.runner.model_runner import ModelRunner
 from backend.sampling_params import SamplingParams
 from tests.tiny_models import FAMILY_KINDS, random_prompts, save_tiny_hf_model
+from tests.waiting import wait_until
 
 
 @pytest.fixture(autouse=True)
@@ -235,8 +235,7 @@ def _start_a_long_request(engine):
 
     params = SamplingParams(max_tokens=900, ignore_end_id=True)
     engine.submit("long", [5, 6, 7], params, on_output)
-    while not outputs:
-        time.sleep(0.01)
+    wait_until(lambda: outputs, "the long request's first output", timeout_s=120)
     return done, outputs, on_output, params
 
 
