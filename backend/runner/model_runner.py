@@ -48,7 +48,7 @@ from backend.attention.kv_dtype import storage_dtype
 from backend.config import EngineConfig
 from backend.distributed import tp_workers
 from backend.distributed.tensor_parallel import TensorParallel, TensorParallelError, connect
-from backend.loading.model_loader import load_model, weight_bytes
+from backend.loading.model_loader import LoadSpec, load_model, weight_bytes
 from backend.loading.model_paths import kept_gguf, resolve_model
 from backend.logprobs import PromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
 from backend.model_config import ModelConfig
@@ -59,6 +59,7 @@ from backend.runner.kv_cache_memory import KVCacheLayout
 from backend.runner.mixed_graphs import MixedGraphs
 from backend.runner.step_packing import pack_step
 from backend.staging import StagingTurns
+from backend.weight_formats import check_tensor_parallel, pick_quantization
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +157,11 @@ class ModelRunner:
         size = config.tensor_parallel_size
         self.num_kv_heads = check_split(self.model_config, TensorParallel(tp_rank, size))
         if size > 1:
-            if gguf_file is not None:  # row-parallel layers would cut blocks across columns
-                raise ValueError(
-                    "quantization 'gguf' keeps GGUF blocks, which are not split across ranks: "
-                    "use quantization 'none' with tensor_parallel_size > 1"
-                )
+            # Refused before the other ranks start (the loader checks it again on each rank).
+            weights = (
+                "gguf" if gguf_file else pick_quantization(config.quantization, self.model_dir)
+            )
+            check_tensor_parallel(weights, size)
             if tp_rank == 0:  # the model splits: start the other ranks
                 tp_port = tp_workers.free_port()
                 self.workers = tp_workers.Workers(config, tp_port, type(self))
@@ -168,7 +169,7 @@ class ModelRunner:
         # With overlap scheduling step n+1 is packed while step n's inputs may still wait in
         # pinned memory for their copy: two buffers, used in turn.
         self._staging = StagingTurns(self.device)
-        self.model = load_model(
+        spec = LoadSpec(
             self.model_dir,
             self.device,
             self.dtype,
@@ -177,11 +178,11 @@ class ModelRunner:
             self.model_config,
             gguf_file,
             config.quantization,
-            self.tp,
             config.excluded_modules(),
             config.quantize_lm_head,
             config.fp8_fast_accumulation,
         )
+        self.model = load_model(spec, self.tp)
         self.weight_bytes = weight_bytes(self.model)  # resident parameters and buffers
         self.kv_layout = KVCacheLayout(
             self.model_config, self.tokens_per_block, self.num_kv_heads, self.kv_dtype, self.device

@@ -192,7 +192,9 @@ def test_shapes_that_do_not_split_are_refused(tmp_path):
 
 
 def test_gguf_kept_quantized_is_refused():
-    with pytest.raises(ValueError, match="quantization 'gguf' keeps GGUF blocks"):
+    with pytest.raises(
+        ValueError, match="quantization 'gguf' is not supported with tensor_parallel_size > 1"
+    ):
         ModelRunner(EngineConfig(device="cpu", quantization="gguf", tensor_parallel_size=3))
 
 
