@@ -2,13 +2,14 @@
 
 The engine hands it the chunks scheduled this step (prefill chunks and decodes together); the
 runner packs them into one batch (`backend.runner.step_packing`: token ids, positions, cache
-slots, block tables), puts it on the device, runs the model and returns logits for the chunks
-that sample, and the prompt log-probs of the requests that ask for them (`backend.logprobs`: only
-then are other rows projected to the vocabulary). An in-flight token's input id (overlap
-scheduling, `backend.engine.step`) is taken on the device from the sampled ids of the step in
-flight. On GPU, decode-only steps replay CUDA graphs (`backend.runner.decode_graphs`), and so do
-steps with prompt tokens of up to `cuda_graph_max_tokens` (`backend.runner.mixed_graphs`); longer
-steps, and those that compute prompt log-probs, run eagerly.
+slots, block tables), puts it on the device (`backend.runner.step_inputs`), runs the model and
+returns logits for the chunks that sample, and the prompt log-probs of the requests that ask for
+them (`backend.logprobs`: only then are other rows projected to the vocabulary). An in-flight
+token's input id (overlap scheduling, `backend.engine.step`) is taken on the device from the
+sampled ids of the step in flight. On GPU, decode-only steps replay CUDA graphs
+(`backend.runner.decode_graphs`), and so do steps with prompt tokens of up to
+`cuda_graph_max_tokens` (`backend.runner.mixed_graphs`); longer steps, and those that compute
+prompt log-probs, run eagerly.
 
 KV cache (`backend.runner.kv_cache_memory`: block bytes, the budget, the groups' shares, the
 tensors): one tensor kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V), in
@@ -27,14 +28,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import accumulate
 
 import numpy as np
 import torch
 
-from backend.attention import AttentionMetadata, get_attention_backend
-from backend.attention.kv_dtype import storage_dtype
+from backend.attention import get_attention_backend
+from backend.attention.kv_dtype import check_kv_dtype, storage_dtype
 from backend.config import EngineConfig
 from backend.distributed import tp_workers
 from backend.distributed.tensor_parallel import TensorParallel, TensorParallelError, connect
@@ -46,23 +47,16 @@ from backend.model_config import ModelConfig
 from backend.request import Chunk
 from backend.runner import compile_watch, tensor_parallel_steps
 from backend.runner.decode_graphs import DecodeGraphs, ReplayIds
+from backend.runner.device import pick_device, pick_dtype
 from backend.runner.kv_cache_memory import KVCacheLayout, pick_group_blocks
 from backend.runner.mixed_graphs import MixedGraphs
+from backend.runner.step_inputs import StepInputs, eager_inputs, eager_step
 from backend.runner.step_packing import pack_step
 from backend.runner.tensor_parallel_steps import StepSender
 from backend.staging import StagingTurns
 from backend.weight_formats import check_tensor_parallel, pick_quantization
 
 log = logging.getLogger(__name__)
-
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
 
 
 @dataclass
@@ -76,32 +70,6 @@ class StepLogits:
     argmax_host: ReplayIds | None = None  # the same ids on their way to the host (graphs)
     # (PromptLogprobs, log-probs, top-k or None) per request whose prompt rows this step computed
     prompt: list[tuple] | None = None
-
-
-@dataclass
-class StepInputs:
-    """One packed step, on the model device."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    attn_meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] int, rows of the last token of each sampling chunk
-    in_graph: bool = False  # staged for a decode CUDA graph, which reads it when replayed
-    graph_tokens: int = 0  # staged for the mixed-step CUDA graph of this many tokens (0: eager)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {name!r}")
-    return DTYPES[name]
 
 
 class ModelRunner:
@@ -137,14 +105,14 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(self.model_dir).with_attention_windows(
             config.attention_windows(), config.sink_token_length
         )
-        self.max_seq_len = self._pick_max_seq_len()
+        self.max_seq_len = self.model_config.pick_max_seq_len(config.max_seq_len)
         self.tokens_per_block = config.tokens_per_block or (
             32 if self.device.type == "cuda" else 16
         )
         self.attention = get_attention_backend(config.attention_backend, self.device)
         check_kv_dtype(self.kv_dtype, self.attention.name, self.device)
         size = config.tensor_parallel_size
-        self.num_kv_heads = check_split(self.model_config, TensorParallel(tp_rank, size))
+        self.num_kv_heads = TensorParallel(tp_rank, size).check_split(self.model_config)
         if size > 1:
             # Refused before the other ranks start (the loader checks it again on each rank).
             weights = (
@@ -186,9 +154,7 @@ class ModelRunner:
             graph_pool=self._takes_mixed_graphs(),
         )
         if self.tp.enabled:  # block ids address every rank's pool: the least of them
-            blocks = torch.tensor(self.kv_group_blocks)
-            self.tp.cpu_group.allreduce([blocks], dist_min()).wait()
-            self.kv_group_blocks = blocks.tolist()
+            self.kv_group_blocks = self.tp.min_over_ranks(self.kv_group_blocks)
         # The block ids every group's pool has (a bare sequence's: `Chunk.of_sequence`).
         self.num_kv_blocks = min(self.kv_group_blocks)
         self.kv_cache, self.kv_scales = self.kv_layout.allocate(self.kv_group_blocks)
@@ -442,19 +408,7 @@ class ModelRunner:
                 mixed.logits_indices[: packed.logits_indices.size],
                 graph_tokens=size,
             )
-        step = EagerStep(
-            packed.input_ids,
-            packed.positions,
-            packed.slots,
-            packed.query_start_loc.astype(np.int32),
-            packed.seq_lens.astype(np.int32),
-            packed.block_tables.astype(np.int32),
-            packed.logits_indices,
-        )
-        if in_flight is not None:
-            chunks_in_flight = np.flatnonzero(in_flight >= 0)
-            step.in_flight_rows = (packed.query_start_loc[1:] - 1)[chunks_in_flight]
-            step.in_flight_sources = in_flight[chunks_in_flight]
+        step = eager_step(packed)
         if self.sender is not None:
             self.sender.send(step, prompt_spans)
         return self.device_inputs(step, in_flight_ids)
@@ -462,56 +416,9 @@ class ModelRunner:
     def device_inputs(
         self, step: EagerStep, in_flight_ids: torch.Tensor | None = None
     ) -> StepInputs:
-        """A step's packed host arrays (`prepare`'s, or those rank 0 sent) on the device. The
-        ids of the rows in flight come from `in_flight_ids` (by `in_flight_sources`), or from
-        rank 0 when tensor parallel."""
-        sources = [] if step.in_flight_sources is None else [step.in_flight_sources]
-        staged = self._staging.to_device(step.arrays() + sources)
-        ids_d, pos_d, slots_d, qsl_d, seq_d, bt_d, li_d, *fill = staged
-        num_groups, total, n = len(self.kv_group_blocks), step.input_ids.size, step.seq_lens.size
-        if step.in_flight_rows is not None:
-            if sources:
-                filled = in_flight_ids[fill[1]].to(torch.int64)
-            else:  # a worker
-                filled = torch.empty(fill[0].shape, dtype=torch.int64, device=self.device)
-            if self.tp.enabled:
-                self.tp.broadcast(filled)
-            ids_d[fill[0]] = filled
-        query_lens = np.diff(step.query_start_loc)
-        seq_lens = step.seq_lens
-        meta = AttentionMetadata(
-            slot_mapping=slots_d[:total],
-            query_start_loc=qsl_d,
-            seq_lens=seq_d,
-            block_tables=bt_d[:n],
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_lens_cpu=query_lens.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-        )
-        meta.groups = tuple(
-            replace(
-                meta,
-                slot_mapping=slots_d[g * total : (g + 1) * total],
-                block_tables=bt_d[g * n : (g + 1) * n],
-            )
-            for g in range(1, num_groups)
-        )
-        return StepInputs(ids_d, pos_d, meta, li_d)
-
-    # ---- sizing ------------------------------------------------------------------------------
-    def _pick_max_seq_len(self) -> int:
-        mc = self.model_config
-        limit = mc.max_context
-        requested = self.config.max_seq_len
-        if requested is None:  # decode steps cost what their contexts hold, not the capacity
-            return limit
-        if requested > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_seq_len {requested} exceeds the model's "
-                f"max_position_embeddings {mc.max_position_embeddings}"
-            )
-        return min(requested, limit)
+        """An eager step on the device (`step_inputs.eager_inputs`)."""
+        num_groups = len(self.kv_group_blocks)
+        return eager_inputs(step, self._staging, num_groups, self.tp, in_flight_ids)
 
     def kv_block_bytes(self) -> int:
         return self.kv_layout.block_bytes()
@@ -529,32 +436,3 @@ class ModelRunner:
             )
             self.model.compute_logits(hidden)
         self.kv_cache = self.kv_scales = None
-
-
-def check_kv_dtype(kv_dtype: torch.dtype, attention: str, device: torch.device) -> None:
-    """Raise ValueError for an fp8 cache the Triton kernels cannot convert on this GPU."""
-    if (
-        kv_dtype == torch.float8_e4m3fn
-        and attention == "triton"
-        and device.type == "cuda"
-        and torch.cuda.get_device_capability(device) < (8, 9)
-    ):
-        raise ValueError(
-            "kv_cache_dtype 'fp8' needs compute capability 8.9 or newer with the triton "
-            "attention backend (float8 e4m3 conversions): use 'int8' or attention_backend 'torch'"
-        )
-
-
-def check_split(mc: ModelConfig, tp: TensorParallel) -> int:
-    """Raise ValueError naming what `tp` cannot split evenly; -> the KV heads of a rank."""
-    kv_heads = tp.kv_heads(mc.num_heads, mc.num_kv_heads)[1]
-    tp.part(mc.intermediate_size, "intermediate size")
-    return kv_heads
-
-
-def dist_min():
-    import torch.distributed as dist
-
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MIN
-    return options
