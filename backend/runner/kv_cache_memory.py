@@ -9,10 +9,12 @@ layer is shared in proportion to each group's layers times the blocks a request 
 holds at once in it (fewer for windowed layers), so every group's pool holds as many such
 requests.
 
-Budget (`pick_group_blocks`): `max_tokens_in_paged_kv_cache` when set; on CUDA otherwise
-`kv_cache_free_gpu_mem_fraction` of the memory left free after a warm-up step of `max_num_tokens`
-tokens (its peak activations set aside); on CPU enough for `max_batch_size` sequences of
-`max_seq_len` tokens (at most CPU_KV_CACHE_SEQ_LEN each), at most CPU_KV_CACHE_CAP_BYTES.
+Blocks are counted from their real bytes, scales included, so a quantized cache holds more of
+them in the same memory. The budget (`pick_group_blocks`): `max_tokens_in_paged_kv_cache` when
+set; on CUDA otherwise `kv_cache_free_gpu_mem_fraction` of the memory left free after a warm-up
+step of `max_num_tokens` tokens (its peak activations set aside); on CPU enough for
+`max_batch_size` sequences of `max_seq_len` tokens (at most CPU_KV_CACHE_SEQ_LEN each), at most
+CPU_KV_CACHE_CAP_BYTES.
 """
 
 from __future__ import annotations

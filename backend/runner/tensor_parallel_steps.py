@@ -2,10 +2,11 @@
 processes: backend/distributed/tp_workers.py).
 
 Rank 0 runs each step through `StepSender.run` and sends it to the workers as it is prepared
-(`send`: an `EagerStep`, or a `GraphStep` that every rank replays in its own decode graphs). A
-failure once the step was sent fails the engine (the workers are inside a step rank 0 left: their
-collectives would pair wrongly); one before leaves it to the step's requests. A worker `follow`s:
-it computes what rank 0's forward pass and logits compute, step by step, until rank 0 stops.
+(`send`: an `EagerStep`, or a `GraphStep` that every rank replays in its own decode graphs,
+captured on every rank in the same order, collectives included). A failure once the step was
+sent fails the engine (the workers are inside a step rank 0 left: their collectives would pair
+wrongly); one before leaves it to the step's requests. A worker `follow`s: it computes what rank
+0's forward pass and logits compute, step by step, until rank 0 stops.
 """
 
 from __future__ import annotations
