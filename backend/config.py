@@ -9,14 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from backend.validation import check_fields, check_int
+from backend.weight_formats import QUANTIZATIONS, check_lm_head
 
 SCHEDULER_POLICIES = ("guaranteed_no_evict", "max_utilization")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# Weight formats (backend/quantization/): "none" de-quantizes a GGUF once into a cached float32
-# copy; "gguf" keeps a GGUF's blocks; int8_wo/int4_wo quantize float weights at load;
-# int4_awq/int4_gptq load AWQ/GPTQ checkpoints; fp8 loads an FP8 checkpoint or quantizes float
-# weights at load; "auto" is what the checkpoint declares (a .gguf file or the default model: gguf).
-QUANTIZATIONS = ("none", "gguf", "int8_wo", "int4_wo", "int4_awq", "int4_gptq", "fp8", "auto")
 # What the paged KV cache stores (backend/attention/kv_dtype.py): "auto" = the model dtype; fp8
 # (e4m3) and int8 = quantized values with a dynamic scale per token and kv head beside them.
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
@@ -43,7 +39,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay CUDA graphs on GPU (steps of decodes only, and ...)
     # ... steps with prompt tokens of up to this many tokens, padded (0: decode-only graphs)
     cuda_graph_max_tokens: int = 8192
-    quantization: str = "none"  # one of QUANTIZATIONS
+    quantization: str = "none"  # one of QUANTIZATIONS (backend/weight_formats.py: the table)
     # Comma-separated fragments of module names ("layers.0.,layers.29.", "down_proj") whose
     # projections stay in the model dtype when float weights are quantized at load.
     quantization_exclude: str | None = None
@@ -97,12 +93,8 @@ class EngineConfig:
             )
         self.attention_windows()
         self.excluded_modules()
-        if self.quantize_lm_head and self.quantization in ("none", "gguf"):
-            raise ValueError(
-                "quantize_lm_head needs a weight format quantized at load or from a checkpoint "
-                f"(int8_wo, int4_wo, int4_awq, int4_gptq, fp8, auto), got quantization "
-                f"{self.quantization!r}"
-            )
+        if self.quantize_lm_head:
+            check_lm_head(self.quantization)
         if self.fp8_fast_accumulation and self.quantization not in ("fp8", "auto"):
             raise ValueError(
                 "fp8_fast_accumulation applies to fp8 weights (quantization fp8, or auto on an "

@@ -127,6 +127,17 @@ class ModelConfig:
         """Longest sequence this engine computes (windows are honoured, positions kept)."""
         return self.max_position_embeddings
 
+    def pick_max_seq_len(self, requested: int | None) -> int:
+        """The engine's `max_seq_len` (None: the model's limit); ValueError past its positions."""
+        if requested is None:  # decode steps cost what their contexts hold, not the capacity
+            return self.max_context
+        if requested > self.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len {requested} exceeds the model's "
+                f"max_position_embeddings {self.max_position_embeddings}"
+            )
+        return min(requested, self.max_context)
+
     def with_attention_windows(
         self, windows: tuple[int, ...] | None, sink_token_length: int = 0
     ) -> "ModelConfig":

@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             wall_ms(lambda: runner.execute(decode).logits.argmax(-1).tolist()), 4
         )
         row["prepare_ms"] = round(wall_ms(lambda: runner.prepare(decode)), 4)
-        row.update(kernel_table(lambda: runner.model.compute_logits(runner._run_model(inputs))))
+        row.update(kernel_table(lambda: runner.model.compute_logits(runner.run_model(inputs))))
         results.append(row)
         print(json.dumps(row, indent=1), flush=True)
     save_json(args.json, results)

@@ -41,17 +41,14 @@ from backend.kernels.tuning import rows_bucket
 from backend.kernels.w8a16_gemm import GemmConfig, config_key, w8a16_gemm
 from backend.loading.model_paths import resolve_model
 from backend.model_config import ModelConfig
-from backend.quantization import Fp8Weight, GGUFWeight, Int4Weight, Int8Weight, QuantizedWeight
+from backend.quantization import WEIGHT_CLASSES, GGUFWeight, QuantizedWeight
+from backend.weight_formats import AT_LOAD
 from benchmarks.gemv import projection_shapes
 from benchmarks.gguf_random import random_rows
 from benchmarks.graph_timing import graph_us_per_call
 from benchmarks.provenance import provenance, save_json
 
-FORMATS = {
-    "int8_wo": Int8Weight.quantize,
-    "fp8": Fp8Weight.quantize,
-    "int4_wo": Int4Weight.quantize,
-}
+FORMATS = {name: WEIGHT_CLASSES[name].quantize for name in AT_LOAD}  # quantized at load
 W8A16_SPACE = dict(block_n=[32, 64, 128], block_k=[128, 256], split=[1, 2, 4], num_stages=[3, 4])
 SWAPPED_SPACE = dict(block_n=[64, 128], split=[1, 2, 4, 8], num_stages=[3, 4])  # FP8, 4-bit
 ROWS_QUANTIZED_BY_A_FUSED_KERNEL = ("qkv", "gate_up", "down")  # RMSNorm, silu·mul

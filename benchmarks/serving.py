@@ -642,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.client_cpu_set, server_cpus = split_cpus(args.client_cpus)
 
-    from backend.runner.model_runner import pick_device
+    from backend.runner.device import pick_device
     from benchmarks.provenance import provenance, save_json
     from preprocessing.tokenizer import load_tokenizer
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from backend.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from backend.config import KV_CACHE_DTYPES
+from backend.weight_formats import QUANTIZATIONS
 
 
 def add_weight_format_options(

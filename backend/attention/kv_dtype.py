@@ -69,3 +69,17 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tenso
     """Cached values [..., head_dim] (and their scales [...], None when unscaled) -> float32."""
     out = values.float()
     return out if scales is None else out * scales.float()[..., None]
+
+
+def check_kv_dtype(kv_dtype: torch.dtype, attention: str, device: torch.device) -> None:
+    """Raise ValueError for an fp8 cache the Triton kernels cannot convert on this GPU."""
+    if (
+        kv_dtype == torch.float8_e4m3fn
+        and attention == "triton"
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) < (8, 9)
+    ):
+        raise ValueError(
+            "kv_cache_dtype 'fp8' needs compute capability 8.9 or newer with the triton "
+            "attention backend (float8 e4m3 conversions): use 'int8' or attention_backend 'torch'"
+        )

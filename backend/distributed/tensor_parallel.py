@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from backend.distributed.peer_all_reduce import PeerAllReduce, peer_all_reduce, unregister
+from backend.model_config import ModelConfig
 
 # How long a collective waits for a peer before it fails (a hung worker): a dead one fails it
 # at once (its connection closes).
@@ -80,6 +81,13 @@ class TensorParallel:
             )
         return self.rank * num_kv_heads // self.size, 1
 
+    def check_split(self, mc: ModelConfig) -> int:
+        """Raise ValueError naming what this group cannot split of the model evenly; -> the KV
+        heads of this rank."""
+        kv_heads = self.kv_heads(mc.num_heads, mc.num_kv_heads)[1]
+        self.part(mc.intermediate_size, "intermediate size")
+        return kv_heads
+
     # ---- collectives (only called with size > 1) -------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place."""
@@ -106,6 +114,14 @@ class TensorParallel:
         """x from rank 0 into x on every rank; `host`: a CPU tensor through the gloo group."""
         _wait((self.cpu_group if host else self.group).broadcast(x, 0))
         return x
+
+    def min_over_ranks(self, values: list[int]) -> list[int]:
+        """Each of the host `values` at its least over the ranks (through the gloo group)."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        tensor = torch.tensor(values)
+        _wait(self.cpu_group.allreduce([tensor], options))
+        return tensor.tolist()
 
     def close(self) -> None:
         """Forget this group's name (the peer all-reduce registered it); the groups go with

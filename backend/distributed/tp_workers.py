@@ -4,13 +4,13 @@ Rank 0 is the engine (scheduler, sampler, outputs); it starts ranks 1..N-1 with 
 method (fork can deadlock on a parent's threads). Each worker builds its shard of the model and
 a KV pool of its own (per KV cache group the same number of blocks on every rank: the least any
 rank can hold, since rank 0's block tables address them all), then follows: for each step rank 0
-broadcasts the packed step inputs it built (token ids, positions, cache slots, query starts,
-context lengths, block tables (slots and tables of each KV cache group in turn), logit rows, the
-rows whose ids are in flight, and the prompt rows some request wants log-probs of) and every
-rank runs the forward pass and the logits (whose collectives pair up). Only rank 0 samples, from
-the gathered logits: sampling state (seeded generators, penalties' token history) lives with the
-requests on rank 0 alone, and the ids every rank computes with next are the ones rank 0 sends,
-so no rank can pick another token.
+broadcasts the packed step inputs it built (`EagerStep`: token ids, positions, cache slots, query
+starts, context lengths, block tables (slots and tables of each KV cache group in turn), logit
+rows, the rows whose ids are in flight; and the prompt rows some request wants log-probs of) and
+every rank runs the forward pass and the logits (whose collectives pair up). Only rank 0 samples,
+from the gathered logits: sampling state (seeded generators, penalties' token history) lives
+with the requests on rank 0 alone, and the ids every rank computes with next are the ones rank 0
+sends, so no rank can pick another token.
 
 A worker's death: a watchdog thread on rank 0 waits on the workers' process sentinels and names
 the rank that died; a collective with a dead peer fails at once (a hung one after
@@ -18,7 +18,7 @@ the rank that died; a collective with a dead peer fails at once (a hung one afte
 (`backend.engine.executor`).
 
 Decode CUDA graphs: every rank captures the same graphs (their all-reduces and gathers pair up
-when replayed). For a step rank 0 replays, it sends a GRAPH step (`GraphStep`: the rows' ids,
+when replayed). For a step rank 0 replays, it sends a GRAPH_STEP (`GraphStep`: the rows' ids,
 positions, slots, context lengths, block tables, in-flight rows and banned ids, in the same
 message layout): each worker stages the same step into its own graphs and replays the same graph.
 The previous ids that inputs in flight read are the worker's own graphs' argmax when rank 0's are
@@ -71,6 +71,34 @@ def rank_device(config: EngineConfig, rank: int, device: torch.device) -> torch.
 
 # ---- step inputs ---------------------------------------------------------------------------------
 @dataclass
+class EagerStep:
+    """A step run eagerly, as rank 0 packed it (`backend.runner.step_packing`) and sends it."""
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slots: np.ndarray  # int64 [groups * T], each KV cache group's in turn
+    query_start_loc: np.ndarray  # int32 [N + 1]
+    seq_lens: np.ndarray  # int32 [N]
+    block_tables: np.ndarray  # int32 [groups * N, width], each group's in turn
+    logits_indices: np.ndarray  # int64, the rows whose logits the step computes
+    in_flight_rows: np.ndarray | None = None  # int64: the rows whose input id is in flight
+    # Rank 0 only, not sent (the workers get the ids themselves): each such row's row of the
+    # ids of the step in flight.
+    in_flight_sources: np.ndarray | None = None
+
+    def arrays(self) -> list[np.ndarray]:
+        """In the message's slots (ARRAY_DTYPES' order)."""
+        arrays = [self.input_ids, self.positions, self.slots, self.query_start_loc]
+        arrays += [self.seq_lens, self.block_tables, self.logits_indices]
+        return arrays + ([] if self.in_flight_rows is None else [self.in_flight_rows])
+
+    @classmethod
+    def from_arrays(cls, arrays: list[np.ndarray]) -> EagerStep:
+        packed, in_flight_rows = arrays[:7], arrays[7] if len(arrays) > 7 else None
+        return cls(*packed, in_flight_rows)
+
+
+@dataclass
 class GraphStep:
     """A decode step the graphs replay, as rank 0 staged it (`DecodeGraphs.stage`'s arrays)."""
 
@@ -108,14 +136,12 @@ class GraphStep:
         )
 
 
-def send_step(
-    tp, arrays: list[np.ndarray], spans: list[tuple[int, int]], command: int = STEP
-) -> None:
-    """Rank 0: broadcast a step's host arrays (ARRAY_DTYPES' order; the fill rows only when
-    some input is in flight) and its prompt spans (first row, rows). `command` GRAPH_STEP: a
-    step the decode graphs replay, its arrays `GraphStep.arrays()`."""
+def send_step(tp, step: EagerStep | GraphStep, spans: list[tuple[int, int]] = ()) -> None:
+    """Rank 0: broadcast a step's host arrays (`arrays()`) and its prompt spans (first row,
+    rows)."""
+    arrays = step.arrays()
     header = np.zeros(HEADER_LEN, dtype=np.int64)
-    header[0] = command
+    header[0] = GRAPH_STEP if isinstance(step, GraphStep) else STEP
     header[1 : 1 + len(arrays)] = [a.size for a in arrays]
     header[9], header[10] = arrays[5].shape
     header[11] = len(spans)
@@ -130,9 +156,8 @@ def send_stop(tp) -> None:
     tp.broadcast(torch.from_numpy(header), host=True)
 
 
-def receive_step(tp) -> tuple[int, list[np.ndarray], list[tuple[int, int]]] | None:
-    """A worker: the next step's command (STEP or GRAPH_STEP), arrays and prompt spans, or None
-    when rank 0 stops."""
+def receive_step(tp) -> tuple[EagerStep | GraphStep, list[tuple[int, int]]] | None:
+    """A worker: the next step and its prompt spans, or None when rank 0 stops."""
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     tp.cpu_group.broadcast(header, 0, IDLE_WAIT).wait()
     header = header.numpy()
@@ -147,8 +172,9 @@ def receive_step(tp) -> tuple[int, list[np.ndarray], list[tuple[int, int]]] | No
             arrays.append(values[at : at + size].astype(dtype))
         at += size
     arrays[5] = arrays[5].reshape(int(header[9]), int(header[10]))
-    spans = values[at:].reshape(-1, 2).tolist()
-    return int(header[0]), arrays, [tuple(s) for s in spans]
+    spans = [tuple(s) for s in values[at:].reshape(-1, 2).tolist()]
+    step_type = GraphStep if header[0] == GRAPH_STEP else EagerStep
+    return step_type.from_arrays(arrays), spans
 
 
 # ---- the workers, seen from rank 0 ---------------------------------------------------------------

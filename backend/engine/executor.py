@@ -28,6 +28,7 @@ from backend.engine.limits import EngineLimits
 from backend.engine.output_processor import OutputCallback, OutputProcessor
 from backend.engine.stats import ExecutorStats
 from backend.engine.step import Engine, reads_token_history
+from backend.engine.step_runner import StepRunner
 from backend.logprobs import PromptLogprobs
 from backend.request import FinishReason, Request, RequestOutput
 from backend.runner.model_runner import ModelRunner
@@ -42,11 +43,11 @@ log = logging.getLogger(__name__)
 
 
 class Executor:
-    def __init__(self, config: EngineConfig | None = None, runner: ModelRunner | None = None):
+    def __init__(self, config: EngineConfig | None = None, runner: StepRunner | None = None):
         self.config = config or EngineConfig()
         self.config.validate()
         self._owns_runner = runner is None
-        self.runner = runner or ModelRunner(self.config)
+        self.runner: StepRunner = runner or ModelRunner(self.config)
         self.max_seq_len = self.runner.max_seq_len
         self.vocab_size = self.runner.vocab_size
         self.eos_token_ids = list(self.runner.eos_token_ids)

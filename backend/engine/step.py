@@ -41,8 +41,8 @@ from itertools import repeat
 
 from backend.distributed.tensor_parallel import TensorParallelError
 from backend.engine.output_processor import OutputProcessor
+from backend.engine.step_runner import StepRunner
 from backend.request import Chunk, FinishReason, Request
-from backend.runner.model_runner import ModelRunner
 from backend.sampling.sampler import PendingSample, Sampler
 from backend.scheduling.scheduler import Scheduler, SchedulerOutput
 
@@ -72,7 +72,7 @@ class LaunchedStep:
 class Engine:
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: StepRunner,
         sampler: Sampler,
         scheduler: Scheduler,
         outputs: OutputProcessor,

@@ -1,7 +1,7 @@
 """Load a model: a Hugging Face directory (see backend/loading/model_paths.py for names and files)
 -> our model, with safetensors weights or random ones for a preset, or the blocks of a GGUF file
-kept quantized (backend/loading/gguf_weights.py). A quantized checkpoint (AWQ, GPTQ, FP8) keeps its
-format; int8_wo, int4_wo and fp8 quantize float weights once loaded (backend/quantization/).
+kept quantized (backend/loading/gguf_weights.py). A quantized checkpoint keeps its format; formats
+quantized at load round float weights once loaded (the table: backend/weight_formats.py).
 The weights' resident size is logged."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import chain
 from typing import Iterator
 
@@ -20,18 +21,24 @@ from backend.attention import AttentionBackend
 from backend.distributed.tensor_parallel import TensorParallel
 from backend.loading.presets import init_random_weights, random_weights_spec
 from backend.loading.quantized_checkpoint import (
-    FORMATS,
     load_quantized_weights,
     prepare_quantized,
     quantize_at_load,
     quantize_lm_head,
 )
-from backend.loading.weight_formats import pick_quantization, quantization_config
 from backend.model_config import ModelConfig
 from backend.models import FAMILIES
 from backend.models.null import NullModel
 from backend.quantization import QuantizedWeight
 from backend.quantization.fp8 import use_fast_accumulation
+from backend.weight_formats import (
+    FROM_CHECKPOINT,
+    check_exclude,
+    check_lm_head,
+    check_tensor_parallel,
+    pick_quantization,
+    quantization_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,95 +108,80 @@ def build_model(
     return model.eval()
 
 
-def load_model(
-    model_dir: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    attention: AttentionBackend,
-    max_positions: int,
-    config: ModelConfig | None = None,
-    gguf_file: str | None = None,
-    quantization: str = "none",
-    tp: TensorParallel | None = None,
-    exclude: tuple[str, ...] = (),
-    lm_head: bool = False,
-    fp8_fast_accumulation: bool = False,
-) -> torch.nn.Module:
-    """Build the model for `model_dir` and fill it: safetensors weights, random ones for a preset,
-    or, given `gguf_file`, that file's blocks kept quantized (the directory gives the config).
-    `quantization` (the engine parameter, not "gguf"): see `pick_quantization`; `lm_head`
-    (`quantize_lm_head`): the lm_head is quantized too; `fp8_fast_accumulation`: its fp8 weights
-    sum without promoting (`backend.quantization.fp8.use_fast_accumulation`).
-    With `tp`, this rank's shard: each full tensor is cut as it is read (a preset's random
-    weights are drawn per shard, so they differ from one rank's); float weights only."""
-    config = config or ModelConfig.from_dir(model_dir)
+@dataclass(frozen=True)
+class LoadSpec:
+    """What to load and how (the model runner's choices and the engine parameters that reach
+    the weights)."""
+
+    model_dir: str  # a Hugging Face directory (`backend.loading.model_paths.resolve_model`)
+    device: torch.device
+    dtype: torch.dtype
+    attention: AttentionBackend
+    max_positions: int
+    model_config: ModelConfig | None = None  # None: the directory's
+    gguf_file: str | None = None  # the blocks kept from this file (the directory: the config)
+    quantization: str = "none"  # the engine parameter, not "gguf": see `pick_quantization`
+    exclude: tuple[str, ...] = ()  # `quantization_exclude`'s fragments
+    quantize_lm_head: bool = False
+    fp8_fast_accumulation: bool = False  # `backend.quantization.fp8.use_fast_accumulation`
+
+
+def load_model(spec: LoadSpec, tp: TensorParallel | None = None) -> torch.nn.Module:
+    """Build the model for `spec.model_dir` and fill it: safetensors weights, random ones for a
+    preset, or, given `gguf_file`, that file's blocks kept quantized. The weight format's rules
+    are the table's (backend/weight_formats.py). With `tp`, this rank's shard: each full tensor
+    is cut as it is read (a preset's random weights are drawn per shard, so they differ from one
+    rank's); float weights only."""
+    config = spec.model_config or ModelConfig.from_dir(spec.model_dir)
     if config.model_type == "null":
         return NullModel(config)
-    if gguf_file is not None:
-        _refuse_exclude(exclude, "kept GGUF blocks")
-        _refuse_lm_head(lm_head, "gguf")
-        if tp is not None and tp.enabled:
-            # Row-parallel layers would cut GGUF blocks across their columns.
-            raise ValueError(
-                "quantization 'gguf' keeps GGUF blocks, which are not split across ranks: "
-                "use quantization 'none' with tensor_parallel_size > 1"
-            )
-        return _load_gguf(gguf_file, config, device, dtype, attention, max_positions)
-    quantization = pick_quantization(quantization, model_dir)
-    if tp is not None and tp.enabled and quantization != "none":
-        # Quantized weights keep per-group or per-block scales that a shard would have to cut.
-        raise ValueError(
-            f"quantization {quantization!r} is not supported with tensor_parallel_size > 1: "
-            "use quantization 'none'"
-        )
-    if quantization in FORMATS and quantization_config(model_dir) is not None:
-        _refuse_exclude(exclude, "quantized in the checkpoint")
-        model = _load_quantized(
-            model_dir, quantization, config, device, dtype, attention, max_positions
-        )
-        if lm_head:
+    size = tp.size if tp is not None and tp.enabled else 1
+    build = (spec.device, spec.dtype, spec.attention, spec.max_positions)
+    if spec.gguf_file is not None:
+        check_exclude(spec.exclude, "kept GGUF blocks")
+        _check_lm_head(spec, "gguf")
+        check_tensor_parallel("gguf", size)  # row-parallel layers would cut blocks' columns
+        return _load_gguf(spec.gguf_file, config, *build)
+    quantization = pick_quantization(spec.quantization, spec.model_dir)
+    check_tensor_parallel(quantization, size)  # per-group or per-block scales would be cut
+    _check_lm_head(spec, quantization)
+    if quantization in FROM_CHECKPOINT and quantization_config(spec.model_dir) is not None:
+        check_exclude(spec.exclude, "quantized in the checkpoint")
+        model = _load_quantized(spec.model_dir, quantization, config, *build)
+        if spec.quantize_lm_head:
             _quantize_lm_head(model, quantization)
-        _prepare_quantized(model, dtype)
-        _fast_accumulation(model, fp8_fast_accumulation)
+        _prepare_quantized(model, spec.dtype)
+        _fast_accumulation(model, spec.fp8_fast_accumulation)
         return model
     if quantization == "none":
-        _refuse_exclude(exclude, "not quantized (quantization 'none')")
-        _refuse_lm_head(lm_head, "none")
-    model = build_model(config, device, dtype, attention, max_positions, tp=tp)
-    spec = random_weights_spec(model_dir)
+        check_exclude(spec.exclude, "not quantized (quantization 'none')")
+    model = build_model(config, *build, tp=tp)
+    random_spec = random_weights_spec(spec.model_dir)
     with torch.no_grad():
-        if spec is not None:
-            init_random_weights(model, seed=spec.get("seed", 0), std=spec.get("std", 0.02))
+        if random_spec is not None:
+            seed, std = random_spec.get("seed", 0), random_spec.get("std", 0.02)
+            init_random_weights(model, seed=seed, std=std)
         else:
-            model.load_weights(iter_safetensors(model_dir))
-        quantized = quantize_at_load(model, quantization, exclude) if quantization != "none" else 0
-        if lm_head:
+            model.load_weights(iter_safetensors(spec.model_dir))
+        quantized = 0
+        if quantization != "none":
+            quantized = quantize_at_load(model, quantization, spec.exclude)
+        if spec.quantize_lm_head:
             _quantize_lm_head(model, quantization)
-        _prepare_quantized(model, dtype)
+        _prepare_quantized(model, spec.dtype)
     log.info(
         "weights: %s (%s%s)",
         _megabytes(weight_bytes(model)),
-        str(dtype).split(".")[-1],
+        str(spec.dtype).split(".")[-1],
         f"; {quantization} x{quantized}, quantized at load" if quantized else "",
     )
-    _fast_accumulation(model, fp8_fast_accumulation)
+    _fast_accumulation(model, spec.fp8_fast_accumulation)
     return model
 
 
-def _refuse_exclude(exclude: tuple[str, ...], weights: str) -> None:
-    if exclude:
-        raise ValueError(
-            "quantization_exclude applies to float weights quantized at load (quantization "
-            f"int8_wo, int4_wo or fp8 on a float checkpoint); these weights are {weights}"
-        )
-
-
-def _refuse_lm_head(lm_head: bool, quantization: str) -> None:
-    if lm_head:
-        raise ValueError(
-            "quantize_lm_head needs a weight format quantized at load or from a checkpoint "
-            f"(int8_wo, int4_wo, int4_awq, int4_gptq, fp8); these weights are {quantization!r}"
-        )
+def _check_lm_head(spec: LoadSpec, quantization: str) -> None:
+    if spec.quantize_lm_head:
+        check_lm_head(quantization, spec.quantization)
 
 
 def _prepare_quantized(model: torch.nn.Module, dtype: torch.dtype) -> None:

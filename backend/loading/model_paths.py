@@ -21,7 +21,7 @@ import os
 from backend.loading.disk_cache import cache_root
 from backend.loading.gguf_convert import check_gguf_magic, convert_gguf
 from backend.loading.presets import PRESETS, write_preset
-from backend.loading.weight_formats import AT_LOAD, pick_quantization
+from backend.weight_formats import AT_LOAD, AUTO, needs_declaring_checkpoint, pick_quantization
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -68,17 +68,15 @@ def kept_gguf(path_or_name: str, quantization: str = "none") -> str | None:
 
 def check_quantization(path_or_name: str, quantization: str) -> None:
     """Raise ValueError, naming the rule, unless `quantization` can serve the model (reads
-    config.json only; see `backend.loading.weight_formats.pick_quantization`)."""
+    config.json only; see `backend.weight_formats.pick_quantization`)."""
     kind, path = _classify(path_or_name)
     if quantization == "gguf":
         kept_gguf(path_or_name, quantization)
     elif kind == "directory":
         pick_quantization(quantization, path)
-    elif quantization not in ("none", "auto", *AT_LOAD):
-        raise ValueError(
-            f"quantization {quantization!r} needs a checkpoint directory that declares it; "
-            f"{path_or_name!r} is not one: use one of 'none', 'auto', "
-            f"{', '.join(map(repr, AT_LOAD))}"
+    elif quantization not in ("none", AUTO, *AT_LOAD):
+        raise needs_declaring_checkpoint(
+            quantization, f"{path_or_name!r} is not a checkpoint directory"
         )
 
 

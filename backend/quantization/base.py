@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,11 +16,50 @@ except ImportError:
     gemv = None
 
 
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """The tensors a quantized checkpoint holds for one projection, named after it
+    (`model.layers.0.self_attn.q_proj.qweight`, ...) in place of its `.weight`."""
+
+    marker: str  # the suffix that marks a projection as quantized
+    suffixes: tuple[str, ...]  # the tensors a quantized projection has
+    skipped: tuple[str, ...] = ()  # tensors it may have that are not read
+
+
 class QuantizedWeight(nn.Module):
     """A [out_features, in_features] weight held quantized; its tensors are buffers whose first
-    dimension is out_features."""
+    dimension is out_features. A format read from checkpoints sets `checkpoint` and implements
+    the three checkpoint class methods; one quantized from float weights implements
+    `quantize`."""
 
     format: str = ""  # the `quantization` value that makes it
+    checkpoint: CheckpointLayout | None = None
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> QuantizedWeight:
+        """A float [out_features, in_features] weight rounded into this format (at load, and
+        the lm_head that `quantize_lm_head` quantizes)."""
+        raise NotImplementedError(f"{cls.format} weights are not quantized from float weights")
+
+    @classmethod
+    def check_checkpoint(cls, config: dict) -> None:
+        """Raise ValueError, naming the field, unless a checkpoint's `quantization_config` is a
+        variant this class reads."""
+
+    @classmethod
+    def for_checkpoint(
+        cls, out_features: int, in_features: int, config: dict, device: torch.device
+    ) -> QuantizedWeight:
+        """An empty weight shaped as the checkpoint (`quantization_config`) stores it."""
+        raise NotImplementedError(f"{cls.format} weights are not read from checkpoints")
+
+    @classmethod
+    def checkpoint_buffers(
+        cls, tensors: dict[str, torch.Tensor], config: dict
+    ) -> dict[str, torch.Tensor]:
+        """One projection's checkpoint tensors (by suffix) -> this class's buffers, output
+        channels first."""
+        raise NotImplementedError(f"{cls.format} weights are not read from checkpoints")
 
     def __init__(self, out_features: int, in_features: int):
         super().__init__()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.kernels.gemv_weight import StreamedWeight
-from backend.quantization.base import QuantizedWeight
+from backend.quantization.base import CheckpointLayout, QuantizedWeight
 
 try:  # CPU-only installs without Triton use the torch path
     from backend.kernels import fp8_gemm, w8a16_gemm
@@ -58,6 +58,8 @@ class E4m3Rows:
 
 class Fp8Weight(QuantizedWeight):
     format = "fp8"
+    # Static activation scales (input_scale) are not read: activations are scaled per token.
+    checkpoint = CheckpointLayout("weight_scale", ("weight", "weight_scale"), ("input_scale",))
     # torch's scaled GEMM sums without promoting (the engine's `fp8_fast_accumulation`)
     fast_accumulation = False
 
@@ -74,6 +76,34 @@ class Fp8Weight(QuantizedWeight):
         quantized.qweight.copy_(qweight)
         quantized.scales.copy_(scales[:, 0])
         return quantized
+
+    @classmethod
+    def check_checkpoint(cls, config: dict) -> None:
+        if config.get("weight_block_size") is not None:
+            raise ValueError(
+                "fp8 checkpoints with weight_block_size (block-wise scales) are not supported: "
+                "per-tensor or per-channel weight_scale only"
+            )
+
+    @classmethod
+    def for_checkpoint(
+        cls, out_features: int, in_features: int, config: dict, device: torch.device
+    ) -> Fp8Weight:
+        return cls(out_features, in_features, device=device)
+
+    @classmethod
+    def checkpoint_buffers(
+        cls, tensors: dict[str, torch.Tensor], config: dict
+    ) -> dict[str, torch.Tensor]:
+        weight, scale = tensors["weight"], tensors["weight_scale"].float()
+        if weight.dtype != FP8:
+            raise ValueError(f"fp8 weights must be float8_e4m3fn, got {weight.dtype}")
+        rows = weight.shape[0]
+        if scale.numel() not in (1, rows):
+            raise ValueError(
+                f"weight_scale must be per tensor or per output channel, got {tuple(scale.shape)}"
+            )
+        return {"qweight": weight, "scales": scale.reshape(-1).expand(rows).contiguous()}
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.qweight.float() * self.scales[:, None]).to(dtype)

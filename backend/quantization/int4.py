@@ -37,8 +37,23 @@ def scale_zero_words(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     return (zeros.to(torch.int32) | (scale_bits << 16)).contiguous()
 
 
+def group_size_of(config: dict, in_features: int) -> int:
+    """A 4-bit checkpoint's group size (`quantization_config.group_size`; -1: the whole row)."""
+    group = config.get("group_size", 128)
+    return in_features if group == -1 else group
+
+
+def check_bits(config: dict) -> None:
+    bits = config.get("bits", config.get("w_bit", 4))
+    if bits != 4:
+        raise ValueError(f"quantization_config.bits must be 4, got {bits!r}")
+
+
 class Int4Weight(QuantizedWeight):
-    format = "int4"
+    """`int4_wo`; the AWQ and GPTQ checkpoints' classes (backend/quantization/int4_awq.py,
+    int4_gptq.py) add their layouts to it."""
+
+    format = "int4_wo"
 
     def __init__(
         self,
@@ -72,10 +87,17 @@ class Int4Weight(QuantizedWeight):
             raise ValueError(
                 f"quantization 'int4_wo' needs in_features divisible by 32, got {in_features}"
             )
-        quantized = cls(out_features, in_features, group, device=weight.device)
-        for name, tensor in cls.rows(*quantize_groups(weight, group)).items():
+        # Rounded to nearest whatever the class: a checkpoint format's lm_head is int4_wo's.
+        quantized = Int4Weight(out_features, in_features, group, device=weight.device)
+        for name, tensor in Int4Weight.rows(*quantize_groups(weight, group)).items():
             getattr(quantized, name).copy_(tensor)
         return quantized
+
+    @classmethod
+    def for_checkpoint(
+        cls, out_features: int, in_features: int, config: dict, device: torch.device
+    ) -> Int4Weight:
+        return cls(out_features, in_features, group_size_of(config, in_features), device=device)
 
     @staticmethod
     def rows(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,77 +1,62 @@
 """The model runner: loads the model, owns the paged KV cache, runs one packed step.
 
 The engine hands it the chunks scheduled this step (prefill chunks and decodes together); the
-runner packs them into one batch (`backend.runner.step_packing`: token ids, positions, cache slots,
-block tables), puts it on the device, runs the model and returns logits for the chunks that sample,
-and
-the prompt log-probs of the requests that ask for them (`backend.logprobs`: only then are other
-rows projected to the vocabulary). An in-flight
-token's input id (overlap scheduling, `backend.engine.step`) is taken on the device from the sampled
-ids of the step in flight. On GPU, decode-only steps replay CUDA graphs
+runner packs them into one batch (`backend.runner.step_packing`: token ids, positions, cache
+slots, block tables), puts it on the device (`backend.runner.step_inputs`), runs the model and
+returns logits for the chunks that sample, and the prompt log-probs of the requests that ask for
+them (`backend.logprobs`: only then are other rows projected to the vocabulary). An in-flight
+token's input id (overlap scheduling, `backend.engine.step`) is taken on the device from the
+sampled ids of the step in flight. On GPU, decode-only steps replay CUDA graphs
 (`backend.runner.decode_graphs`), and so do steps with prompt tokens of up to
-`cuda_graph_max_tokens` (`backend.runner.mixed_graphs`);
-longer steps, and those that compute prompt log-probs, run eagerly.
+`cuda_graph_max_tokens` (`backend.runner.mixed_graphs`); longer steps, and those that compute
+prompt log-probs, run eagerly.
 
-KV cache (`backend.runner.kv_cache_memory`: block bytes, the groups' shares, the tensors): one
-tensor kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V), in the model dtype,
-or
-quantized (`kv_cache_dtype` fp8 / int8) with its scales beside it in
-kv_scales[layer, 0 | 1, block, offset, kv_head]. Blocks are counted from their real bytes, scales
-included, so a quantized cache holds more of them in the same memory. Budget:
-`max_tokens_in_paged_kv_cache` when set; on CUDA otherwise `kv_cache_free_gpu_mem_fraction` of
-the memory left free after a warm-up step of `max_num_tokens` tokens (peak activations are set
-aside); on CPU enough for `max_batch_size` sequences of `max_seq_len` tokens (at most 8,192
-each), at most 4 GiB.
-A model mixing global and windowed layers (`ModelConfig.kv_cache_groups`) has a tensor per group
-(its layers, its own block ids; `kv_cache` is then indexed by layer through a tuple of views) and
-a block table per group in each step (`AttentionMetadata.for_group`); the budget above, in
-blocks of every layer, is shared among the groups (`KVCacheLayout.share`).
+KV cache (`backend.runner.kv_cache_memory`: block bytes, the budget, the groups' shares, the
+tensors): one tensor kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V), in
+the model dtype, or quantized (`kv_cache_dtype` fp8 / int8) with its scales beside it in
+kv_scales[layer, 0 | 1, block, offset, kv_head]. A model mixing global and windowed layers
+(`ModelConfig.kv_cache_groups`) has a tensor per group (its layers, its own block ids; `kv_cache`
+is then indexed by layer through a tuple of views) and a block table per group in each step
+(`AttentionMetadata.for_group`).
 
-Tensor parallel (`tensor_parallel_size` > 1, `backend.distributed.tp_workers`): this runner is rank
-0; it starts the other ranks, each a runner of its own shard that `follow`s the steps rank 0 sends
-from `prepare`: eager steps, or decode steps that every rank replays in its own CUDA graphs
-(captured on every rank in the same order, collectives included).
+Tensor parallel (`tensor_parallel_size` > 1, `backend.runner.tensor_parallel_steps`): this runner
+is rank 0; it starts the other ranks, each a runner of its own shard that `follow`s the steps
+rank 0 sends from `prepare`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import accumulate
 
 import numpy as np
 import torch
 
-from backend.attention import AttentionMetadata, get_attention_backend
-from backend.attention.kv_dtype import storage_dtype
+from backend.attention import get_attention_backend
+from backend.attention.kv_dtype import check_kv_dtype, storage_dtype
 from backend.config import EngineConfig
 from backend.distributed import tp_workers
 from backend.distributed.tensor_parallel import TensorParallel, TensorParallelError, connect
-from backend.loading.model_loader import load_model, weight_bytes
+from backend.distributed.tp_workers import EagerStep, GraphStep
+from backend.loading.model_loader import LoadSpec, load_model, weight_bytes
 from backend.loading.model_paths import kept_gguf, resolve_model
-from backend.logprobs import PromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
+from backend.logprobs import compute_prompt_logprobs, prompt_rows
 from backend.model_config import ModelConfig
 from backend.request import Chunk
-from backend.runner import compile_watch
+from backend.runner import compile_watch, tensor_parallel_steps
 from backend.runner.decode_graphs import DecodeGraphs, ReplayIds
-from backend.runner.kv_cache_memory import KVCacheLayout
+from backend.runner.device import pick_device, pick_dtype
+from backend.runner.kv_cache_memory import KVCacheLayout, pick_group_blocks
 from backend.runner.mixed_graphs import MixedGraphs
+from backend.runner.step_inputs import StepInputs, eager_inputs, eager_step
 from backend.runner.step_packing import pack_step
+from backend.runner.tensor_parallel_steps import StepSender
 from backend.staging import StagingTurns
+from backend.weight_formats import check_tensor_parallel, pick_quantization
 
 log = logging.getLogger(__name__)
-
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
-CPU_KV_CACHE_SEQ_LEN = 8192  # a CPU pool holds max_batch_size sequences of at most this
-CPU_KV_CACHE_CAP_BYTES = 4 << 30
 
 
 @dataclass
@@ -79,38 +64,12 @@ class StepLogits:
     """What one step computed."""
 
     logits: torch.Tensor  # float32 [sampling chunks, vocab], in chunk order
-    argmax_ids: torch.Tensor | None  # int64 argmax of each row skipping its banned ids, where the
-    # step computed it (decode CUDA graphs; valid until the
-    # next step runs)
+    # int64 argmax of each row skipping its banned ids, where the step computed it (decode CUDA
+    # graphs; valid until the next step runs)
+    argmax_ids: torch.Tensor | None
     argmax_host: ReplayIds | None = None  # the same ids on their way to the host (graphs)
     # (PromptLogprobs, log-probs, top-k or None) per request whose prompt rows this step computed
     prompt: list[tuple] | None = None
-
-
-@dataclass
-class StepInputs:
-    """One packed step, on the model device."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    attn_meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] int, rows of the last token of each sampling chunk
-    in_graph: bool = False  # staged for a decode CUDA graph, which reads it when replayed
-    graph_tokens: int = 0  # staged for the mixed-step CUDA graph of this many tokens (0: eager)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPES)}, got {name!r}")
-    return DTYPES[name]
 
 
 class ModelRunner:
@@ -121,11 +80,10 @@ class ModelRunner:
         self.config = config
         self.tp = TensorParallel()
         self.workers: tp_workers.Workers | None = None
+        self.sender: StepSender | None = None  # rank 0 of a group: the steps to the workers
         self.model = self.kv_cache = self.kv_scales = None
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
-        self._sends_steps = False  # rank 0 of a group, once every rank has started
-        self._step_sent = False  # the step being executed has reached the workers
         self.device = pick_device(config.device)
         if config.tensor_parallel_size > 1:
             self.device = tp_workers.rank_device(config, tp_rank, self.device)
@@ -147,28 +105,30 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(self.model_dir).with_attention_windows(
             config.attention_windows(), config.sink_token_length
         )
-        self.max_seq_len = self._pick_max_seq_len()
+        self.max_seq_len = self.model_config.pick_max_seq_len(config.max_seq_len)
         self.tokens_per_block = config.tokens_per_block or (
             32 if self.device.type == "cuda" else 16
         )
         self.attention = get_attention_backend(config.attention_backend, self.device)
         check_kv_dtype(self.kv_dtype, self.attention.name, self.device)
         size = config.tensor_parallel_size
-        self.num_kv_heads = check_split(self.model_config, TensorParallel(tp_rank, size))
+        self.num_kv_heads = TensorParallel(tp_rank, size).check_split(self.model_config)
         if size > 1:
-            if gguf_file is not None:  # row-parallel layers would cut blocks across columns
-                raise ValueError(
-                    "quantization 'gguf' keeps GGUF blocks, which are not split across ranks: "
-                    "use quantization 'none' with tensor_parallel_size > 1"
-                )
+            # Refused before the other ranks start (the loader checks it again on each rank).
+            weights = (
+                "gguf" if gguf_file else pick_quantization(config.quantization, self.model_dir)
+            )
+            check_tensor_parallel(weights, size)
             if tp_rank == 0:  # the model splits: start the other ranks
                 tp_port = tp_workers.free_port()
                 self.workers = tp_workers.Workers(config, tp_port, type(self))
             self.tp = connect(tp_rank, size, tp_port, self.device, self.dtype)
+            if self.workers is not None:
+                self.sender = StepSender(self.tp, self.workers)
         # With overlap scheduling step n+1 is packed while step n's inputs may still wait in
         # pinned memory for their copy: two buffers, used in turn.
         self._staging = StagingTurns(self.device)
-        self.model = load_model(
+        spec = LoadSpec(
             self.model_dir,
             self.device,
             self.dtype,
@@ -177,20 +137,24 @@ class ModelRunner:
             self.model_config,
             gguf_file,
             config.quantization,
-            self.tp,
             config.excluded_modules(),
             config.quantize_lm_head,
             config.fp8_fast_accumulation,
         )
+        self.model = load_model(spec, self.tp)
         self.weight_bytes = weight_bytes(self.model)  # resident parameters and buffers
         self.kv_layout = KVCacheLayout(
             self.model_config, self.tokens_per_block, self.num_kv_heads, self.kv_dtype, self.device
         )
-        self.kv_group_blocks = self._pick_kv_group_blocks()  # per KV cache group
+        self.kv_group_blocks = pick_group_blocks(  # per KV cache group
+            self.kv_layout,
+            config,
+            self.max_seq_len,
+            self._warm_up_for_sizing,
+            graph_pool=self._takes_mixed_graphs(),
+        )
         if self.tp.enabled:  # block ids address every rank's pool: the least of them
-            blocks = torch.tensor(self.kv_group_blocks)
-            self.tp.cpu_group.allreduce([blocks], dist_min()).wait()
-            self.kv_group_blocks = blocks.tolist()
+            self.kv_group_blocks = self.tp.min_over_ranks(self.kv_group_blocks)
         # The block ids every group's pool has (a bare sequence's: `Chunk.of_sequence`).
         self.num_kv_blocks = min(self.kv_group_blocks)
         self.kv_cache, self.kv_scales = self.kv_layout.allocate(self.kv_group_blocks)
@@ -198,10 +162,10 @@ class ModelRunner:
             self._warm_up_eager()
         self.decode_graphs = self._capture_decode_graphs()
         self.mixed_graphs = self._capture_mixed_graphs()
-        if self.workers is not None:
+        if self.sender is not None:
             self.workers.on_death = lambda message: self.on_fatal(message)
             # From now on the workers follow (a warm-up step ran on every rank by itself).
-            self._sends_steps = True
+            self.sender.sending = True
         log.info(
             "model %s on %s (%s): %s KV blocks x %d tokens (%s), max_seq_len %d, attention %s%s",
             self.model_dir,
@@ -240,7 +204,7 @@ class ModelRunner:
         tensor-parallel workers. The runner is unusable afterwards."""
         if self.workers is not None:
             self.workers.stop(self.tp if self.tp.enabled else None)
-            self.workers = None
+            self.workers = self.sender = None
         self.tp.close()
         self.decode_graphs = self.mixed_graphs = None
         self.model = self.kv_cache = self.kv_scales = None
@@ -266,22 +230,11 @@ class ModelRunner:
         rows = None
         if prompt_logprobs:
             rows = prompt_rows(chunks, accumulate((c.num_tokens for c in chunks), initial=0))
-        if self.workers is None:
+        if self.sender is None:
             return self._execute(chunks, in_flight_ids, banned_ids, rows)
-        self._step_sent = False
-        try:
-            return self._execute(chunks, in_flight_ids, banned_ids, rows)
-        except TensorParallelError as exc:
-            raise self.explain(exc) from exc
-        except Exception as exc:
-            if not self._step_sent:  # nothing reached the workers: this step's requests' fault
-                raise
-            # The workers are inside a step rank 0 left: their collectives would pair wrongly.
-            raise TensorParallelError(f"rank 0 failed inside a tensor-parallel step: {exc!r}")
+        return self.sender.run(lambda: self._execute(chunks, in_flight_ids, banned_ids, rows))
 
     def _execute(self, chunks, in_flight_ids, banned_ids, rows) -> StepLogits:
-        if self.workers is not None and self.workers.dead:
-            raise TensorParallelError(self.workers.dead)
         spans = [(r.first_row, len(r.targets)) for r in rows] if self.tp.enabled and rows else []
         inputs = self.prepare(
             chunks, in_flight_ids, banned_ids, allow_graph=not rows, prompt_spans=spans
@@ -293,7 +246,7 @@ class ModelRunner:
             if inputs.graph_tokens:
                 hidden = self.mixed_graphs.replay(inputs.graph_tokens)
             else:
-                hidden = self._run_model(inputs)
+                hidden = self.run_model(inputs)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             prompt = (
                 compute_prompt_logprobs(self.model.compute_logits, hidden, rows) if rows else None
@@ -301,34 +254,10 @@ class ModelRunner:
             return StepLogits(logits, None, prompt=prompt)
 
     def follow(self) -> None:
-        """A tensor-parallel worker: run the steps rank 0 sends, computing what its forward
-        pass and logits compute (their collectives pair up), until rank 0 stops."""
-        with torch.inference_mode():
-            while (step := tp_workers.receive_step(self.tp)) is not None:
-                command, arrays, spans = step
-                if command == tp_workers.GRAPH_STEP:
-                    self._follow_graph_step(arrays)
-                    continue
-                inputs = self._device_inputs(arrays)
-                hidden = self._run_model(inputs)
-                self.model.compute_logits(hidden[inputs.logits_indices])
-                if spans:  # the same slices as rank 0's, for nobody
-                    unused = PromptLogprobs(0, 0)
-                    compute_prompt_logprobs(
-                        self.model.compute_logits,
-                        hidden,
-                        [PromptRows(unused, [0] * n, first) for first, n in spans],
-                    )
+        """A tensor-parallel worker: run the steps rank 0 sends until it stops."""
+        tensor_parallel_steps.follow(self)
 
-    def _follow_graph_step(self, arrays: list[np.ndarray]) -> None:
-        """Stage and replay the decode step rank 0 replays (`tp_workers.GraphStep`)."""
-        graphs, step = self.decode_graphs, tp_workers.GraphStep.from_arrays(arrays)
-        self._stage(step, None if step.in_flight is None else graphs.sampled_ids)  # own argmax
-        if step.ids_sent:
-            self.tp.broadcast(graphs.sampled_ids)
-        graphs.replay(len(step.input_ids))
-
-    def _stage(self, step: tp_workers.GraphStep, previous_ids: torch.Tensor | None):
+    def stage_graph_step(self, step: GraphStep, previous_ids: torch.Tensor | None):
         """Write `step` into the decode graphs' next slot (`DecodeGraphs.stage`)."""
         return self.decode_graphs.stage(
             step.input_ids,
@@ -341,15 +270,7 @@ class ModelRunner:
             step.banned_ids,
         )
 
-    def _send_graph_step(self, step: tp_workers.GraphStep) -> None:
-        """Rank 0: the decode step just staged into the graphs, to the workers, and the
-        previous ids the inputs in flight read when they are not the graphs' own argmax."""
-        tp_workers.send_step(self.tp, step.arrays(), [], tp_workers.GRAPH_STEP)
-        self._step_sent = True
-        if step.ids_sent:
-            self.tp.broadcast(self.decode_graphs.sampled_ids)
-
-    def _run_model(self, inputs: StepInputs) -> torch.Tensor:
+    def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The eager forward pass (prefill chunks, mixed batches, CPU)."""
         scales = {} if self.kv_scales is None else {"kv_scales": self.kv_scales}
         return self.model(
@@ -456,7 +377,7 @@ class ModelRunner:
             own = in_flight_ids is not None and (
                 in_flight_ids.data_ptr() == graphs.sampled_ids.data_ptr()
             )
-            step = tp_workers.GraphStep(
+            step = GraphStep(
                 packed.input_ids,
                 packed.positions,
                 packed.slots,
@@ -466,9 +387,9 @@ class ModelRunner:
                 banned_ids,
                 ids_sent=in_flight is not None and not own,
             )
-            meta = self._stage(step, in_flight_ids)
-            if self._sends_steps:
-                self._send_graph_step(step)
+            meta = self.stage_graph_step(step, in_flight_ids)
+            if self.sender is not None:
+                self.sender.send(step, previous_ids=graphs.sampled_ids)
             return StepInputs(
                 graphs.input_ids[:n],
                 graphs.positions[:n],
@@ -487,161 +408,31 @@ class ModelRunner:
                 mixed.logits_indices[: packed.logits_indices.size],
                 graph_tokens=size,
             )
-        arrays = [
-            packed.input_ids,
-            packed.positions,
-            packed.slots,
-            packed.query_start_loc.astype(np.int32),
-            packed.seq_lens.astype(np.int32),
-            packed.block_tables.astype(np.int32),
-            packed.logits_indices,
-        ]
-        if in_flight is not None:
-            chunks_in_flight = np.flatnonzero(in_flight >= 0)
-            arrays.append((packed.query_start_loc[1:] - 1)[chunks_in_flight])
-        if self._sends_steps:
-            tp_workers.send_step(self.tp, arrays, list(prompt_spans))
-            self._step_sent = True
-        if in_flight is not None:
-            arrays.append(in_flight[chunks_in_flight])
-        return self._device_inputs(arrays, in_flight_ids)
+        step = eager_step(packed)
+        if self.sender is not None:
+            self.sender.send(step, prompt_spans)
+        return self.device_inputs(step, in_flight_ids)
 
-    def _device_inputs(
-        self, arrays: list[np.ndarray], in_flight_ids: torch.Tensor | None = None
+    def device_inputs(
+        self, step: EagerStep, in_flight_ids: torch.Tensor | None = None
     ) -> StepInputs:
-        """A step's packed host arrays (`prepare`'s, or those rank 0 sent) on the device. The
-        ids of the rows in flight come from `in_flight_ids` (by the last array's rows), or from
-        rank 0 when tensor parallel."""
-        ids_d, pos_d, slots_d, qsl_d, seq_d, bt_d, li_d, *fill = self._staging.to_device(arrays)
-        num_groups, total, n = len(self.kv_group_blocks), arrays[0].size, arrays[4].size
-        if fill:
-            if len(fill) == 2:
-                filled = in_flight_ids[fill[1]].to(torch.int64)
-            else:  # a worker
-                filled = torch.empty(fill[0].shape, dtype=torch.int64, device=self.device)
-            if self.tp.enabled:
-                self.tp.broadcast(filled)
-            ids_d[fill[0]] = filled
-        query_lens = np.diff(arrays[3])
-        seq_lens = arrays[4]
-        meta = AttentionMetadata(
-            slot_mapping=slots_d[:total],
-            query_start_loc=qsl_d,
-            seq_lens=seq_d,
-            block_tables=bt_d[:n],
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_lens_cpu=query_lens.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-        )
-        meta.groups = tuple(
-            replace(
-                meta,
-                slot_mapping=slots_d[g * total : (g + 1) * total],
-                block_tables=bt_d[g * n : (g + 1) * n],
-            )
-            for g in range(1, num_groups)
-        )
-        return StepInputs(ids_d, pos_d, meta, li_d)
-
-    # ---- sizing ------------------------------------------------------------------------------
-    def _pick_max_seq_len(self) -> int:
-        mc = self.model_config
-        limit = mc.max_context
-        requested = self.config.max_seq_len
-        if requested is None:  # decode steps cost what their contexts hold, not the capacity
-            return limit
-        if requested > mc.max_position_embeddings:
-            raise ValueError(
-                f"max_seq_len {requested} exceeds the model's "
-                f"max_position_embeddings {mc.max_position_embeddings}"
-            )
-        return min(requested, limit)
+        """An eager step on the device (`step_inputs.eager_inputs`)."""
+        num_groups = len(self.kv_group_blocks)
+        return eager_inputs(step, self._staging, num_groups, self.tp, in_flight_ids)
 
     def kv_block_bytes(self) -> int:
         return self.kv_layout.block_bytes()
 
-    def _pick_kv_group_blocks(self) -> list[int]:
-        """Each KV cache group's blocks (`KVCacheLayout.share`) from the budget in blocks of
-        every layer: `max_tokens_in_paged_kv_cache`, free GPU memory, or the CPU default."""
-        per_seq = -(-min(self.max_seq_len, CPU_KV_CACHE_SEQ_LEN) // self.tokens_per_block)
-        if self.config.max_tokens_in_paged_kv_cache is not None:
-            budget = -(-self.config.max_tokens_in_paged_kv_cache // self.tokens_per_block)
-        elif self.device.type == "cuda":
-            budget = self._blocks_from_free_memory()
-        else:
-            cap = CPU_KV_CACHE_CAP_BYTES // self.kv_block_bytes()
-            budget = min(self.config.max_batch_size * per_seq, cap)
-        return self.kv_layout.share(budget, self.max_seq_len, self.config.max_num_tokens)
-
-    def _blocks_from_free_memory(self) -> int:
-        """Warm up at max_num_tokens with a temporary cache, then size the real one."""
-        total = min(self.config.max_num_tokens, self.config.max_batch_size * self.max_seq_len)
-        lengths = [self.max_seq_len] * (total // self.max_seq_len)
-        if total % self.max_seq_len:
-            lengths.append(total % self.max_seq_len)
-        chunks, next_block = [], 0
-        num_groups = len(self.model_config.kv_cache_groups)
-        for n in lengths:
-            blocks = list(range(next_block, next_block + -(-n // self.tokens_per_block)))
-            chunks.append(Chunk.of_sequence([0] * n, blocks))
-            next_block += len(blocks)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        self.kv_group_blocks = [next_block] * num_groups  # prepare() reads the group count
-        self.kv_cache, self.kv_scales = self.kv_layout.allocate(self.kv_group_blocks)
-        warmup_cache_bytes = next_block * self.kv_block_bytes()
+    def _warm_up_for_sizing(self, chunks: list[Chunk], group_blocks: list[int]) -> None:
+        """`kv_cache_memory.WarmUp`: the largest step on a temporary cache of `group_blocks`, and
+        the logits of a full decode batch."""
+        self.kv_group_blocks = group_blocks  # prepare() reads the group count
+        self.kv_cache, self.kv_scales = self.kv_layout.allocate(group_blocks)
         self.execute(chunks)
-        rows = min(self.config.max_batch_size, total)
-        with torch.inference_mode():  # logits of a full decode batch
-            self.model.compute_logits(
-                torch.zeros(
-                    rows, self.model_config.hidden_size, dtype=self.dtype, device=self.device
-                )
+        rows = min(self.config.max_batch_size, sum(c.num_tokens for c in chunks))
+        with torch.inference_mode():
+            hidden = torch.zeros(
+                rows, self.model_config.hidden_size, dtype=self.dtype, device=self.device
             )
-        torch.cuda.synchronize(self.device)
-        activations = torch.cuda.max_memory_allocated(self.device) - base - warmup_cache_bytes
+            self.model.compute_logits(hidden)
         self.kv_cache = self.kv_scales = None
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info(self.device)
-        # The mixed-step graphs keep a step's activations in a pool of their own: set aside twice.
-        reserved = activations * (2 if self._takes_mixed_graphs() else 1)
-        budget = (free - reserved) * self.config.kv_cache_free_gpu_mem_fraction
-        log.info(
-            "warm-up: %.2f GiB peak activations, %.2f GiB free, %.2f GiB for the KV cache",
-            activations / 2**30,
-            free / 2**30,
-            budget / 2**30,
-        )
-        return int(budget // self.kv_block_bytes())
-
-
-def check_kv_dtype(kv_dtype: torch.dtype, attention: str, device: torch.device) -> None:
-    """Raise ValueError for an fp8 cache the Triton kernels cannot convert on this GPU."""
-    if (
-        kv_dtype == torch.float8_e4m3fn
-        and attention == "triton"
-        and device.type == "cuda"
-        and torch.cuda.get_device_capability(device) < (8, 9)
-    ):
-        raise ValueError(
-            "kv_cache_dtype 'fp8' needs compute capability 8.9 or newer with the triton "
-            "attention backend (float8 e4m3 conversions): use 'int8' or attention_backend 'torch'"
-        )
-
-
-def check_split(mc: ModelConfig, tp: TensorParallel) -> int:
-    """Raise ValueError naming what `tp` cannot split evenly; -> the KV heads of a rank."""
-    kv_heads = tp.kv_heads(mc.num_heads, mc.num_kv_heads)[1]
-    tp.part(mc.intermediate_size, "intermediate size")
-    return kv_heads
-
-
-def dist_min():
-    import torch.distributed as dist
-
-    options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MIN
-    return options

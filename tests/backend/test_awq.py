@@ -15,7 +15,6 @@ import torch
 from backend.config import EngineConfig
 from backend.engine.executor import Executor
 from backend.loading.model_paths import resolve_model
-from backend.loading.weight_formats import declared_quantization
 from backend.model_config import ModelConfig
 from backend.quantization.awq import output_error, search_scales
 from backend.quantization.awq_checkpoint import (
@@ -28,6 +27,7 @@ from backend.quantization.int4_packing import dequantize_groups, quantize_groups
 from backend.sampling_params import SamplingParams
 from backend.tools.awq_calibration import main
 from backend.tools.calibration import calibrate, calibration_prompts
+from backend.weight_formats import declared_quantization
 from benchmarks import quality_corpus
 from preprocessing.tokenizer import load_tokenizer
 from tests.quantized_checkpoints import quantized_checkpoint

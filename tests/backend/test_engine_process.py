@@ -20,6 +20,7 @@ from backend.process.outbox import MIDDLE_FIELDS, Outbox, output_values
 from backend.request import FinishReason, RequestOutput
 from backend.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model, random_prompts
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +167,7 @@ def test_cancel_ends_a_request_as_cancelled(engine):
     engine.submit(
         "cancel-me", [3, 4, 5], SamplingParams(max_tokens=250, ignore_end_id=True), outputs
     )
-    while not outputs.items:
-        time.sleep(0.01)
+    wait_until(lambda: outputs.items, "the first token")
     assert engine.cancel("cancel-me")
     assert outputs.wait().finish_reason == FinishReason.CANCELLED
     assert not engine.cancel("cancel-me")  # no longer in flight
@@ -215,15 +215,16 @@ def test_a_handle_without_a_receiver_thread_delivers_in_its_callers_pump(tiny_di
 
         process.submit("pumped", prompt, greedy, on_output)
         deadline = time.monotonic() + 60
-        while not outputs.done.is_set() and time.monotonic() < deadline:
+        while not outputs.done.is_set():
+            assert time.monotonic() < deadline, "timed out waiting for the pumped request"
             assert process.pump(0.1)
         assert outputs.token_ids == expected
         assert threads == {threading.get_ident()}
         doomed = Outputs()
         process.submit("doomed", prompt, SamplingParams(max_tokens=250, ignore_end_id=True), doomed)
         os.kill(process.process.pid, signal.SIGKILL)
-        while process.pump(0.1) and time.monotonic() < deadline:
-            pass
+        while process.pump(0.1):
+            assert time.monotonic() < deadline, "pump went on delivering after the engine died"
         assert not process.pump(0.0)
         assert doomed.wait(timeout=1).finish_reason == FinishReason.ERROR
     finally:
@@ -325,9 +326,7 @@ def test_sigterm_drains_the_engine(tiny_dir):
         process.submit(
             "long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_end_id=True), running
         )
-        deadline = time.monotonic() + 60
-        while not running.items and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: running.items, "the first token")
         os.kill(process.process.pid, signal.SIGTERM)
         final = running.wait(timeout=10)
         assert final.rejected == "shutting_down" and "shutting down" in final.error

@@ -13,10 +13,12 @@ import pytest
 from backend import generate
 from backend.config import EngineConfig
 from backend.engine.executor import Executor, QueueFullError
+from backend.engine.step_runner import StepRunner
 from backend.request import FinishReason
 from backend.runner.model_runner import ModelRunner
 from backend.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model, random_prompts
+from tests.waiting import wait_until
 
 POISON = 7  # prompts containing this token make the faulty runner below raise
 
@@ -114,13 +116,16 @@ def test_context_iterations_count_the_steps_that_compute_a_prompt(tiny_dir):
     assert 0 <= stats.device_wait_seconds < stats.step_seconds
 
 
+def test_the_model_runner_is_what_the_engine_needs_of_a_runner(executor):
+    assert isinstance(executor.runner, ModelRunner) and isinstance(executor.runner, StepRunner)
+
+
 def test_cancel_frees_blocks_and_sends_final(executor):
     collector = Collector()
     executor.submit(
         "long", [3, 4, 5, 6], SamplingParams(max_tokens=200, ignore_end_id=True), collector
     )
-    while not collector.outputs:
-        pass
+    wait_until(lambda: collector.outputs, "the long request's first output", poll_s=0)
     assert executor.cancel("long")
     final = collector.final
     assert final.finished and final.finish_reason == FinishReason.CANCELLED
@@ -180,8 +185,7 @@ def test_queue_full_is_refused_explicitly(tiny_dir):
     try:
         first, second = Collector(), Collector()
         ex.submit("a", [3, 4], SamplingParams(max_tokens=100, ignore_end_id=True), first)
-        while not first.outputs:
-            pass
+        wait_until(lambda: first.outputs, "the first request's first output", poll_s=0)
         ex.submit("b", [3, 4], SamplingParams(max_tokens=2), second)
         with pytest.raises(QueueFullError, match="max_queue_size=1"):
             ex.submit("c", [3, 4], SamplingParams(max_tokens=2), Collector())

@@ -19,7 +19,7 @@ from backend.config import EngineConfig
 from backend.engine.executor import Executor
 from backend.layers import Embedding, Linear
 from backend.loading.gguf_weights import GGUFTensor, hf_name
-from backend.loading.model_loader import load_gguf_tensors, load_model, weight_bytes
+from backend.loading.model_loader import LoadSpec, load_gguf_tensors, load_model, weight_bytes
 from backend.loading.model_paths import default_gguf_path, kept_gguf, resolve_model
 from backend.model_config import ModelConfig
 from backend.models.hf_weights import weight_targets
@@ -75,8 +75,10 @@ def test_kept_blocks_are_the_float32_checkpoints_weights():
     assert config == ModelConfig.from_dir(float_dir)
     assert not any(p.endswith(".safetensors") for p in os.listdir(config_dir))
     attention = get_attention_backend("torch", CPU)
-    kept = load_model(config_dir, CPU, torch.float32, attention, 64, config, default_gguf_path())
-    dense = load_model(float_dir, CPU, torch.float32, attention, 64, config)
+    kept = load_model(
+        LoadSpec(config_dir, CPU, torch.float32, attention, 64, config, default_gguf_path())
+    )
+    dense = load_model(LoadSpec(float_dir, CPU, torch.float32, attention, 64, config))
     layers = [m for m in kept.modules() if isinstance(m, Linear)]
     assert all(m.quant_type == "Q4_1" for m in layers if m is not kept.lm_head)
     assert kept.lm_head.qweight is kept.model.embed_tokens.qweight  # tied: one copy of the blocks

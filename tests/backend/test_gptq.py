@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from backend.loading.model_paths import resolve_model
-from backend.loading.weight_formats import declared_quantization
 from backend.quantization import Fp8Weight
 from backend.quantization.gptq import gptq_fp8, gptq_quantize, write_gptq_checkpoint
 from backend.quantization.int4_packing import dequantize_groups as dequantize
 from backend.quantization.int4_packing import quantize_groups
 from backend.tools.calibration import calibration_prompts
 from backend.tools.gptq_calibration import calibrate, main
+from backend.weight_formats import declared_quantization
 from benchmarks import quality_corpus
 from preprocessing.tokenizer import load_tokenizer
 from tests.backend.test_quantization import WIDE, _load, _projections, _tokens

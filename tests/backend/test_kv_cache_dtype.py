@@ -8,7 +8,7 @@ import pytest
 
 from backend.config import EngineConfig
 from backend.engine.executor import Executor
-from backend.runner import model_runner
+from backend.runner import kv_cache_memory
 from backend.sampling_params import SamplingParams
 
 PROMPTS = [
@@ -113,7 +113,7 @@ def test_a_quantized_cache_holds_more_blocks_in_the_same_memory(tiny_hf_model, m
     float32's blocks and 1.94x bfloat16's. The metric's `max` (the pool's size, through the
     executor's stats) follows, and the tensors allocated fit the budget."""
     budget = 1 << 20
-    monkeypatch.setattr(model_runner, "CPU_KV_CACHE_CAP_BYTES", budget)
+    monkeypatch.setattr(kv_cache_memory, "CPU_KV_CACHE_CAP_BYTES", budget)
     _, path = tiny_hf_model("llama", hidden_size=128, head_dim=64, num_attention_heads=2)
     blocks = {}
     for dtype, kv_cache_dtype in [

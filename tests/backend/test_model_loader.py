@@ -13,7 +13,7 @@ from backend.attention import AttentionMetadata, get_attention_backend
 from backend.config import EngineConfig
 from backend.engine.executor import Executor
 from backend.loading import gguf_convert
-from backend.loading.model_loader import build_model, iter_safetensors, load_model
+from backend.loading.model_loader import LoadSpec, build_model, iter_safetensors, load_model
 from backend.loading.model_paths import default_gguf_path, resolve_model
 from backend.loading.presets import PRESETS, init_random_weights
 from backend.model_config import ModelConfig
@@ -79,7 +79,7 @@ def test_hf_directory_sharded_loads_and_matches_transformers(tiny_hf_model, tmp_
 
 def test_bfloat16_load_casts_weights(tiny_hf_model):
     hf, path = tiny_hf_model("qwen2")
-    model = load_model(str(path), torch.device("cpu"), torch.bfloat16, TORCH, 64)
+    model = load_model(LoadSpec(str(path), torch.device("cpu"), torch.bfloat16, TORCH, 64))
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     qkv = model.model.layers[1].self_attn.qkv_proj
     k_rows = qkv.shards["k_proj"]

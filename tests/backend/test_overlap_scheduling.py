@@ -19,6 +19,7 @@ from backend.scheduling.scheduler import Scheduler
 from tests.backend.test_executor import POISON, Collector
 from tests.hf_reference import hf_greedy
 from tests.tiny_models import TINY, TINY_CONFIGS, make_tiny_model, random_prompts
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -291,8 +292,7 @@ def test_cancel_with_overlap_delivers_real_tokens_and_frees_blocks(tiny_dir):
         executor.submit(
             "long", prompt, SamplingParams(max_tokens=150, ignore_end_id=True), collector
         )
-        while len(collector.outputs) < 3:
-            pass
+        wait_until(lambda: len(collector.outputs) >= 3, "three outputs", poll_s=0)
         assert executor.cancel("long")
         final = collector.final
         assert final.finish_reason == FinishReason.CANCELLED

@@ -7,6 +7,7 @@ fp8: of the same weights quantized at load)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -16,10 +17,10 @@ import torch.nn.functional as F
 from backend.attention import get_attention_backend
 from backend.config import EngineConfig
 from backend.layers import Linear
-from backend.loading.model_loader import load_model, weight_bytes
-from backend.loading.weight_formats import declared_quantization, pick_quantization
+from backend.loading.model_loader import LoadSpec, load_model, weight_bytes
 from backend.quantization import Fp8Weight, Int4Weight, Int8Weight
 from backend.quantization.fp8 import quantize_rows
+from backend.weight_formats import declared_quantization, pick_quantization
 from tests.backend.test_engine_fidelity import serve
 from tests.quantized_checkpoints import (
     dequantized_checkpoint,
@@ -35,7 +36,9 @@ PROMPTS = random_prompts(6, 640, seed=3, high=40)
 
 def _load(model_dir, quantization="none"):
     attention = get_attention_backend("torch", CPU)
-    return load_model(str(model_dir), CPU, torch.float32, attention, 256, None, None, quantization)
+    return load_model(
+        LoadSpec(str(model_dir), CPU, torch.float32, attention, 256, quantization=quantization)
+    )
 
 
 def _tokens(model_dir, quantization="none", **config) -> list[list[int]]:
@@ -242,7 +245,11 @@ def test_building_a_repository_checks_the_format_first(tiny_hf_model, tmp_path, 
     assert main(argv + ["--out", str(tmp_path / "int8"), "--quantization", "int8_wo"]) == 0
     for quantization in ("none", "auto", "gguf", "int8_wo", "fp8"):
         check_quantization("default", quantization)
-    with pytest.raises(ValueError, match="'int4_gptq' needs a checkpoint directory that declares"):
+    with pytest.raises(
+        ValueError,
+        match="'int4_gptq' needs a checkpoint whose config.json declares it .*"
+        "'default' is not a checkpoint directory",
+    ):
         check_quantization("default", "int4_gptq")
 
 
@@ -277,7 +284,9 @@ def test_a_bfloat16_model_keeps_4bit_scales_whose_products_are_its_dequantized_w
     _, directory = tiny_hf_model("llama", **WIDE)
     attention = get_attention_backend("torch", CPU)
     dense, rounded = (
-        load_model(str(directory), CPU, torch.bfloat16, attention, 256, None, None, quantization)
+        load_model(
+            LoadSpec(str(directory), CPU, torch.bfloat16, attention, 256, quantization=quantization)
+        )
         for quantization in ("none", "int4_wo")
     )
     changed = 0
@@ -299,13 +308,15 @@ def test_excluded_projections_stay_float_and_the_rest_is_quantized(tiny_hf_model
     attention = get_attention_backend("torch", CPU)
     dense = _load(directory)
     kept = load_model(
-        str(directory),
-        CPU,
-        torch.float32,
-        attention,
-        256,
-        quantization="fp8",
-        exclude=("layers.0.", "down_proj"),
+        LoadSpec(
+            str(directory),
+            CPU,
+            torch.float32,
+            attention,
+            256,
+            quantization="fp8",
+            exclude=("layers.0.", "down_proj"),
+        )
     )
     for name, layer in _projections(kept).items():
         if "layers.0." in name or "down_proj" in name:
@@ -346,7 +357,15 @@ def test_quantize_lm_head_gives_a_tied_head_its_own_copy(tiny_hf_model, quantiza
     dense = _load(directory)
     attention = get_attention_backend("torch", CPU)
     kept = load_model(
-        str(directory), CPU, torch.float32, attention, 256, None, None, quantization, lm_head=True
+        LoadSpec(
+            str(directory),
+            CPU,
+            torch.float32,
+            attention,
+            256,
+            quantization=quantization,
+            quantize_lm_head=True,
+        )
     )
     head = kept.lm_head.quantized
     assert isinstance(head, kind) and kept.lm_head.weight is None
@@ -380,10 +399,18 @@ def test_fp8_fast_accumulation_reaches_every_fp8_weight(tiny_hf_model):
     without fp8 weights, naming the field."""
     _, directory = tiny_hf_model("llama", **WIDE)
     attention = get_attention_backend("torch", CPU)
-    args = (str(directory), CPU, torch.float32, attention, 256, None, None, "fp8")
-    plain = load_model(*args, lm_head=True)
+    spec = LoadSpec(
+        str(directory),
+        CPU,
+        torch.float32,
+        attention,
+        256,
+        quantization="fp8",
+        quantize_lm_head=True,
+    )
+    plain = load_model(spec)
     assert not any(getattr(m, "fast_accumulation", False) for m in plain.modules())
-    fast = load_model(*args, lm_head=True, fp8_fast_accumulation=True)
+    fast = load_model(dataclasses.replace(spec, fp8_fast_accumulation=True))
     weights = [m for m in fast.modules() if isinstance(m, Fp8Weight)]
     assert len(weights) == 9  # qkv, o, gate|up and down of each of 2 layers, and the head
     assert all(w.fast_accumulation for w in weights)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 import uuid
 
 import pytest
@@ -17,6 +16,7 @@ from backend.request import FinishReason
 from backend.sampling_params import SamplingParams
 from tests.backend.test_engine_process import Outputs, config_for
 from tests.tiny_models import make_tiny_model, random_prompts
+from tests.waiting import wait_until
 
 LONG = SamplingParams(max_tokens=240, ignore_end_id=True)
 
@@ -32,15 +32,8 @@ def unique_name() -> str:
     return f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
-
 def first_token(outputs: Outputs) -> None:
-    wait_until(lambda: outputs.items)
+    wait_until(lambda: outputs.items, "the first token")
 
 
 def test_handles_started_together_share_one_engine_and_get_its_exact_outputs(tiny_dir):
@@ -72,12 +65,16 @@ def test_handles_started_together_share_one_engine_and_get_its_exact_outputs(tin
             assert outputs.wait().finish_reason == FinishReason.LENGTH
             assert outputs.token_ids == result["token_ids"]
         for handle in handles:  # each gets the engine's statistics
-            wait_until(lambda h=handle: h.stats() and h.stats().num_completed >= len(prompts))
+            wait_until(
+                lambda h=handle: h.stats() and h.stats().num_completed >= len(prompts),
+                "every request completed",
+            )
     finally:
         owner = next(h for h in handles if h.owner)
         for handle in handles:
             handle.shutdown()
-    wait_until(lambda: owner.process.poll() is not None)  # the last handle's detach ends it
+    # the last handle's detach ends it
+    wait_until(lambda: owner.process.poll() is not None, "the engine process to exit")
     assert owner.process.returncode == 0
 
 
@@ -98,7 +95,10 @@ def test_the_engine_outlives_its_starter_and_exits_after_the_last_handle(tiny_di
     assert starter.process.poll() is None, "another handle still drives it"
     final = theirs.wait(120)
     assert final.finish_reason == FinishReason.LENGTH and len(theirs.token_ids) == 240
-    wait_until(lambda: other.stats().num_cancelled == 1 and other.stats().kv.used_blocks == 0)
+    wait_until(
+        lambda: other.stats().num_cancelled == 1 and other.stats().kv.used_blocks == 0,
+        "the cancelled request's blocks freed",
+    )
     late = Outputs()  # a handle attached after the starter left still gets its requests served
     third = EngineProcess.shared(config, name)
     assert not third.owner
@@ -106,7 +106,7 @@ def test_the_engine_outlives_its_starter_and_exits_after_the_last_handle(tiny_di
     assert late.wait().finish_reason == FinishReason.LENGTH
     third.shutdown()
     other.shutdown()
-    wait_until(lambda: starter.process.poll() is not None)
+    wait_until(lambda: starter.process.poll() is not None, "the engine process to exit")
     assert starter.process.returncode == 0
 
 
@@ -119,7 +119,7 @@ def test_a_stop_reaches_the_other_handles(tiny_dir):
         a.on_stop_user = asked.append
         b.on_stop_user = lambda user_id: pytest.fail("the sender is not told its own stop")
         b.stop_user("client-7")
-        wait_until(lambda: asked == ["client-7"])
+        wait_until(lambda: asked == ["client-7"], "the client's request")
     finally:
         b.shutdown()
         a.shutdown()
