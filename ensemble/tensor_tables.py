@@ -16,7 +16,9 @@ from pathlib import Path
 
 from ensemble.tensors import ENSEMBLE, TENSORRT_LLM, Tensor
 
-BEGIN = "<!-- tensor tables: written by `python -m ensemble.tensor_tables --write docs/tensors.md` -->"
+BEGIN = (
+    "<!-- tensor tables: written by `python -m ensemble.tensor_tables --write docs/tensors.md` -->"
+)
 END = "<!-- end of tensor tables -->"
 
 _SAMPLING = (
@@ -177,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--write", type=Path, help="a page holding the block (docs/tensors.md): replace it in place")
+    p.add_argument(
+        "--write", type=Path, help="a page holding the block (docs/tensors.md): replace it in place"
+    )
     args = p.parse_args(argv)
     if args.write is None:
         print(render())

@@ -412,7 +412,7 @@ def _merge(base: dict, override: dict) -> dict:
     return merged
 
 
-# ---- command line ---------------------------------------------------------------------------------
+# ---- command line -------------------------------------------------------------------------------
 def set_value(values: dict, assignment: str) -> None:
     """`a.b=c` into values, as `helm --set` reads it (the value a YAML scalar)."""
     path, sep, text = assignment.partition("=")

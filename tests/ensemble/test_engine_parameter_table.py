@@ -1,5 +1,6 @@
-"""The engine-parameter table of docs/configuration.md names every EngineConfig field once, with its default
-(the table's words for a default that depends on the machine: "auto", "unset", "on for CUDA")."""
+"""The engine-parameter table of docs/configuration.md names every EngineConfig field once, with
+its default (the table's words for a default that depends on the machine: "auto", "unset",
+"on for CUDA")."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def table_rows() -> dict[str, str]:
 def test_every_engine_field_is_in_the_table_once_with_its_default():
     rows = table_rows()
     defaults = {f.name: f.default for f in fields(EngineConfig)}
-    assert set(rows) == set(defaults), "docs/configuration.md engine parameters differ from EngineConfig"
+    assert set(rows) == set(defaults), "docs/configuration.md's parameters differ from EngineConfig"
     for name, default in defaults.items():
         written = rows[name].strip("`")
         if default in WORDS:

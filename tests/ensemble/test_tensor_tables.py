@@ -1,5 +1,5 @@
-"""The tensor tables of docs/tensors.md list exactly the tensors ensemble/tensors.py defines (the configs'
-source), with their types and shapes."""
+"""The tensor tables of docs/tensors.md list exactly the tensors ensemble/tensors.py defines (the
+configs' source), with their types and shapes."""
 
 from __future__ import annotations
 
