@@ -1,4 +1,5 @@
-"""Plots of committed results (PNG beside the JSON), and the README's headline table.
+"""Plots of committed results (PNG beside the JSON), and the headline table's rows
+(benchmarks/README.md).
 
 python -m benchmarks.plot benchmarks/results
 """

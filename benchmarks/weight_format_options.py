@@ -1,5 +1,4 @@
-"""The weight-format and KV-cache-dtype options the benchmarks share (README, "Weight formats",
-"KV cache dtype")."""
+"""The weight-format and KV-cache-dtype options the benchmarks share (docs/weight-formats.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from backend.weight_formats import QUANTIZATIONS
 
 
 def add_weight_format_options(
-    parser: argparse.ArgumentParser, help: str = "weight format (README, Weight formats)"
+    parser: argparse.ArgumentParser, help: str = "weight format (docs/weight-formats.md)"
 ) -> None:
     """--quantization (one of the engine's formats), --quantize-lm-head and
     --fp8-fast-accumulation."""
@@ -19,7 +18,7 @@ def add_weight_format_options(
     parser.add_argument(
         "--fp8-fast-accumulation",
         action="store_true",
-        help="fp8 GEMMs of many rows sum without promoting (README, FP8 fast accumulation)",
+        help="fp8 GEMMs of many rows sum without promoting (docs/weight-formats.md)",
     )
 
 
@@ -37,5 +36,5 @@ def add_kv_cache_dtype_option(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
-        help="what the KV cache stores (README, KV cache dtype); auto: the model dtype",
+        help="what the KV cache stores (docs/weight-formats.md); auto: the model dtype",
     )

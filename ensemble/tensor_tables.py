@@ -1,9 +1,10 @@
-"""The README's request/response tables of `ensemble` and `tensorrt_llm`, written from tensors.py.
+"""The request/response tables of `ensemble` and `tensorrt_llm` (docs/tensors.md), written from
+tensors.py.
 
-  python -m ensemble.tensor_tables                     # print the tables
-  python -m ensemble.tensor_tables --write README.md   # replace them in the README
+  python -m ensemble.tensor_tables                           # print the tables
+  python -m ensemble.tensor_tables --write docs/tensors.md   # replace them in the page
 
-A test holds the README's block equal to `render()`, so the tables cannot drift from the
+A test holds the page's block equal to `render()`, so the tables cannot drift from the
 configs; a tensor without a meaning below makes `render()` fail.
 """
 
@@ -15,7 +16,9 @@ from pathlib import Path
 
 from ensemble.tensors import ENSEMBLE, TENSORRT_LLM, Tensor
 
-BEGIN = "<!-- tensor tables: written by `python -m ensemble.tensor_tables --write README.md` -->"
+BEGIN = (
+    "<!-- tensor tables: written by `python -m ensemble.tensor_tables --write docs/tensors.md` -->"
+)
 END = "<!-- end of tensor tables -->"
 
 _SAMPLING = (
@@ -157,7 +160,7 @@ TABLES = (
 
 
 def render() -> str:
-    """The README block, markers included."""
+    """The page's block, markers included."""
     parts = [BEGIN]
     for title, tensors in TABLES:
         parts += [f"**{title}**", table(tensors)]
@@ -176,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--write", type=Path, help="a README holding the block: replace it in place")
+    p.add_argument(
+        "--write", type=Path, help="a page holding the block (docs/tensors.md): replace it in place"
+    )
     args = p.parse_args(argv)
     if args.write is None:
         print(render())

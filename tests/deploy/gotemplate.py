@@ -7,12 +7,18 @@ uses: actions with `{{-`/`-}}` trimming, comments, pipelines, `if`/`else if`/`el
 (with `$key, $value :=`), `with`, `define`/`include`, and the functions in FUNCTIONS. Anything
 else raises TemplateError, so the chart cannot drift into syntax this renderer would render
 wrongly without a test failing.
+
+As a command it prints a chart's manifests as `helm template` does, where no helm is installed:
+
+  python -m tests.deploy.gotemplate deploy/helm/tritonllm --set engine.max_batch_size=128
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -404,3 +410,47 @@ def _merge(base: dict, override: dict) -> dict:
         else:
             merged[key] = value
     return merged
+
+
+# ---- command line -------------------------------------------------------------------------------
+def set_value(values: dict, assignment: str) -> None:
+    """`a.b=c` into values, as `helm --set` reads it (the value a YAML scalar)."""
+    path, sep, text = assignment.partition("=")
+    if not sep or not path:
+        raise SystemExit(f"--set takes KEY=VALUE, got {assignment!r}")
+    *parents, last = path.split(".")
+    node = values
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = yaml.safe_load(text) if text else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.deploy.gotemplate",
+        description="Print a chart's manifests as `helm template` does, rendered by this module.",
+    )
+    parser.add_argument("chart", type=Path, help="the chart's directory")
+    parser.add_argument("-f", "--values", type=Path, action="append", default=[])
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--release", default="release-name", help="the release's name")
+    parser.add_argument("--namespace", default="default")
+    args = parser.parse_args(argv)
+    values: dict = {}
+    for path in args.values:
+        values = _merge(values, yaml.safe_load(path.read_text()) or {})
+    for assignment in args.set:
+        set_value(values, assignment)
+    try:
+        rendered = Chart(args.chart).render(values, release=args.release, namespace=args.namespace)
+    except TemplateError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        return 1
+    for name, text in rendered.items():
+        if text.strip():
+            print(f"---\n# Source: {args.chart.name}/templates/{name}\n{text.strip()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

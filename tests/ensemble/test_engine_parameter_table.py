@@ -1,5 +1,6 @@
-"""The README's engine-parameter table names every EngineConfig field once, with its default
-(the table's words for a default that depends on the machine: "auto", "unset", "on for CUDA")."""
+"""The engine-parameter table of docs/configuration.md names every EngineConfig field once, with
+its default (the table's words for a default that depends on the machine: "auto", "unset",
+"on for CUDA")."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ from pathlib import Path
 
 from backend.config import EngineConfig
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 # How the table writes a default that is not a literal value.
 WORDS = {None: ("unset", "model limit", "on for CUDA", "32 on GPU"), "auto": ("auto",)}
 
 
-def readme_rows() -> dict[str, str]:
+def table_rows() -> dict[str, str]:
     """Field name -> the default column, from the table under "## Engine parameters"."""
-    text = README.read_text()
+    text = PAGE.read_text()
     section = text[text.index("## Engine parameters") :]
     table = section[: section.index("\n\n", section.index("| parameter"))]
     rows = {}
@@ -28,9 +29,9 @@ def readme_rows() -> dict[str, str]:
 
 
 def test_every_engine_field_is_in_the_table_once_with_its_default():
-    rows = readme_rows()
+    rows = table_rows()
     defaults = {f.name: f.default for f in fields(EngineConfig)}
-    assert set(rows) == set(defaults), "README engine parameters differ from EngineConfig"
+    assert set(rows) == set(defaults), "docs/configuration.md's parameters differ from EngineConfig"
     for name, default in defaults.items():
         written = rows[name].strip("`")
         if default in WORDS:

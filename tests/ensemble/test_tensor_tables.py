@@ -1,5 +1,5 @@
-"""The README's tensor tables list exactly the tensors ensemble/tensors.py defines (the configs'
-source), with their types and shapes."""
+"""The tensor tables of docs/tensors.md list exactly the tensors ensemble/tensors.py defines (the
+configs' source), with their types and shapes."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from pathlib import Path
 from ensemble.tensor_tables import BEGIN, END, MEANING, TABLES, render
 from ensemble.tensors import ENSEMBLE, TENSORRT_LLM
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-FIX = "run: python -m ensemble.tensor_tables --write README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "tensors.md"
+FIX = "run: python -m ensemble.tensor_tables --write docs/tensors.md"
 
 
 def readme_tables() -> dict[str, list[tuple[str, str, str]]]:
-    """Title -> (name, type, shape) rows, read from the README's block."""
-    text = README.read_text()
+    """Title -> (name, type, shape) rows, read from the page's block."""
+    text = PAGE.read_text()
     block = text[text.index(BEGIN) : text.index(END)]
     tables = {}
     for title, body in re.findall(r"\*\*(.+?)\*\*\n\n((?:\|.*\n)+)", block):
@@ -27,7 +27,7 @@ def readme_tables() -> dict[str, list[tuple[str, str, str]]]:
 
 
 def test_readme_block_is_the_rendered_one():
-    assert render() in README.read_text(), f"README tensor tables are stale; {FIX}"
+    assert render() in PAGE.read_text(), f"docs/tensors.md tensor tables are stale; {FIX}"
 
 
 def test_readme_lists_exactly_the_defined_tensors():
@@ -53,11 +53,11 @@ def test_every_meaning_belongs_to_a_tensor():
 
 
 def test_write_replaces_only_the_block(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# Title\n\nbefore\n\n{BEGIN}\n\n| old | table |\n\n{END}\n\nafter\n")
+    page = tmp_path / "tensors.md"
+    page.write_text(f"# Title\n\nbefore\n\n{BEGIN}\n\n| old | table |\n\n{END}\n\nafter\n")
     subprocess.run(
-        [sys.executable, "-m", "ensemble.tensor_tables", "--write", str(readme)],
+        [sys.executable, "-m", "ensemble.tensor_tables", "--write", str(page)],
         check=True,
         timeout=60,
     )
-    assert readme.read_text() == f"# Title\n\nbefore\n\n{render()}\n\nafter\n"
+    assert page.read_text() == f"# Title\n\nbefore\n\n{render()}\n\nafter\n"
