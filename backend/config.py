@@ -48,7 +48,7 @@ class EngineConfig:
     quantize_lm_head: bool = False
     # `fp8` GEMMs of many rows (torch's scaled GEMM) keep their sums in the tensor cores' own
     # accumulator, fewer bits than float32, instead of promoting them: faster, as other engines'
-    # FP8 GEMMs commonly run; off by default (README, "FP8 fast accumulation").
+    # FP8 GEMMs commonly run; off by default (docs/weight-formats.md, "FP8 fast accumulation").
     fp8_fast_accumulation: bool = False
     seed: int = 0  # engine-wide generator for unseeded sampling
     # Ranks the model is split across (backend/distributed/tensor_parallel.py): processes on this

@@ -1,4 +1,4 @@
-"""Model families, by Hugging Face `model_type` (README: "Adding a model family")."""
+"""Model families, by Hugging Face `model_type` (docs/model-families.md)."""
 
 from backend.models.gemma import Gemma2ForCausalLM
 from backend.models.llama import LlamaForCausalLM
