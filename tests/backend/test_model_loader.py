@@ -35,7 +35,10 @@ def cache(tmp_path, monkeypatch):
 def test_unknown_path_names_the_path_and_what_was_expected(cache, tmp_path):
     with pytest.raises(FileNotFoundError) as e:
         resolve_model(str(tmp_path / "nowhere"))
-    assert "nowhere" in str(e.value) and "expected 'default', a preset name (" in str(e.value)
+    assert "nowhere" in str(e.value) and "expected 'default', a model name (" in str(e.value)
+    assert "qwen2.5-coder-0.5b" in str(e.value) and "a preset name of random weights (" in str(
+        e.value
+    )
     assert "llama-3.2-1b" in str(e.value) and "a .gguf file or a directory with config.json" in str(
         e.value
     )
