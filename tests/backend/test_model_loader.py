@@ -35,7 +35,10 @@ def cache(tmp_path, monkeypatch):
 def test_unknown_path_names_the_path_and_what_was_expected(cache, tmp_path):
     with pytest.raises(FileNotFoundError) as e:
         resolve_model(str(tmp_path / "nowhere"))
-    assert "nowhere" in str(e.value) and "expected 'default', a preset name (" in str(e.value)
+    assert "nowhere" in str(e.value) and "expected 'default', a model name (" in str(e.value)
+    assert "qwen2.5-coder-0.5b" in str(e.value) and "a preset name of random weights (" in str(
+        e.value
+    )
     assert "llama-3.2-1b" in str(e.value) and "a .gguf file or a directory with config.json" in str(
         e.value
     )
@@ -140,13 +143,13 @@ def test_presets_resolve_to_configs_of_the_right_shape(cache):
     assert resolve_model("llama-3.2-1b") == path and set(PRESETS) == {
         "llama-3.2-1b",
         "llama-3.1-8b",
-        "gemma-3-270m",
+        "gemma-3-270m-random",
         "gemma-2-2b",
         "null",
     }
 
 
-@pytest.mark.parametrize("name", ["gemma-3-270m", "gemma-2-2b"])
+@pytest.mark.parametrize("name", ["gemma-3-270m-random", "gemma-2-2b"])
 def test_gemma_presets_read_as_transformers_reads_them(name):
     """The engine's config of a Gemma preset equals its config of what transformers makes of the
     same fields (layer types, rotary per layer type, soft-capping, norms)."""

@@ -94,6 +94,19 @@ def test_the_curl_example_printed_by_serve_gets_an_answer(triton, tokenizer, cha
     )
 
 
+def test_the_client_example_asks_an_instruct_model_in_its_chat_template(
+    triton, tokenizer, chat_reference, capsys
+):
+    from benchmarks import client_example
+
+    args = ["--url", triton.grpc, "--prompt", QUESTION, "--max-tokens", str(CHAT_MAX_TOKENS)]
+    assert client_example.main(args) == 0
+    assert (
+        capsys.readouterr().out
+        == tokenizer.decode(chat_reference[0], skip_special_tokens=True) + "\n"
+    )
+
+
 def test_the_repository_default_is_plain_text(triton, tokenizer, reference):
     for flag in ({}, {"apply_chat_template": False}):
         body = generate(
