@@ -1,6 +1,12 @@
 """The paged KV cache's memory: a block's bytes, the budget of blocks, how it is shared among the
 KV cache groups, and the tensors that hold them.
 
+The tensors: kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V), in the
+model dtype, or quantized (`kv_cache_dtype` fp8 / int8) with their scales beside them in
+kv_scales[layer, 0 | 1, block, offset, kv_head]; a model with several KV cache groups has a
+tensor per group, `kv_cache` then indexed by layer through a tuple of views, and a block table
+per group in each step (`AttentionMetadata.for_group`).
+
 A block holds `tokens_per_block` tokens of every layer: keys and values of each kv head, in the
 model dtype or quantized with a scale per token and kv head beside them
 (`backend.attention.kv_dtype`). A model mixing global and windowed layers has one tensor per group

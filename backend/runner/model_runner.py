@@ -11,13 +11,8 @@ sampled ids of the step in flight. On GPU, decode-only steps replay CUDA graphs
 `cuda_graph_max_tokens` (`backend.runner.mixed_graphs`); longer steps, and those that compute
 prompt log-probs, run eagerly.
 
-KV cache (`backend.runner.kv_cache_memory`: block bytes, the budget, the groups' shares, the
-tensors): one tensor kv_cache[layer, 0 | 1, block, offset, kv_head, head_dim] (0 = K, 1 = V), in
-the model dtype, or quantized (`kv_cache_dtype` fp8 / int8) with its scales beside it in
-kv_scales[layer, 0 | 1, block, offset, kv_head]. A model mixing global and windowed layers
-(`ModelConfig.kv_cache_groups`) has a tensor per group (its layers, its own block ids; `kv_cache`
-is then indexed by layer through a tuple of views) and a block table per group in each step
-(`AttentionMetadata.for_group`).
+The KV cache's tensors and their sizing: `backend.runner.kv_cache_memory`; which CUDA graphs the
+runner keeps: `backend.runner.step_graphs`.
 
 Tensor parallel (`tensor_parallel_size` > 1, `backend.runner.tensor_parallel_steps`): this runner
 is rank 0; it starts the other ranks, each a runner of its own shard that `follow`s the steps
@@ -50,6 +45,14 @@ from backend.runner.decode_graphs import DecodeGraphs, ReplayIds
 from backend.runner.device import pick_device, pick_dtype
 from backend.runner.kv_cache_memory import KVCacheLayout, pick_group_blocks
 from backend.runner.mixed_graphs import MixedGraphs
+from backend.runner.step_graphs import (
+    decode_graph_inputs,
+    decode_graphs_over,
+    eager_warm_up_chunks,
+    mixed_graphs_over,
+    takes_decode_graphs,
+    takes_mixed_graphs,
+)
 from backend.runner.step_inputs import StepInputs, eager_inputs, eager_step
 from backend.runner.step_packing import pack_step
 from backend.runner.tensor_parallel_steps import StepSender
@@ -151,7 +154,7 @@ class ModelRunner:
             config,
             self.max_seq_len,
             self._warm_up_for_sizing,
-            graph_pool=self._takes_mixed_graphs(),
+            graph_pool=takes_mixed_graphs(self),
         )
         if self.tp.enabled:  # block ids address every rank's pool: the least of them
             self.kv_group_blocks = self.tp.min_over_ranks(self.kv_group_blocks)
@@ -278,75 +281,28 @@ class ModelRunner:
         )
 
     def _warm_up_eager(self) -> StepLogits | None:
-        """A mixed step (a prompt chunk beside a decode) on blocks no request holds yet: the
-        eager path's kernels compile here, not in a served step."""
-        n = 2 * self.tokens_per_block + 3
-        per_chunk = -(-n // self.tokens_per_block)
-        if self.num_kv_blocks < 2 * per_chunk:
-            return None
-        prompt = Chunk.of_sequence([0] * n, list(range(per_chunk)))
-        decode = Chunk.of_sequence([0] * n, list(range(per_chunk, 2 * per_chunk)), start=n - 1)
-        return self.execute([prompt, decode])
+        chunks = eager_warm_up_chunks(self.tokens_per_block, self.num_kv_blocks)
+        return None if chunks is None else self.execute(chunks)
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
-        """Decode-only steps replay CUDA graphs on GPU with the Triton kernels (they skip padded
-        rows; the torch reference does not)."""
-        if not (
-            self.config.cuda_graphs
-            and self.device.type == "cuda"
-            and self.attention.name == "triton"
-        ):
+        if not takes_decode_graphs(self):
             return None
         graphs = self.new_decode_graphs()
         graphs.capture()
         return graphs
 
     def _capture_mixed_graphs(self) -> MixedGraphs | None:
-        """Steps with prompt tokens replay CUDA graphs on GPU, up to `cuda_graph_max_tokens`
-        tokens, with the Triton kernels (rank 0 of a tensor-parallel group runs them eagerly:
-        its workers follow eager steps)."""
-        if not self._takes_mixed_graphs():
+        if not takes_mixed_graphs(self):
             return None
         graphs = self.new_mixed_graphs()
         graphs.capture()
         return graphs
 
-    def _takes_mixed_graphs(self) -> bool:
-        return bool(
-            self.config.cuda_graphs
-            and self.config.cuda_graph_max_tokens
-            and self.device.type == "cuda"
-            and self.attention.name == "triton"
-            and not self.tp.enabled
-        )
+    def new_decode_graphs(self) -> DecodeGraphs:
+        return decode_graphs_over(self)
 
     def new_mixed_graphs(self) -> MixedGraphs:
-        """Mixed-step graphs over this runner's model and KV cache, not captured (until
-        `capture`, a replay runs their work eagerly)."""
-        return MixedGraphs(
-            self.model,
-            self.kv_cache,
-            self.config.max_batch_size,
-            min(self.config.cuda_graph_max_tokens, self.config.max_num_tokens),
-            self.max_seq_len,
-            self.tokens_per_block,
-            kv_scales=self.kv_scales,
-            num_kv_groups=len(self.kv_group_blocks),
-        )
-
-    def new_decode_graphs(self) -> DecodeGraphs:
-        """Decode graphs over this runner's model and KV cache, not captured (until `capture`,
-        a replay runs their work eagerly)."""
-        return DecodeGraphs(
-            self.model,
-            self.kv_cache,
-            self.config.max_batch_size,
-            self.max_seq_len,
-            self.tokens_per_block,
-            max_banned=max(1, len(self.eos_token_ids)),
-            kv_scales=self.kv_scales,
-            num_kv_groups=len(self.kv_group_blocks),
-        )
+        return mixed_graphs_over(self)
 
     def prepare(
         self,
@@ -374,29 +330,7 @@ class ModelRunner:
             and n <= graphs.max_batch_size
             and packed.samples.all()
         ):
-            own = in_flight_ids is not None and (
-                in_flight_ids.data_ptr() == graphs.sampled_ids.data_ptr()
-            )
-            step = GraphStep(
-                packed.input_ids,
-                packed.positions,
-                packed.slots,
-                packed.seq_lens,
-                packed.block_tables,
-                in_flight,
-                banned_ids,
-                ids_sent=in_flight is not None and not own,
-            )
-            meta = self.stage_graph_step(step, in_flight_ids)
-            if self.sender is not None:
-                self.sender.send(step, previous_ids=graphs.sampled_ids)
-            return StepInputs(
-                graphs.input_ids[:n],
-                graphs.positions[:n],
-                meta,
-                graphs.query_start_loc[:n],
-                in_graph=True,
-            )
+            return decode_graph_inputs(self, packed, in_flight_ids, banned_ids)
         mixed = self.mixed_graphs
         size = mixed.size_for(packed.num_tokens, n) if mixed is not None and allow_graph else None
         if size:
