@@ -22,7 +22,7 @@ class LoraBatch:
         slots = slots[slots >= 0]
         if slots.size == 0:
             return None
-        if slots.size == 1 and token_slots[0] == slots[0] and (token_slots == slots[0]).all():
+        if slots.size == 1 and (token_slots == slots[0]).all():  # no gather, no scatter
             return cls(((int(slots[0]), None),))
         # one host-to-device copy for every group's rows
         rows = [np.flatnonzero(token_slots == s) for s in slots]

@@ -99,6 +99,25 @@ def test_each_adapter_alone_and_with_chunked_prefill(tiny):
         check(models, jobs, results)
 
 
+def test_mixed_with_overlap_scheduling_and_preemption(tiny):
+    """Step n+1 packed while step n runs (overlap forced on), and a pool small enough that
+    max_utilization preempts: requests recomputed under their own adapters."""
+    model_dir, models = tiny
+    prompts = random_prompts(9, TINY_SHAPE["vocab_size"], seed=17, low=20, high=40)
+    jobs = [(p, [None, "a", "b"][i % 3]) for i, p in enumerate(prompts)]
+    results, stats = serve(
+        model_dir,
+        models,
+        jobs,
+        tokens_per_block=8,
+        overlap_scheduling=True,
+        max_tokens_in_paged_kv_cache=160,
+        batch_scheduler_policy="max_utilization",
+    )
+    check(models, jobs, results)
+    assert stats.num_preemptions > 0
+
+
 def test_fused_checkpoint_projections_and_rank_pattern(tmp_path):
     """Phi-3 stores q|k|v and gate|up as one tensor each: PEFT adapts them as whole modules;
     rank_pattern gives o_proj its own rank (and so its own scaling)."""
