@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from backend import generate
 from backend.config import EngineConfig
 from backend.engine.executor import Executor
 from backend.lora.peft_adapter import LoraAdapterError
@@ -115,6 +116,16 @@ def test_tensor_parallel_refused(tiny):
     _, model_dir, adapter = tiny
     with pytest.raises(ValueError, match="lora_modules needs tensor_parallel_size 1"):
         start(model_dir, adapter, tensor_parallel_size=2)
+
+
+def test_offline_command_takes_an_adapter(tiny):
+    _, model_dir, adapter = tiny
+    args = generate.parse_args(
+        ["--model", str(model_dir), "--lora-modules", f"x={adapter}", "--lora-name", "x"]
+        + ["--prompt", "hi"]
+    )
+    assert generate.engine_config(args).lora_adapters() == {"x": str(adapter)}
+    assert generate.sampling_params(args).lora_name == "x"
 
 
 def test_unknown_lora_name_fails_that_request_alone(tiny):
