@@ -69,6 +69,12 @@ class EngineConfig:
     # start in the same step (the budget they leave goes back to it): a long prompt does not hold
     # new requests back. None = max_num_tokens // 4; 0 = no cut. vLLM's name.
     long_prefill_token_threshold: int | None = None
+    # LoRA adapters served by name (backend/lora/): "NAME=DIR" pairs, separated by commas or
+    # spaces, each a Hugging Face PEFT directory read at start; a request picks one by
+    # `lora_name`. At most `max_loras` of them, each of rank at most `max_lora_rank`.
+    lora_modules: str | None = None
+    max_loras: int = 8
+    max_lora_rank: int = 64
 
     def prefill_chunk_cap(self) -> int:
         """`long_prefill_token_threshold` resolved: the most tokens a prompt chunk takes while
@@ -108,6 +114,11 @@ class EngineConfig:
                     f"(tensor_parallel_size {self.tensor_parallel_size}), "
                     f"got {self.gpu_device_ids!r}"
                 )
+        adapters = self.lora_adapters()
+        if len(adapters) > self.max_loras:
+            raise ValueError(
+                f"lora_modules registers {len(adapters)} adapters; max_loras is {self.max_loras}"
+            )
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
@@ -123,6 +134,21 @@ class EngineConfig:
                 f"got {self.quantization_exclude!r}"
             )
         return fragments
+
+    def lora_adapters(self) -> dict[str, str]:
+        """`lora_modules` as adapter name -> directory, in order ({} when unset)."""
+        if self.lora_modules is None:
+            return {}
+        adapters = {}
+        for pair in self.lora_modules.replace(",", " ").split():
+            name, _, path = pair.partition("=")
+            if not name or not path or name in adapters:
+                raise ValueError(
+                    "lora_modules must be NAME=DIR pairs with distinct names, separated by "
+                    f"commas or spaces, got {self.lora_modules!r}"
+                )
+            adapters[name] = path
+        return adapters
 
     def attention_windows(self) -> tuple[int, ...] | None:
         """`max_attention_window_size` as integers, None when unset."""
@@ -155,6 +181,8 @@ _LOWEST = {
     "stream_interval": 1,
     "cuda_graph_max_tokens": 0,
     "long_prefill_token_threshold": 0,
+    "max_loras": 1,
+    "max_lora_rank": 1,
 }
 CHOICES = {
     "batch_scheduler_policy": SCHEDULER_POLICIES,

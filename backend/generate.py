@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument(
+        "--lora-name", default=None, help="run under this adapter of --lora-modules (NAME=DIR)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     # Every engine option, as `python -m ensemble serve` takes them (its `seed` is --seed here: a
     # sampling seed, which an engine-wide generator would only stand in for).
@@ -57,13 +60,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**given_fields(args, EngineConfig))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from transformers import AutoTokenizer
-
-    from backend.engine.executor import Executor
-
-    sampling = SamplingParams(
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """Every prompt's generation parameters from the command line (not yet checked)."""
+    return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature or 0.0,
         top_k=args.top_k,
@@ -71,7 +70,17 @@ def main(argv: list[str] | None = None) -> int:
         min_p=args.min_p,
         seed=args.seed,
         ignore_end_id=args.ignore_eos,
+        lora_name=args.lora_name,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from backend.engine.executor import Executor
+
+    sampling = sampling_params(args)
     try:
         sampling.validate()
         executor = Executor(engine_config(args))

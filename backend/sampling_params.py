@@ -37,6 +37,9 @@ class SamplingParams:
     num_top_log_probs: int = 0
     # The log-prob of each prompt token given the tokens before it (position 0: 0.0).
     return_prompt_log_probs: bool = False
+    # The LoRA adapter to run under, by its registered name (EngineConfig.lora_modules); None:
+    # the base model.
+    lora_name: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -52,6 +55,10 @@ class SamplingParams:
         if not isinstance(self.return_prompt_log_probs, bool):
             value = self.return_prompt_log_probs
             raise ValueError(f"return_prompt_log_probs must be true or false, got {value!r}")
+        if self.lora_name is not None and (
+            not isinstance(self.lora_name, str) or not self.lora_name
+        ):
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
         check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")

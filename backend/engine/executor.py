@@ -65,6 +65,7 @@ class Executor:
             self.max_seq_len,
             self.runner.tokens_per_block,
             *binding_limits(self.scheduler.kv, self.max_seq_len),
+            lora_names=tuple(self.config.lora_adapters()),
         )
         self.sampler = Sampler(
             self.vocab_size, self.eos_token_ids, self.runner.device, self.config.seed

@@ -19,6 +19,7 @@ class EngineLimits:
     tokens_per_block: int
     total_blocks: int
     max_blocks_held: int | None = None  # sliding windows: the most a request holds at once
+    lora_names: tuple[str, ...] = ()  # the adapters a request may name (lora_name)
 
     def check(self, prompt_ids: list[int], sampling: SamplingParams) -> SamplingParams:
         """Raise ValueError naming the rule a request breaks; else its params with max_tokens
@@ -37,6 +38,14 @@ class EngineLimits:
                 f"max_seq_len ({self.max_seq_len})"
             )
         sampling.validate(vocab)
+        if sampling.lora_name is not None and sampling.lora_name not in self.lora_names:
+            registered = (
+                ", ".join(self.lora_names) or "none; the engine's lora_modules registers them"
+            )
+            raise ValueError(
+                f"lora_name {sampling.lora_name!r} is not a registered LoRA adapter "
+                f"(registered: {registered})"
+            )
         # Capacity planning must see the true need.
         sampling = replace(
             sampling, max_tokens=min(sampling.max_tokens, self.max_seq_len - len(prompt_ids))

@@ -15,6 +15,9 @@ Tensor parallel (`backend.distributed.tensor_parallel`): a column-parallel layer
 output rows (of each fused projection), a row-parallel one its input columns and all-reduces its
 partial
 sums before adding the bias; `shard_of` cuts a full checkpoint tensor down to the rank's part.
+
+LoRA (`backend.lora`): a layer given adapter slots (`lora`) adds, in a step with adapter rows, each
+row's adapter product to its output; such steps run eagerly (no one-token kernels, no e4m3 rows).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from backend.distributed.tensor_parallel import TensorParallel
 from backend.kernels.gemv_weight import StreamedWeight
 from backend.kernels.split_partials import SplitPartials
 from backend.layers.norm import RMSNorm
+from backend.lora.linear_lora import LinearLora
 from backend.quantization import E4m3Rows, GGUFWeight, QuantizedWeight
 
 try:  # CPU-only installs without Triton use the torch path
@@ -63,6 +67,7 @@ class Linear(nn.Module):
         self.full_start: dict[str | None, int] | int = 0
         # column, from a fused checkpoint tensor: (first row, rows) of each of its parts
         self.fused_parts: list[tuple[int, int]] | None = None
+        self.lora: LinearLora | None = None  # adapter slots, where LoRA is served
 
     @classmethod
     def merged(cls, in_features: int, sizes: dict[str, int], bias: bool = False) -> "Linear":
@@ -162,20 +167,23 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor | E4m3Rows) -> torch.Tensor:
         """x [T, in_features] -> [T, out_features]; x may be rows its producer quantized for this
         layer's scaled GEMM (where `takes_e4m3_rows`)."""
-        if isinstance(x, E4m3Rows):
+        if isinstance(x, E4m3Rows):  # never with LoRA slots (`takes_e4m3_rows`)
             return self.quantized.matmul_e4m3(x.values, x.scales, self.bias, x.dtype)
         if self.parallel == "row":  # the bias once, after the partial sums
             y = self.tp.matmul_all_reduce(x, self.dense_weight(x.dtype))
-            return y if self.bias is None else y + self.bias
-        if self.quantized is not None:
-            return self.quantized.matmul(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            y = y if self.bias is None else y + self.bias
+        elif self.quantized is not None:
+            y = self.quantized.matmul(x, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add_to(y, x)
 
     def takes_e4m3_rows(self, x: torch.Tensor) -> bool:
         """Whether `forward` would quantize x's rows to e4m3 (an `fp8` weight's scaled GEMM), so
         the producer of x may hand them over quantized instead (`E4m3Rows`)."""
         return (
             self.parallel != "row"
+            and self.lora is None  # the adapters' product reads x itself
             and self.quantized is not None
             and self.quantized.takes_e4m3_rows(x)
         )
@@ -193,6 +201,7 @@ class Linear(nn.Module):
             and x.is_cuda
             and streamed is not None
             and self.parallel != "row"  # its residual epilogue would add partial sums
+            and (self.lora is None or self.lora.context.batch is None)  # adapters: eager
             and gemv.supports(x, streamed)
         )
 

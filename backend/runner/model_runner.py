@@ -8,8 +8,9 @@ them (`backend.logprobs`: only then are other rows projected to the vocabulary).
 token's input id (overlap scheduling, `backend.engine.step`) is taken on the device from the
 sampled ids of the step in flight. On GPU, decode-only steps replay CUDA graphs
 (`backend.runner.decode_graphs`), and so do steps with prompt tokens of up to
-`cuda_graph_max_tokens` (`backend.runner.mixed_graphs`); longer steps, and those that compute
-prompt log-probs, run eagerly.
+`cuda_graph_max_tokens` (`backend.runner.mixed_graphs`); longer steps, those that compute
+prompt log-probs, and those with a row under a LoRA adapter (`backend.lora`: the graphs hold the
+base model alone) run eagerly.
 
 The KV cache's tensors and their sizing: `backend.runner.kv_cache_memory`; which CUDA graphs the
 runner keeps: `backend.runner.step_graphs`.
@@ -38,7 +39,9 @@ from backend.distributed.tp_workers import EagerStep, GraphStep
 from backend.loading.model_loader import LoadSpec, load_model, weight_bytes
 from backend.loading.model_paths import kept_gguf, resolve_model
 from backend.logprobs import compute_prompt_logprobs, prompt_rows
+from backend.lora.manager import LoraManager
 from backend.model_config import ModelConfig
+from backend.models.lora_targets import lora_targets
 from backend.request import Chunk
 from backend.runner import compile_watch, tensor_parallel_steps
 from backend.runner.decode_graphs import DecodeGraphs, ReplayIds
@@ -87,6 +90,7 @@ class ModelRunner:
         self.model = self.kv_cache = self.kv_scales = None
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self.lora: LoraManager | None = None  # the adapters served by name (lora_modules)
         self.device = pick_device(config.device)
         if config.tensor_parallel_size > 1:
             self.device = tp_workers.rank_device(config, tp_rank, self.device)
@@ -115,6 +119,8 @@ class ModelRunner:
         self.attention = get_attention_backend(config.attention_backend, self.device)
         check_kv_dtype(self.kv_dtype, self.attention.name, self.device)
         size = config.tensor_parallel_size
+        if config.lora_modules and size > 1:  # refused before the other ranks start
+            raise ValueError("lora_modules needs tensor_parallel_size 1 (LoRA is not split yet)")
         self.num_kv_heads = TensorParallel(tp_rank, size).check_split(self.model_config)
         if size > 1:
             # Refused before the other ranks start (the loader checks it again on each rank).
@@ -145,6 +151,16 @@ class ModelRunner:
             config.fp8_fast_accumulation,
         )
         self.model = load_model(spec, self.tp)
+        adapters = config.lora_adapters()
+        if adapters:  # before the KV cache is sized: the adapters' slots take device memory
+            self.lora = LoraManager(
+                adapters,
+                lora_targets(self.model),
+                config.max_lora_rank,
+                config.max_loras,
+                self.dtype,
+                self.device,
+            )
         self.weight_bytes = weight_bytes(self.model)  # resident parameters and buffers
         self.kv_layout = KVCacheLayout(
             self.model_config, self.tokens_per_block, self.num_kv_heads, self.kv_dtype, self.device
@@ -239,8 +255,11 @@ class ModelRunner:
 
     def _execute(self, chunks, in_flight_ids, banned_ids, rows) -> StepLogits:
         spans = [(r.first_row, len(r.targets)) for r in rows] if self.tp.enabled and rows else []
+        # A step with adapter rows runs eagerly: the CUDA graphs hold the base model alone.
+        lora_slots = None if self.lora is None else self.lora.token_slots(chunks)
+        allow_graph = not rows and lora_slots is None
         inputs = self.prepare(
-            chunks, in_flight_ids, banned_ids, allow_graph=not rows, prompt_spans=spans
+            chunks, in_flight_ids, banned_ids, allow_graph=allow_graph, prompt_spans=spans
         )
         with torch.inference_mode():
             graphs = self.decode_graphs
@@ -248,6 +267,9 @@ class ModelRunner:
                 return StepLogits(*graphs.replay(len(chunks)))  # logits, ids, ids to the host
             if inputs.graph_tokens:
                 hidden = self.mixed_graphs.replay(inputs.graph_tokens)
+            elif lora_slots is not None:
+                with self.lora.step(lora_slots):
+                    hidden = self.run_model(inputs)
             else:
                 hidden = self.run_model(inputs)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])

@@ -36,6 +36,15 @@ def hash_block(parent_hash: BlockHash | None, token_ids: list[int]) -> BlockHash
     return digest.digest()
 
 
+def root_hash(lora_name: str | None) -> BlockHash | None:
+    """The parent of a sequence's first block: None under the base model, else the adapter's
+    own, so blocks computed under a LoRA adapter (other K and V values) are reused only under
+    the same adapter name."""
+    if lora_name is None:
+        return None
+    return hashlib.blake2b(b"lora\0" + lora_name.encode(), digest_size=16).digest()
+
+
 @dataclass
 class Block:
     block_id: int

@@ -7,7 +7,9 @@ schedules tokens, and hands back every block when the request ends or is preempt
 Prefix reuse: once a request has computed a full block, the block is registered under a hash
 chained over the whole prefix (see `block_pool.hash_block`). A new request (or a preempted one
 coming back, which recomputes prompt + outputs) first looks up the longest chain of registered
-blocks matching its tokens and shares them instead of recomputing them.
+blocks matching its tokens and shares them instead of recomputing them. A request under a LoRA
+adapter chains from that adapter's root (`block_pool.root_hash`): it never shares blocks computed
+under another adapter or the base model.
 
 A request that asks for prompt log-probs matches nothing until it has them all: they need the
 logits of every prompt position, which a reused block would skip (its own blocks are still
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from backend.request import Request
-from backend.scheduling.block_pool import BlockHash, hash_block
+from backend.scheduling.block_pool import BlockHash, hash_block, root_hash
 from backend.scheduling.kv_cache_group import FREED, KVCacheGroup
 
 
@@ -171,7 +173,7 @@ class KVCacheManager:
         tokens = request.all_ids
         size = self.tokens_per_block
         pool = self.groups[0].pool
-        parent = None
+        parent = root_hash(request.sampling.lora_name)
         for i in range((len(tokens) - 1) // size):
             block_hash = hash_block(parent, tokens[i * size : (i + 1) * size])
             block_id = pool.lookup(block_hash)
@@ -274,9 +276,10 @@ class KVCacheManager:
             return
         size = self.tokens_per_block
         tables = self.tables(request)
+        root = root_hash(request.sampling.lora_name)
         for i in range(len(hashes), num_full):
             block_hash = hash_block(
-                hashes[-1] if hashes else None, request.tokens(i * size, (i + 1) * size)
+                hashes[-1] if hashes else root, request.tokens(i * size, (i + 1) * size)
             )
             hashes.append(block_hash)
             for group, table in zip(self.groups, tables):

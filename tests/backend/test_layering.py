@@ -17,6 +17,7 @@ LAYERS = (
     "attention",
     "quantization",
     "distributed",
+    "lora",
     "layers",
     "models",
     "loading",

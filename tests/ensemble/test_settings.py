@@ -34,6 +34,8 @@ def other_value(name: str):
         return default / 2
     if name == "max_attention_window_size":
         return "4096,1024"
+    if name == "lora_modules":
+        return "other=/other/lora_modules"
     if name == "gpu_device_ids":  # one per rank of tensor_parallel_size's other value
         return ",".join(map(str, range(other_value("tensor_parallel_size"))))
     return f"/other/{name}"
