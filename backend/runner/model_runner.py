@@ -8,8 +8,8 @@ them (`backend.logprobs`: only then are other rows projected to the vocabulary).
 token's input id (overlap scheduling, `backend.engine.step`) is taken on the device from the
 sampled ids of the step in flight. On GPU, decode-only steps replay CUDA graphs
 (`backend.runner.decode_graphs`), and so do steps with prompt tokens of up to
-`cuda_graph_max_tokens` (`backend.runner.mixed_graphs`); longer steps, and those that compute
-prompt log-probs, run eagerly.
+`cuda_graph_max_tokens` (`backend.runner.mixed_graphs`); longer steps, those that compute
+prompt log-probs and those with speculative drafts (one logits row per draft) run eagerly.
 
 The KV cache's tensors and their sizing: `backend.runner.kv_cache_memory`; which CUDA graphs the
 runner keeps: `backend.runner.step_graphs`.
@@ -332,7 +332,9 @@ class ModelRunner:
         ):
             return decode_graph_inputs(self, packed, in_flight_ids, banned_ids)
         mixed = self.mixed_graphs
-        size = mixed.size_for(packed.num_tokens, n) if mixed is not None and allow_graph else None
+        # Steps with drafts run eagerly (their graphs would take several logits rows a chunk).
+        graph_ok = mixed is not None and allow_graph and not packed.has_drafts
+        size = mixed.size_for(packed.num_tokens, n) if graph_ok else None
         if size:
             meta = mixed.stage(packed, size, in_flight_ids)
             return StepInputs(

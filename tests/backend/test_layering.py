@@ -22,6 +22,7 @@ LAYERS = (
     "loading",
     "scheduling",
     "sampling",
+    "speculative",
     "runner",
     "engine",
     "process",
