@@ -251,8 +251,9 @@ class Scheduler:
 
     def _decode_with_drafts(self, request: Request, computed: int, budget: int) -> Chunk | None:
         """A decode followed by its drafts, as many as the budget leaves room for; None when
-        the pool cannot hold them (speculation never preempts: the plain decode is tried)."""
-        drafts = request.draft_ids[: budget - 1]
+        the pool cannot hold them (speculation never preempts: the plain decode is tried).
+        Drafts are taken once: those of a later step are proposed after this one is verified."""
+        drafts, request.draft_ids = request.draft_ids[: budget - 1], []
         if not self.kv.allocate(request, 1 + len(drafts)):
             return None
         return Chunk(request, computed, 1 + len(drafts), True, drafts)
