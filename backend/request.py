@@ -175,6 +175,7 @@ class RequestOutput:
     prompt_logprobs: list[float] | None = None
     prompt_top_ids: list[list[int]] | None = None
     prompt_top_logprobs: list[list[float]] | None = None
-    # Speculative decoding, so far: drafts verified, and of them accepted.
+    # Speculative decoding, so far: drafts verified, and of them accepted (through the engine
+    # process: in full outputs, the final one included; a stream's middle outputs read 0).
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
