@@ -1,6 +1,7 @@
 """Speculative decoding's parts on their own: the n-gram proposer, greedy verification, which
 requests are speculated, the configuration's checks, a decode scheduled with its drafts and its
-rollback, and the packed rows of its logits. The engine end to end: test_speculative_engine.py."""
+rollback, and the packed rows of its logits; preemption through the executor on a tiny model. The
+default model end to end: test_speculative_engine.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from backend import generate
 from backend.config import EngineConfig
+from backend.engine.executor import Executor
 from backend.request import Request
 from backend.runner.step_packing import pack_step
 from backend.sampling_params import SamplingParams
@@ -16,6 +18,7 @@ from backend.scheduling.block_pool import hash_block
 from backend.scheduling.scheduler import Scheduler
 from backend.speculative.ngram import NgramProposer
 from backend.speculative.verification import accepted_tokens, may_speculate
+from tests.tiny_models import TINY, make_tiny_model, random_prompts
 
 # ---- the proposer ------------------------------------------------------------------------------
 
@@ -186,3 +189,33 @@ def test_a_drafted_decode_packs_its_drafts_and_samples_every_row():
     assert packed.logits_indices.tolist() == [0, 1, 2, 4]  # 1 + 2 rows, then the prefill's last
     plain = pack_step([chunks[1]], 4, 64, 1)
     assert np.array_equal(plain.logits_indices, [1]) and not plain.has_drafts
+
+
+# ---- preemption, end to end ---------------------------------------------------------------------
+
+
+def test_preempted_speculating_requests_give_the_unspeculated_output(tmp_path):
+    """A pool of 40 blocks of 8 tokens holds a few of these requests: max_utilization preempts
+    requests whose blocks held drafts, and they recompute to the same tokens."""
+    make_tiny_model("llama", tmp_path)
+    prompts = [p[:6] * 4 + p for p in random_prompts(12, TINY["vocab_size"], seed=3, low=20)]
+    params = SamplingParams(max_tokens=40, ignore_end_id=True)
+    outputs, stats = [], []
+    for method in (None, "ngram"):
+        config = EngineConfig(
+            model_path=str(tmp_path),
+            device="cpu",
+            tokens_per_block=8,
+            max_tokens_in_paged_kv_cache=320,
+            batch_scheduler_policy="max_utilization",
+            speculative_method=method,
+        )
+        executor = Executor(config)
+        try:
+            outputs.append([r["token_ids"] for r in executor.generate(prompts, params, 300)])
+            stats.append(executor.stats())
+        finally:
+            executor.shutdown()
+    assert outputs[1] == outputs[0]
+    assert stats[1].num_preemptions > 0 and stats[1].num_accepted_draft_tokens > 0
+    assert stats[1].kv.free_blocks == stats[1].kv.max_blocks
