@@ -196,10 +196,15 @@ def test_a_drafted_decode_packs_its_drafts_and_samples_every_row():
 
 def test_preempted_speculating_requests_give_the_unspeculated_output(tmp_path):
     """A pool of 40 blocks of 8 tokens holds a few of these requests: max_utilization preempts
-    requests whose blocks held drafts, and they recompute to the same tokens."""
+    requests whose blocks held drafts, and they recompute to the same tokens. Some requests
+    have an embedding bias (on every verified row) or min_tokens (speculated once reached)."""
     make_tiny_model("llama", tmp_path)
     prompts = [p[:6] * 4 + p for p in random_prompts(12, TINY["vocab_size"], seed=3, low=20)]
-    params = SamplingParams(max_tokens=40, ignore_end_id=True)
+    params = [
+        SamplingParams(max_tokens=40, ignore_end_id=True),
+        SamplingParams(max_tokens=40, ignore_end_id=True, embedding_bias={5: 1.0, 7: 0.5}),
+        SamplingParams(max_tokens=40, min_tokens=10, end_id=prompts[2][0]),
+    ] * 4
     outputs, stats = [], []
     for method in (None, "ngram"):
         config = EngineConfig(
@@ -212,10 +217,13 @@ def test_preempted_speculating_requests_give_the_unspeculated_output(tmp_path):
         )
         executor = Executor(config)
         try:
-            outputs.append([r["token_ids"] for r in executor.generate(prompts, params, 300)])
+            results = executor.generate(prompts, params, 300)
+            outputs.append([r["token_ids"] for r in results])
             stats.append(executor.stats())
         finally:
             executor.shutdown()
     assert outputs[1] == outputs[0]
+    for kind in range(3):  # drafts accepted for each kind of parameters
+        assert sum(r["accepted_draft_tokens"] for r in results[kind::3]) > 0
     assert stats[1].num_preemptions > 0 and stats[1].num_accepted_draft_tokens > 0
     assert stats[1].kv.free_blocks == stats[1].kv.max_blocks
