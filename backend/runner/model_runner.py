@@ -361,11 +361,12 @@ class ModelRunner:
 
     def _warm_up_for_sizing(self, chunks: list[Chunk], group_blocks: list[int]) -> None:
         """`kv_cache_memory.WarmUp`: the largest step on a temporary cache of `group_blocks`, and
-        the logits of a full decode batch."""
+        the logits of a full decode batch (with speculation: a row per draft too)."""
         self.kv_group_blocks = group_blocks  # prepare() reads the group count
         self.kv_cache, self.kv_scales = self.kv_layout.allocate(group_blocks)
         self.execute(chunks)
-        rows = min(self.config.max_batch_size, sum(c.num_tokens for c in chunks))
+        per_request = 1 + self.config.num_speculative_tokens * bool(self.config.speculative_method)
+        rows = min(self.config.max_batch_size * per_request, sum(c.num_tokens for c in chunks))
         with torch.inference_mode():
             hidden = torch.zeros(
                 rows, self.model_config.hidden_size, dtype=self.dtype, device=self.device
