@@ -16,6 +16,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # What the paged KV cache stores (backend/attention/kv_dtype.py): "auto" = the model dtype; fp8
 # (e4m3) and int8 = quantized values with a dynamic scale per token and kv head beside them.
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+# Speculative decoding (backend/speculative/): "ngram" drafts by prompt lookup; a draft model
+# is issue 54's next slice.
+SPECULATIVE_METHODS = (None, "ngram")
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,14 @@ class EngineConfig:
     lora_modules: str | None = None
     max_loras: int = 8
     max_lora_rank: int = 64
+    # Speculative decoding: None (off) or "ngram" (prompt lookup: drafts copied from where the
+    # request's last tokens occurred before, verified exactly in one step; greedy requests only,
+    # docs/configuration.md). Up to num_speculative_tokens drafts a step, from the longest
+    # suffix n-gram of prompt_lookup_max down to prompt_lookup_min tokens. vLLM's names.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def prefill_chunk_cap(self) -> int:
         """`long_prefill_token_threshold` resolved: the most tokens a prompt chunk takes while
@@ -119,9 +130,29 @@ class EngineConfig:
             raise ValueError(
                 f"lora_modules registers {len(adapters)} adapters; max_loras is {self.max_loras}"
             )
+        self._check_speculation()
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+
+    def _check_speculation(self) -> None:
+        if self.speculative_method == "draft_model":
+            raise ValueError(
+                "speculative_method 'draft_model' is not supported yet (issue 54); "
+                "use 'ngram' or leave speculative_method unset"
+            )
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max must be >= prompt_lookup_min ({self.prompt_lookup_min}), "
+                f"got {self.prompt_lookup_max}"
+            )
+        if self.speculative_method is not None and self.overlap_scheduling:
+            # The proposer reads each request's newest token on the host before the next step
+            # is scheduled; overlap schedules that step while the token is still on the device.
+            raise ValueError(
+                "overlap_scheduling must be off (false or unset) with speculative_method "
+                f"{self.speculative_method!r}: drafts are proposed from the newest token"
+            )
 
     def excluded_modules(self) -> tuple[str, ...]:
         """`quantization_exclude` as its fragments, () when unset."""
@@ -183,10 +214,14 @@ _LOWEST = {
     "long_prefill_token_threshold": 0,
     "max_loras": 1,
     "max_lora_rank": 1,
+    "num_speculative_tokens": 1,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 1,
 }
 CHOICES = {
     "batch_scheduler_policy": SCHEDULER_POLICIES,
     "attention_backend": ATTENTION_BACKENDS,
     "quantization": QUANTIZATIONS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "speculative_method": SPECULATIVE_METHODS,
 }

@@ -9,7 +9,9 @@
 Every engine option is a flag, as for `python -m ensemble serve` (`--help` lists them).
 
 Greedy unless --temperature is given. With --json, one JSON object per prompt is printed:
-{"prompt", "token_ids" (generated ids only, end id excluded), "text", "finish_reason"}.
+{"prompt", "token_ids" (generated ids only, end id excluded), "text", "finish_reason",
+"draft_tokens", "accepted_draft_tokens"} (speculative decoding's drafts verified, and accepted:
+--speculative-method ngram).
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                         "token_ids": result["token_ids"],
                         "text": completion,
                         "finish_reason": result["finish_reason"].value,
+                        "draft_tokens": result["draft_tokens"],
+                        "accepted_draft_tokens": result["accepted_draft_tokens"],
                     },
                     ensure_ascii=False,
                 )

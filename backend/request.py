@@ -56,6 +56,11 @@ class Request:
     # Overlap scheduling: the newest token's row in the sampled ids of the step still on the
     # device (`backend.engine.step`), or None. That token counts in num_tokens; it is in no id list.
     in_flight_row: int | None = None
+    # Speculative decoding (`backend.speculative`): drafts proposed to follow the newest token,
+    # for the scheduler to add to its next decode; and the drafts verified so far, and accepted.
+    draft_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival_time: float = field(default_factory=time.time)
@@ -113,12 +118,15 @@ class Chunk:
 
     `start` and `samples` are fixed when the step is scheduled; the request moves on after.
     `samples`: the chunk reaches the request's newest token, so the step samples the next one.
+    `draft_ids`: a decode's drafts, its last tokens after the newest (counted in num_tokens); the
+    step returns a row of logits for the newest token and for each of them.
     """
 
     request: Request
     start: int
     num_tokens: int
     samples: bool
+    draft_ids: list[int] | tuple = ()
 
     @classmethod
     def of_sequence(
@@ -167,3 +175,7 @@ class RequestOutput:
     prompt_logprobs: list[float] | None = None
     prompt_top_ids: list[list[int]] | None = None
     prompt_top_logprobs: list[list[float]] | None = None
+    # Speculative decoding, so far: drafts verified, and of them accepted (through the engine
+    # process: in full outputs, the final one included; a stream's middle outputs read 0).
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0

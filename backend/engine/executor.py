@@ -36,6 +36,7 @@ from backend.sampling.sampler import Sampler
 from backend.sampling_params import SamplingParams
 from backend.scheduling.kv_cache_manager import KVCacheManager
 from backend.scheduling.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from backend.speculative.ngram import NgramProposer
 
 __all__ = ["Executor", "QueueFullError"]
 
@@ -80,9 +81,16 @@ class Executor:
         self._cancel_requests: set[str] = set()
         self._lock = threading.Lock()
         # Overlap scheduling (see backend.engine.step): on by default where there is a device to
-        # overlap with; forced on in tests to exercise it on CPU.
+        # overlap with; forced on in tests to exercise it on CPU; off with speculative decoding.
         overlap = self.config.overlap_scheduling
         self.overlap = self.runner.device.type == "cuda" if overlap is None else bool(overlap)
+        proposer = None
+        if self.config.speculative_method == "ngram":
+            c = self.config
+            proposer = NgramProposer(
+                c.prompt_lookup_min, c.prompt_lookup_max, c.num_speculative_tokens
+            )
+            self.overlap = False
         self.engine = Engine(
             self.runner,
             self.sampler,
@@ -91,6 +99,7 @@ class Executor:
             self._lock,
             self.overlap,
             on_step=self._record_step,
+            proposer=proposer,
         )
         self._work = threading.Condition(self._lock)
         self._stopping = False
@@ -192,7 +201,8 @@ class Executor:
         """Serve prompts concurrently and block until all finish. Returns one dict per prompt:
         token_ids, logprobs, top_ids, top_logprobs (per token, with num_top_log_probs),
         prompt_logprobs, prompt_top_ids, prompt_top_logprobs (with return_prompt_log_probs, else
-        None), finish_reason, error."""
+        None), finish_reason, error, draft_tokens and accepted_draft_tokens (speculative
+        decoding: drafts verified for the prompt, and of them accepted)."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         results = [
             {
@@ -205,6 +215,8 @@ class Executor:
                 "prompt_top_logprobs": None,
                 "finish_reason": None,
                 "error": None,
+                "draft_tokens": 0,
+                "accepted_draft_tokens": 0,
             }
             for _ in prompts
         ]
@@ -222,6 +234,8 @@ class Executor:
                     result["prompt_logprobs"] = out.prompt_logprobs
                     result["prompt_top_ids"] = out.prompt_top_ids
                     result["prompt_top_logprobs"] = out.prompt_top_logprobs
+                result["draft_tokens"] = out.num_draft_tokens
+                result["accepted_draft_tokens"] = out.num_accepted_draft_tokens
                 if out.finished:
                     results[index]["finish_reason"] = out.finish_reason
                     results[index]["error"] = out.error
@@ -302,6 +316,10 @@ class Executor:
         stats = self._stats
         stats.step_seconds += seconds
         stats.device_wait_seconds = self.engine.device_wait_s
+        engine = self.engine
+        stats.num_drafts = engine.num_drafts
+        stats.num_draft_tokens = engine.num_draft_tokens
+        stats.num_accepted_draft_tokens = engine.num_accepted_draft_tokens
         if ran is None:
             self._last_step_decoded = False
         elif self._streak_step:
@@ -309,8 +327,10 @@ class Executor:
 
     def _record_step(self, batch: SchedulerOutput) -> None:
         """Engine hook, under `_lock`: a step ran."""
-        decodes = sum(
-            1 for c in batch.chunks if c.num_tokens == 1 and c.start >= len(c.request.prompt_ids)
+        decodes = sum(  # a decode's drafts make it no prompt chunk
+            1
+            for c in batch.chunks
+            if c.num_tokens - len(c.draft_ids) == 1 and c.start >= len(c.request.prompt_ids)
         )
         stats = self._stats
         stats.num_iterations += 1

@@ -84,6 +84,25 @@ class OutputProcessor:
         reason, deliverable = check_finish(request, live.end_ids, self.max_seq_len)
         self._deliver(live, deliverable, reason)
 
+    def append_run(self, request: Request, tokens: list[int], now: float) -> None:
+        """Several tokens of one step (verified drafts and the target's token after them), in
+        order: each is checked for stops as if it came alone, those after a stop are dropped,
+        and what may be delivered goes in one output. No log-probs (never asked of a speculated
+        request)."""
+        live = self.live.get(request.request_id)
+        if live is None or request.status is RequestStatus.FINISHED:
+            return
+        for token in tokens:
+            request.output_ids.append(token)
+            request.output_logprobs.append(0.0)
+            reason, deliverable = check_finish(request, live.end_ids, self.max_seq_len)
+            if reason is not None:
+                break
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        self._deliver(live, deliverable, reason)
+
     def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
         """End a request early (cancel, error): deliver what is held back, then the final flag."""
         live = self.live.get(request.request_id)
@@ -157,6 +176,8 @@ class OutputProcessor:
             top_ids,
             top_logprobs,
             *prompt,
+            request.num_draft_tokens,
+            request.num_accepted_draft_tokens,
         )
         try:
             live.callback(out)

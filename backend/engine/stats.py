@@ -31,3 +31,8 @@ class ExecutorStats:
     last_num_generation_requests: int = 0
     last_num_scheduled_tokens: int = 0
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding, cumulative: decodes that carried drafts, their drafts, and of those
+    # the drafts accepted (vLLM's spec_decode num_drafts / num_draft_tokens / num_accepted_tokens).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0

@@ -16,6 +16,10 @@ the step in flight (None: no token in flight).
   the graph's first kernel does).
 - Finishing the step clears the row and appends the real token.
 
+Speculative decoding (`EngineConfig.speculative_method`) turns overlap off: before each step the
+proposer drafts tokens to follow each eligible request's newest token (`_propose_drafts`), which
+must therefore be on the host; the step verifies them (`_finish_verified`).
+
 Why a count with a row (vLLM's AsyncScheduler placeholders) rather than mini-sglang's device-side
 token table: only one token per request is ever unknown, while the host needs every id anyway
 (stop checks, prefix hashes, delivery); a table would move all ids, and every prefill's input
@@ -45,6 +49,8 @@ from backend.engine.step_runner import StepRunner
 from backend.request import Chunk, FinishReason, Request
 from backend.sampling.sampler import PendingSample, Sampler
 from backend.scheduling.scheduler import Scheduler, SchedulerOutput
+from backend.speculative.ngram import NgramProposer
+from backend.speculative.verification import accepted_tokens, may_speculate
 
 log = logging.getLogger(__name__)
 STEP_FAILED = "the model step failed for this request"
@@ -67,6 +73,9 @@ class LaunchedStep:
 
     requests: list[Request]
     sampled: PendingSample | None
+    # Speculative decoding: each request's drafts (its rows: 1 + len(drafts), in order); None
+    # when no chunk of the step carries drafts (then one row per request).
+    drafts: list[list[int]] | None = None
 
 
 class Engine:
@@ -79,10 +88,15 @@ class Engine:
         lock: threading.Lock,
         overlap: bool,
         on_step: Callable[[SchedulerOutput], None] = lambda batch: None,
+        proposer: NgramProposer | None = None,
     ):
         """`lock` guards the scheduler (the executor's lock); everything else here runs on the
         executor thread only. `on_step(batch)` is called under `lock` once a step has run,
-        before any of its tokens is delivered (the executor counts it in its stats)."""
+        before any of its tokens is delivered (the executor counts it in its stats).
+        `proposer`: drafts for speculative decoding (then `overlap` must be off: drafts follow the
+        newest token, which must be on the host when the next step is scheduled)."""
+        if proposer is not None and overlap:
+            raise ValueError("speculative decoding needs overlap scheduling off")
         self.runner = runner
         self.sampler = sampler
         self.scheduler = scheduler
@@ -98,10 +112,15 @@ class Engine:
         # Ids of live requests that asked for prompt log-probs (same keeping): when empty, no step
         # looks at its chunks for prompt rows.
         self.prompt_logprob_requests: set[str] = set()
+        self.proposer = proposer
+        # Speculative decoding, cumulative: decodes that carried drafts, drafts, accepted drafts.
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_draft_tokens = 0
 
     def step(self) -> SchedulerOutput | None:
         """Run one step (n); with overlap, finish the one in flight (n-1). Returns what ran."""
         with self._lock:
+            if self.proposer is not None:
+                self._propose_drafts()
             batch = self.scheduler.schedule()
         previous, self.in_flight = self.in_flight, None
         if previous is not None and (
@@ -138,22 +157,24 @@ class Engine:
     def _launch(self, chunks: list[Chunk], previous: LaunchedStep | None) -> LaunchedStep:
         """Queue the forward pass and the sampling of one step on the device."""
         requests = [c.request for c in chunks if c.samples]
+        rows, drafts = requests, None
+        if self.proposer is not None and any(c.draft_ids for c in chunks):
+            drafts = [list(c.draft_ids) for c in chunks if c.samples]
+            rows = [r for r, d in zip(requests, drafts) for _ in range(len(d) + 1)]
         in_flight_ids = previous.sampled.token_ids if previous is not None else None
         out = self.runner.execute(
             chunks,
             in_flight_ids,
-            self.sampler.end_bans(requests),
+            self.sampler.end_bans(rows),
             prompt_logprobs=bool(self.prompt_logprob_requests),
         )
         sampled = None
         if requests:
-            sampled = self.sampler.sample_async(
-                out.logits, requests, out.argmax_ids, out.argmax_host
-            )
+            sampled = self.sampler.sample_async(out.logits, rows, out.argmax_ids, out.argmax_host)
         if out.prompt:  # recorded once the step's work is all queued: a retry recomputes them
             for prompt, logprobs, top in out.prompt:
                 prompt.add(logprobs, top)
-        return LaunchedStep(requests, sampled)
+        return LaunchedStep(requests, sampled, drafts)
 
     def _launch_alone(self, chunk: Chunk) -> LaunchedStep:
         """One chunk as its own step; if it fails, its request fails, sampling or not (its KV
@@ -188,6 +209,9 @@ class Engine:
                 self.outputs.finish(request, FinishReason.ERROR, error=STEP_FAILED)
             return
         now = time.time()
+        if step.drafts is not None:
+            self._finish_verified(requests, step.drafts, sampled, now)
+            return
         append = self.outputs.append
         top_ids = sampled.top_ids
         if top_ids is not None:  # (top-k ids, top-k log-probs) per row
@@ -204,6 +228,48 @@ class Engine:
             except Exception as exc:  # a faulty callback or bookkeeping bug: this request alone
                 log.exception("request %s failed", request.request_id)
                 self.outputs.finish(request, FinishReason.ERROR, error=f"internal error: {exc}")
+
+    def _propose_drafts(self) -> None:
+        """Drafts for each running request that decodes next and may be speculated, at most as
+        many as leave room for the target's token after them within max_tokens. Under the lock."""
+        propose = self.proposer.propose
+        for request in self.scheduler.running:
+            request.draft_ids = []
+            if request.num_computed_tokens + 1 == request.num_tokens and may_speculate(request):
+                room = request.sampling.max_tokens - len(request.output_ids) - 1
+                if room > 0:
+                    request.draft_ids = propose(request.all_ids, room)
+
+    def _finish_verified(self, requests, drafts, sampled, now: float) -> None:
+        """`_finish` for a step with drafts: each request's rows verify its drafts (greedy:
+        `accepted_tokens`); the tokens kept are appended as a run, the rejected drafts' KV is
+        handed back. A request without drafts takes its one row as usual."""
+        ids, logprobs, top_ids = sampled.token_ids, sampled.logprobs, sampled.top_ids
+        row = 0
+        for request, draft in zip(requests, drafts):
+            request.in_flight_row = None
+            try:
+                if not draft:
+                    top = None if top_ids is None else (top_ids[row], sampled.top_logprobs[row])
+                    logprob = 0.0 if logprobs is None else logprobs[row]
+                    self.outputs.append(request, ids[row], logprob, now, top)
+                else:
+                    tokens, accepted = accepted_tokens(draft, ids[row : row + len(draft) + 1])
+                    self._count_drafts(request, len(draft), accepted)
+                    self.outputs.append_run(request, tokens, now)
+                    with self._lock:
+                        self.scheduler.settle_drafts(request, accepted)
+            except Exception as exc:  # as in `_finish`: this request alone
+                log.exception("request %s failed", request.request_id)
+                self.outputs.finish(request, FinishReason.ERROR, error=f"internal error: {exc}")
+            row += len(draft) + 1
+
+    def _count_drafts(self, request: Request, drafted: int, accepted: int) -> None:
+        request.num_draft_tokens += drafted
+        request.num_accepted_draft_tokens += accepted
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_draft_tokens += accepted
 
     def _reads_history(self, chunks: list[Chunk]) -> bool:
         """Whether a request with a token in flight reads its output ids on the host to be

@@ -60,6 +60,8 @@ def output_values(out: RequestOutput, rejected_reason: str | None = None) -> tup
         out.prompt_logprobs,
         out.prompt_top_ids,
         out.prompt_top_logprobs,
+        out.num_draft_tokens,
+        out.num_accepted_draft_tokens,
     )
 
 

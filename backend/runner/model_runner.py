@@ -9,8 +9,8 @@ token's input id (overlap scheduling, `backend.engine.step`) is taken on the dev
 sampled ids of the step in flight. On GPU, decode-only steps replay CUDA graphs
 (`backend.runner.decode_graphs`), and so do steps with prompt tokens of up to
 `cuda_graph_max_tokens` (`backend.runner.mixed_graphs`); longer steps, those that compute
-prompt log-probs, and those with a row under a LoRA adapter (`backend.lora`: the graphs hold the
-base model alone) run eagerly.
+prompt log-probs, those with speculative drafts (one logits row per draft) and those with a row
+under a LoRA adapter (`backend.lora`: the graphs hold the base model alone) run eagerly.
 
 The KV cache's tensors and their sizing: `backend.runner.kv_cache_memory`; which CUDA graphs the
 runner keeps: `backend.runner.step_graphs`.
@@ -354,7 +354,9 @@ class ModelRunner:
         ):
             return decode_graph_inputs(self, packed, in_flight_ids, banned_ids)
         mixed = self.mixed_graphs
-        size = mixed.size_for(packed.num_tokens, n) if mixed is not None and allow_graph else None
+        # Steps with drafts run eagerly (their graphs would take several logits rows a chunk).
+        graph_ok = mixed is not None and allow_graph and not packed.has_drafts
+        size = mixed.size_for(packed.num_tokens, n) if graph_ok else None
         if size:
             meta = mixed.stage(packed, size, in_flight_ids)
             return StepInputs(
@@ -381,11 +383,12 @@ class ModelRunner:
 
     def _warm_up_for_sizing(self, chunks: list[Chunk], group_blocks: list[int]) -> None:
         """`kv_cache_memory.WarmUp`: the largest step on a temporary cache of `group_blocks`, and
-        the logits of a full decode batch."""
+        the logits of a full decode batch (with speculation: a row per draft too)."""
         self.kv_group_blocks = group_blocks  # prepare() reads the group count
         self.kv_cache, self.kv_scales = self.kv_layout.allocate(group_blocks)
         self.execute(chunks)
-        rows = min(self.config.max_batch_size, sum(c.num_tokens for c in chunks))
+        per_request = 1 + self.config.num_speculative_tokens * bool(self.config.speculative_method)
+        rows = min(self.config.max_batch_size * per_request, sum(c.num_tokens for c in chunks))
         with torch.inference_mode():
             hidden = torch.zeros(
                 rows, self.model_config.hidden_size, dtype=self.dtype, device=self.device

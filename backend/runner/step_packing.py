@@ -7,6 +7,9 @@ batch 256 this runs every step, so block tables are filled with one masked numpy
 all block ids chained together. With several KV cache groups the slots and block tables hold each
 group's in turn (rows g * n .. of the tables, g * T .. of the slots).
 
+A decode with drafts (speculative decoding) packs its newest token and its drafts, and its 1 + d
+last rows are sampled: the target's token after the newest token and after each draft.
+
 An in-flight token (overlap scheduling, `backend.engine.step`) is a chunk of its own: every other
 token of its request is computed. Its input id is a stand-in here; the model runner replaces it on
 the
@@ -38,8 +41,10 @@ class PackedStep:
     seq_lens: np.ndarray  # [n] int64: tokens in the cache once the step is done
     block_tables: np.ndarray  # [n * groups, width] int64, group by group
     samples: np.ndarray  # [n] bool: the chunk's last token is sampled
-    logits_indices: np.ndarray  # rows of the last token of each sampling chunk
+    # rows of the last token of each sampling chunk (of a decode with d drafts: its last 1 + d)
+    logits_indices: np.ndarray
     in_flight: np.ndarray | None  # [n]: the row of the in-flight ids a chunk reads, -1 if none
+    has_drafts: bool = False  # some decode carries drafts (its logits take several rows)
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +99,11 @@ def pack_step(
         r.tokens(c.start, c.start + c.num_tokens) if row is None else _STAND_IN
         for c, r, row in zip(chunks, requests, in_flight_rows)
     ]
+    logits_indices = (query_start_loc[1:] - 1)[samples]
+    num_drafts = np.fromiter((len(c.draft_ids) for c in chunks), dtype=np.int64, count=n)
+    if num_drafts.any():
+        token_lists = [_drafted(c) if c.draft_ids else ids for ids, c in zip(token_lists, chunks)]
+        logits_indices = drafted_rows(query_start_loc[1:][samples], num_drafts[samples])
     in_flight = None
     if in_flight_rows.count(None) < n:
         in_flight = np.array([-1 if row is None else row for row in in_flight_rows], np.int64)
@@ -105,9 +115,25 @@ def pack_step(
         seq_lens=seq_lens,
         block_tables=block_tables,
         samples=samples,
-        logits_indices=(query_start_loc[1:] - 1)[samples],
+        logits_indices=logits_indices,
         in_flight=in_flight,
+        has_drafts=bool(num_drafts.any()),
     )
+
+
+def _drafted(chunk: Chunk) -> list[int]:
+    """A decode's input ids with its drafts: the newest token, then the drafts."""
+    end = chunk.start + chunk.num_tokens - len(chunk.draft_ids)
+    return chunk.request.tokens(chunk.start, end) + list(chunk.draft_ids)
+
+
+def drafted_rows(ends: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """The rows whose logits sampling chunks need: each one's last token and, for a decode with
+    drafts, the d rows before it too (its newest token and each draft but the last)."""
+    counts = num_drafts + 1
+    first = np.repeat(ends - counts, counts)
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return first + offsets
 
 
 def block_table(block_lists: list[list[int]], held: np.ndarray, num_blocks: np.ndarray):

@@ -286,6 +286,16 @@ class KVCacheManager:
                 if table[i] != FREED:
                     group.pool.register(table[i], block_hash)
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Hand back the blocks past the first num_tokens slots (speculative decoding: rejected
+        drafts' KV). They were never full and computed, so no hash names them."""
+        keep = self.blocks_needed(num_tokens)
+        for group, table in zip(self.groups, self.tables(request)):
+            for block_id in reversed(table[keep:]):
+                if block_id != FREED:
+                    group.pool.release(block_id)
+            del table[keep:]
+
     def free(self, request: Request) -> None:
         """Release every block of the request. Idempotent: an empty block table frees nothing.
 

@@ -32,6 +32,10 @@ Rules, in the order `schedule()` applies them:
      computed tokens reset, back to the front of the queue) until it can, possibly itself.
 5. `max_queue_size` bounds requests that have never been admitted; preempted ones coming back
    do not count against it.
+6. Speculative decoding: a decode whose request carries drafts (`Request.draft_ids`) is scheduled
+   with them, 1 + d tokens within the budget, when the pool has their blocks (never by
+   preempting). They count as computed only once verified: `settle_drafts` keeps the accepted
+   ones' KV and hands back the blocks of the rejected ones.
 """
 
 from __future__ import annotations
@@ -209,6 +213,12 @@ class Scheduler:
                 min(num_tokens, len(request.prompt_ids) + request.sampling.max_tokens - 1)
                 - computed
             )
+            if request.draft_ids and remaining == 1 and budget > 1:
+                chunk = self._decode_with_drafts(request, computed, budget)
+                if chunk is not None:
+                    chunks.append(chunk)
+                    budget -= chunk.num_tokens
+                    continue
             if (
                 remaining == 1
                 and budget > 0
@@ -238,6 +248,15 @@ class Scheduler:
                 chunks.append(Chunk(request, computed, num_new, computed + num_new == num_tokens))
                 budget -= num_new
         return budget
+
+    def _decode_with_drafts(self, request: Request, computed: int, budget: int) -> Chunk | None:
+        """A decode followed by its drafts, as many as the budget leaves room for; None when
+        the pool cannot hold them (speculation never preempts: the plain decode is tried).
+        Drafts are taken once: those of a later step are proposed after this one is verified."""
+        drafts, request.draft_ids = request.draft_ids[: budget - 1], []
+        if not self.kv.allocate(request, 1 + len(drafts)):
+            return None
+        return Chunk(request, computed, 1 + len(drafts), True, drafts)
 
     def _admit_waiting(self, batch: SchedulerOutput, budget: int, cut: list) -> int:
         """Admit FCFS while the head fits; returns the budget left."""
@@ -321,7 +340,17 @@ class Scheduler:
             request = chunk.request
             if requests.get(request.request_id) is not request:  # ended meanwhile
                 continue
-            end = chunk.start + chunk.num_tokens
+            # Drafts count as computed once verified (`settle_drafts`), and only those accepted.
+            end = chunk.start + chunk.num_tokens - len(chunk.draft_ids)
             request.num_computed_tokens = end
             if reuse and end // tokens_per_block != chunk.start // tokens_per_block:
                 self.kv.cache_full_blocks(request)
+
+    def settle_drafts(self, request: Request, num_accepted: int) -> None:
+        """A decode's drafts were verified: the accepted ones' KV is the request's own (computed,
+        hashed once their blocks are full), the rejected ones' blocks go back to the pool."""
+        if self._requests.get(request.request_id) is not request:  # ended meanwhile
+            return
+        request.num_computed_tokens += num_accepted
+        self.kv.truncate(request, request.num_computed_tokens)
+        self.kv.cache_full_blocks(request)

@@ -23,6 +23,7 @@ LAYERS = (
     "loading",
     "scheduling",
     "sampling",
+    "speculative",
     "runner",
     "engine",
     "process",

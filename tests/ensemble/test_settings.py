@@ -24,6 +24,8 @@ def other_value(name: str):
     default = getattr(EngineConfig(), name)
     if name == "quantization":  # a format quantize_lm_head's other value (true) accepts
         return "fp8"
+    if name == "overlap_scheduling":  # off: speculative_method's other value (ngram) needs it
+        return False
     if name in CHOICES:
         return next(c for c in CHOICES[name] if c != default)
     if kind is bool:
