@@ -126,6 +126,13 @@ class LlmMetrics:
             "engine_step_metric",
             ("step_seconds", "device_wait_seconds", "decode_streak_steps", "decode_streak_seconds"),
         )
+        # vLLM's spec_decode counters under our prefix (cumulative; rate() them)
+        self.spec_decode = self._gauges(
+            "nv_llm_spec_decode_metrics",
+            "Speculative decoding: decodes that carried drafts, drafted and accepted tokens",
+            "spec_decode_metric",
+            ("num_drafts", "num_draft_tokens", "num_accepted_tokens"),
+        )
 
     def _request_families(self) -> None:
         self.input_len = self._histogram(
@@ -227,6 +234,12 @@ class LlmMetrics:
             device_wait_seconds=stats.device_wait_seconds,
             decode_streak_steps=stats.num_decode_streak_steps,
             decode_streak_seconds=stats.decode_streak_seconds,
+        )
+        self._set(
+            self.spec_decode,
+            num_drafts=stats.num_drafts,
+            num_draft_tokens=stats.num_draft_tokens,
+            num_accepted_tokens=stats.num_accepted_draft_tokens,
         )
 
     def observe_finished(self) -> None:
