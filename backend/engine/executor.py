@@ -2,8 +2,7 @@
 
 The loop waits for work, applies cancellations and runs `Engine.step` (`backend.engine.step`):
 schedule (token budget, KV blocks) -> run the model on one packed batch -> sample -> append tokens,
-check
-stops, deliver outputs, free finished requests.
+check stops, deliver outputs, free finished requests.
 
 `submit`, `cancel` and `stats` are thread-safe. Outputs reach the caller through the `on_output`
 callback, called from the executor thread; every request gets exactly one output with

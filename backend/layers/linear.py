@@ -13,8 +13,8 @@ weights stream through the same kernels, de-quantized in registers (`StreamedWei
 
 Tensor parallel (`backend.distributed.tensor_parallel`): a column-parallel layer holds its rank's
 output rows (of each fused projection), a row-parallel one its input columns and all-reduces its
-partial
-sums before adding the bias; `shard_of` cuts a full checkpoint tensor down to the rank's part.
+partial sums before adding the bias; `shard_of` cuts a full checkpoint tensor down to the rank's
+part.
 
 LoRA (`backend.lora`): a layer given adapter slots (`lora`) adds, in a step with adapter rows, each
 row's adapter product to its output; such steps run eagerly (no one-token kernels, no e4m3 rows).

@@ -12,8 +12,7 @@ last rows are sampled: the target's token after the newest token and after each 
 
 An in-flight token (overlap scheduling, `backend.engine.step`) is a chunk of its own: every other
 token of its request is computed. Its input id is a stand-in here; the model runner replaces it on
-the
-device with the id sampled by the step in flight (`PackedStep.in_flight` says from which row).
+the device with the id sampled by the step in flight (`PackedStep.in_flight` says from which row).
 """
 
 from __future__ import annotations

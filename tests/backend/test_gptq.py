@@ -1,7 +1,6 @@
 """GPTQ (backend/quantization/gptq.py, calibrated by backend/tools/gptq_calibration.py): without
 input correlations it is round to nearest; with them it leaves a layer's outputs closer than round
-to
-nearest does; its checkpoint loads as int4_gptq, and the engine serves exactly the de-quantized
+to nearest does; its checkpoint loads as int4_gptq, and the engine serves exactly the de-quantized
 weights it wrote."""
 
 from __future__ import annotations
