@@ -118,9 +118,9 @@ class Engine:
 
     def step(self) -> SchedulerOutput | None:
         """Run one step (n); with overlap, finish the one in flight (n-1). Returns what ran."""
+        if self.proposer is not None:
+            self._propose_drafts()
         with self._lock:
-            if self.proposer is not None:
-                self._propose_drafts()
             batch = self.scheduler.schedule()
         previous, self.in_flight = self.in_flight, None
         if previous is not None and (
@@ -231,9 +231,13 @@ class Engine:
 
     def _propose_drafts(self) -> None:
         """Drafts for each running request that decodes next and may be speculated, at most as
-        many as leave room for the target's token after them within max_tokens. Under the lock."""
+        many as leave room for the target's token after them within max_tokens. The scans run
+        outside the lock (only this thread changes a running request's tokens), so submitters
+        do not wait for them."""
         propose = self.proposer.propose
-        for request in self.scheduler.running:
+        with self._lock:
+            running = list(self.scheduler.running)
+        for request in running:
             request.draft_ids = []
             if request.num_computed_tokens + 1 == request.num_tokens and may_speculate(request):
                 room = request.sampling.max_tokens - len(request.output_ids) - 1
